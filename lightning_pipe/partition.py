@@ -1,0 +1,203 @@
+"""Pure functions that decide which parts of a network go to which pipeline stage and rank.
+
+Nothing here touches a process group or allocates parameters: every function works on module names, counts and
+configuration values, so the splitting logic is unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The units of a network in execution order, as names relative to the pipelined module.
+
+    ``pre`` run before the block stack and always go to the first stage, ``post`` run after it and go to the last
+    stage; ``blocks`` are the entries of the block stack that the stages share out.
+    """
+
+    pre: tuple[str, ...]
+    blocks: tuple[str, ...]
+    post: tuple[str, ...]
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        return self.pre + self.blocks + self.post
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _is_metric(module: nn.Module) -> bool:
+    # torchmetrics objects hold state, not weights: every stage keeps them so that any stage's code can update them.
+    return any(cls.__module__.startswith("torchmetrics") for cls in type(module).__mro__)
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
+    """Return the name of the container whose entries are the pipeline's blocks.
+
+    ``"auto"`` picks the ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` with at least two entries that holds
+    the most parameters (the shallowest one on a tie); the module itself if it is an ``nn.Sequential`` holding the most.
+    """
+    if blocks != "auto":
+        try:
+            found = module.get_submodule(blocks) if blocks else module
+        except AttributeError:
+            raise PipelineModelError(
+                f"`blocks={blocks!r}` names no submodule of {type(module).__name__}. Pass the name of the"
+                " nn.ModuleList/nn.ModuleDict/nn.Sequential that holds the repeated blocks, or `blocks='auto'`."
+            ) from None
+        if not isinstance(found, _CONTAINERS):
+            raise PipelineModelError(
+                f"`blocks={blocks!r}` is a {type(found).__name__}, not an nn.ModuleList, nn.ModuleDict or"
+                " nn.Sequential. Point `blocks` at the container of the repeated blocks."
+            )
+        return blocks
+    candidates = [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if isinstance(sub, _CONTAINERS) and len(sub) >= 2 and not _is_metric(sub)
+    ]
+    if not candidates:
+        raise PipelineModelError(
+            f"{type(module).__name__} has no splittable block stack: pipelining needs the network's repeated blocks"
+            " in an nn.ModuleList, nn.ModuleDict or nn.Sequential with at least two entries (or an nn.Sequential"
+            " network). Put the blocks in such a container, or use `frontend='trace'` with `example_input_array`."
+        )
+    name, _ = max(candidates, key=lambda c: (_param_count(c[1]), -c[0].count("."), -len(c[0])))
+    return name
+
+
+def find_layout(module: nn.Module, blocks: str = "auto") -> Layout:
+    """Split a network into pre-units, blocks and post-units, each in definition order.
+
+    The units around the block stack are the siblings of the stack and of each of its ancestors: those defined
+    before the path to the stack run first, those after it run last. torchmetrics children are never units.
+    """
+    stack = find_block_stack(module, blocks)
+    container = module.get_submodule(stack) if stack else module
+    prefix = f"{stack}." if stack else ""
+    block_names = tuple(prefix + name for name, child in container.named_children() if not _is_metric(child))
+    pre: list[str] = []
+    post: list[str] = []
+    parts = stack.split(".") if stack else []
+    parent = module
+    path = ""
+    for part in parts:
+        seen_path = False
+        for name, child in parent.named_children():
+            if name == part:
+                seen_path = True
+                continue
+            if _is_metric(child) or not _holds_state(child):
+                # Stateless children (dropout, activations, loss modules) stay on every stage.
+                continue
+            (post if seen_path else pre).append(path + name)
+        parent = parent.get_submodule(part)
+        path += part + "."
+    # Units nearer the stack run closer to it: an outer "pre" runs before an inner "pre", an outer "post" after.
+    post_ordered = _order_post(post)
+    return Layout(pre=tuple(pre), blocks=block_names, post=tuple(post_ordered))
+
+
+def _order_post(post: list[str]) -> list[str]:
+    # Collected outer level first; post-units of inner levels run before those of outer levels.
+    by_depth: dict[int, list[str]] = {}
+    for name in post:
+        by_depth.setdefault(name.count("."), []).append(name)
+    return [name for depth in sorted(by_depth, reverse=True) for name in by_depth[depth]]
+
+
+def balance_blocks(num_blocks: int, num_stages: int) -> list[int]:
+    """Blocks per stage for an even split; the first ``num_blocks % num_stages`` stages get one more."""
+    if num_stages < 1:
+        raise PipelineConfigError(f"The number of stages must be at least 1, got {num_stages}.")
+    if num_blocks < num_stages:
+        raise PipelineConfigError(
+            f"The model has {num_blocks} blocks but the pipeline needs {num_stages} stages: every stage needs at"
+            " least one block. Use fewer stages (`pipeline_size`/`stages_per_rank`) or a model with more blocks."
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def counts_from_split_points(blocks: Sequence[str], split_points: Sequence[str], num_stages: int) -> list[int]:
+    """Blocks per stage from the names of the blocks at which stages 1..N-1 begin."""
+    if len(split_points) != num_stages - 1:
+        raise PipelineConfigError(
+            f"`split_points` has {len(split_points)} entries but {num_stages} stages need {num_stages - 1}"
+            " (the first block of every stage but the first)."
+        )
+    index = {name: i for i, name in enumerate(blocks)}
+    starts = [0]
+    for point in split_points:
+        if point not in index:
+            raise PipelineConfigError(
+                f"`split_points` entry {point!r} is not a block of the model. Blocks are: {_preview(blocks)}."
+            )
+        starts.append(index[point])
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise PipelineConfigError(
+            f"`split_points={list(split_points)}` must name distinct blocks in model order, after the first block."
+        )
+    starts.append(len(blocks))
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def check_balance(balance: Sequence[int], num_blocks: int, num_stages: int) -> list[int]:
+    """Validate an explicit blocks-per-stage list."""
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise PipelineConfigError(
+            f"`balance={balance}` has {len(balance)} entries but the pipeline has {num_stages} stages."
+        )
+    if any(n < 1 for n in balance):
+        raise PipelineConfigError(f"`balance={balance}` gives a stage no blocks; every entry must be at least 1.")
+    if sum(balance) != num_blocks:
+        raise PipelineConfigError(
+            f"`balance={balance}` sums to {sum(balance)} but the model has {num_blocks} blocks."
+        )
+    return balance
+
+
+def stage_units(layout: Layout, counts: Sequence[int]) -> list[tuple[str, ...]]:
+    """The units of each stage: pre-units on the first stage, post-units on the last, blocks by ``counts``."""
+    stages: list[tuple[str, ...]] = []
+    start = 0
+    for i, n in enumerate(counts):
+        units = layout.blocks[start : start + n]
+        if i == 0:
+            units = layout.pre + units
+        if i == len(counts) - 1:
+            units = units + layout.post
+        stages.append(units)
+        start += n
+    return stages
+
+
+def stage_to_rank(num_stages: int, pipeline_size: int, style: str) -> list[int]:
+    """The pipeline rank that holds each stage: round robin (``"loop"``) or there and back (``"v"``)."""
+    if style == "loop":
+        return [s % pipeline_size for s in range(num_stages)]
+    if style == "v":
+        return [s % pipeline_size if (s // pipeline_size) % 2 == 0 else pipeline_size - 1 - s % pipeline_size
+                for s in range(num_stages)]
+    raise ValueError(f"Unknown placement style {style!r}.")
+
+
+def _preview(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")

@@ -1,0 +1,207 @@
+"""Module surgery: cut a network down to the stages one rank owns, keeping the full model's parameter names.
+
+Two frontends build the stage modules:
+
+- ``modules``: the network's own ``forward`` runs on every stage with the units other stages own removed (set to
+  ``None``, or deleted from their ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential``). An ``nn.Sequential``
+  network needs no change; any other network's ``forward`` must skip units that are ``None``.
+- ``trace``: torch's tracer (``torch.distributed.pipelining.pipeline``) cuts an unmodified network at block
+  boundaries, from an example microbatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.errors import PipelineModelError
+from lightning_pipe.partition import _CONTAINERS
+
+
+def _ancestors(names: Iterable[str]) -> set[str]:
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def _remove_child(parent: nn.Module, name: str) -> None:
+    if isinstance(parent, _CONTAINERS):
+        # Deleting keeps the other entries' keys, so "layers.5" stays "layers.5" on the stage that owns it.
+        del parent._modules[name]
+    else:
+        parent._modules[name] = None
+
+
+def _split_name(fqn: str) -> tuple[str, str]:
+    parent, _, child = fqn.rpartition(".")
+    return parent, child
+
+
+def check_ownership(module: nn.Module, units: Sequence[str], stages: Sequence[Sequence[str]]) -> None:
+    """Refuse networks whose parameters some stage would hold twice, or no stage would hold."""
+    stage_of_unit = {u: i for i, us in enumerate(stages) for u in us}
+    owners: dict[int, set[int]] = {}
+    names: dict[int, str] = {}
+    for unit in units:
+        for pname, param in module.get_submodule(unit).named_parameters(prefix=unit, remove_duplicate=False):
+            owners.setdefault(id(param), set()).add(stage_of_unit[unit])
+            names.setdefault(id(param), pname)
+    for pname, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in owners:
+            raise PipelineModelError(
+                f"Parameter {pname!r} lies outside every pipeline unit ({', '.join(units[:4])}, ...), so no stage"
+                " would own it. Move it into a submodule that runs before, inside or after the block stack."
+            )
+    for pid, stage_ids in owners.items():
+        if len(stage_ids) > 1:
+            raise PipelineModelError(
+                f"Parameter {names[pid]!r} is shared by units on stages {sorted(stage_ids)} (tied weights). Tied"
+                " weights across stages are not supported yet: untie them, or choose `split_points`/`balance` so"
+                " that all units sharing it are on one stage."
+            )
+
+
+def prune(module: nn.Module, keep: Iterable[str], units: Sequence[str]) -> nn.Module:
+    """Remove, in place, every unit of ``units`` not in ``keep``; returns ``module``."""
+    keep = set(keep)
+    for unit in units:
+        if unit in keep:
+            continue
+        parent, child = _split_name(unit)
+        _remove_child(module.get_submodule(parent) if parent else module, child)
+    return module
+
+
+def stage_view(module: nn.Module, keep: Iterable[str], units: Sequence[str]) -> nn.Module:
+    """A shallow copy of ``module`` holding only the units in ``keep``.
+
+    Kept units (and the parameters in them) are the same objects as in ``module``: the view shares storage and
+    gradients with it. Used to give each of a rank's stages its own module while the rank's optimizer and
+    checkpoint see one module with global names.
+    """
+    keep = set(keep)
+    unit_set = set(units)
+    paths = _ancestors(unit_set)
+
+    def view(mod: nn.Module, prefix: str) -> nn.Module:
+        clone = copy.copy(mod)
+        children = dict(mod._modules)
+        for name, child in mod._modules.items():
+            fqn = prefix + name
+            if fqn in unit_set:
+                if fqn not in keep:
+                    if isinstance(mod, _CONTAINERS):
+                        del children[name]
+                    else:
+                        children[name] = None
+            elif fqn in paths and child is not None:
+                children[name] = view(child, fqn + ".")
+        clone.__dict__["_modules"] = children
+        return clone
+
+    return view(module, "")
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device module on ``device`` and initialise it with each submodule's ``reset_parameters``.
+
+    Each submodule is initialised under its own seed, derived from ``seed`` and its name, so a model gets the same
+    initial weights whatever the pipeline layout (and whichever rank holds the submodule).
+    """
+    missing = [
+        name or type(module).__name__
+        for name, sub in module.named_modules()
+        if (any(p.is_meta for p in sub.parameters(recurse=False)) or any(b.is_meta for b in sub.buffers(recurse=False)))
+        and not callable(getattr(sub, "reset_parameters", None))
+    ]
+    if missing:
+        raise PipelineModelError(
+            f"Modules {missing[:5]} were created on the meta device (in `configure_model`) but have no"
+            " `reset_parameters()`, so their weights cannot be initialised after the split. Give them a"
+            " `reset_parameters()` method, or build the model in `__init__` instead of `configure_model`."
+        )
+    module.to_empty(device=device)
+    for name, sub in module.named_modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((seed + zlib.crc32(name.encode())) % (2**63))
+                reset()
+
+
+def trace_stages(
+    module: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any], split_fqns: Sequence[str]
+) -> list[nn.Module]:
+    """Cut an unmodified network with torch's tracer at the blocks named in ``split_fqns`` (each begins a stage)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    try:
+        pipe = pipeline(
+            module,
+            mb_args=example_args,
+            mb_kwargs=example_kwargs or None,
+            split_spec={fqn: SplitPoint.BEGINNING for fqn in split_fqns},
+        )
+    except Exception as err:  # torch.export raises many types; all mean the same thing to the user
+        raise PipelineModelError(
+            f"torch's tracer could not split {type(module).__name__} ({type(err).__name__}: {err}). Use"
+            " `frontend='modules'` and make the network's forward skip units that are None."
+        ) from err
+    if pipe.num_stages != len(split_fqns) + 1:
+        raise PipelineModelError(
+            f"The tracer produced {pipe.num_stages} stages instead of {len(split_fqns) + 1}: the split points"
+            f" {list(split_fqns)} are not all called in the traced forward."
+        )
+    return [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+
+
+def retarget_meta_constants(graph_module: nn.Module, device: torch.device) -> None:
+    """Traced graphs bake the tracing device into factory calls (``arange(..., device=meta)``); point them at ``device``."""
+    graph = getattr(graph_module, "graph", None)
+    if graph is None:
+        return
+    changed = False
+    for node in graph.nodes:
+        dev = node.kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type == "meta":
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        graph_module.recompile()
+
+
+def merge(modules: Sequence[nn.Module]) -> nn.Module:
+    """One module whose parameters are those of ``modules`` under the same names (for a rank with several stages)."""
+    if len(modules) == 1:
+        return modules[0]
+    root = nn.Module()
+    for mod in modules:
+        for name, sub in mod.named_modules():
+            if not (sub._parameters or sub._buffers):
+                continue
+            if not name:
+                for pname, p in sub._parameters.items():
+                    root.register_parameter(pname, p)
+                for bname, b in sub._buffers.items():
+                    root.register_buffer(bname, b)
+                continue
+            parent = root
+            parts = name.split(".")
+            for part in parts[:-1]:
+                if part not in parent._modules or parent._modules[part] is None:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            if parts[-1] not in parent._modules:
+                parent.add_module(parts[-1], sub)
+    return root

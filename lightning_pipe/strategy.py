@@ -1,0 +1,367 @@
+"""``PipelineParallelStrategy``: Lightning's Trainer driving ``torch.distributed.pipelining``."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_pipe import builder
+from lightning_pipe.config import (
+    ScheduleName,
+    check_microbatch_settings,
+    resolve_pipeline_size,
+    resolve_schedule,
+)
+from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.grads import GradientStash, all_reduce_grads, clip_grad_norm_across
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_pipe.runtime import PipelineRuntime
+
+
+class PipelineParallelStrategy(ParallelStrategy):
+    """Pipeline parallelism for an unchanged LightningModule: ``Trainer(strategy="pipeline")``.
+
+    The network is cut into stages; each process builds and keeps only its own stages (parameter names stay those of
+    the full model), and every training step runs as one ``torch.distributed.pipelining`` schedule step. Processes
+    beyond one pipeline form data-parallel replicas of it.
+
+    Arguments:
+        pipeline_size: Processes per pipeline. ``"auto"``: all processes (``devices * num_nodes``), no data
+            parallelism. The world size must be a multiple of it; the quotient is the data-parallel size.
+        schedule: A torch schedule by name (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
+            ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``; any letter case). ``"auto"``: ``1F1B`` with one
+            stage per rank, ``Interleaved1F1B`` with more.
+        microbatches: Microbatches per training batch. ``"auto"``: the number of stages (the fewest that fill the
+            pipeline). The batch size must be a multiple of it.
+        microbatch_size: Samples per microbatch instead of a count (the count then follows each batch's size).
+        stages_per_rank: Stages each process holds. ``"auto"``: 1 for ``GPipe``/``1F1B``, 2 for the multi-stage
+            schedules (placed round robin, or in a V for ``ZBVZeroBubble``/``DualPipeV``).
+        module: Attribute of the LightningModule that holds the network to pipeline. ``"auto"``: the only child module
+            with parameters, or the LightningModule itself when several children have parameters.
+        frontend: How stages are cut. ``"modules"``: the network's own ``forward`` runs on each stage with other
+            stages' units set to ``None`` (an ``nn.Sequential`` needs no change; other networks skip ``None`` units).
+            ``"trace"``: torch's tracer cuts an unmodified network, from ``example_input_array``. ``"auto"``:
+            ``"modules"``.
+        blocks: Name (inside ``module``) of the ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` of repeated
+            blocks. ``"auto"``: the largest such container by parameter count.
+        split_points: Names of the blocks that begin stages 1..N-1 (e.g. ``["layers.4"]``). Default: even split.
+        balance: Blocks per stage instead of ``split_points`` (e.g. ``[3, 5]``). Default: even split, the first
+            stages taking one more when the blocks do not divide evenly.
+        process_group_backend: ``torch.distributed`` backend. ``None``: ``nccl`` on CUDA, ``gloo`` on CPU.
+        timeout: Timeout of collective and point-to-point operations.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        pipeline_size: Union[Literal["auto"], int] = "auto",
+        schedule: ScheduleName = "auto",
+        microbatches: Union[Literal["auto"], int] = "auto",
+        microbatch_size: Optional[int] = None,
+        stages_per_rank: Union[Literal["auto"], int] = "auto",
+        module: str = "auto",
+        frontend: Literal["auto", "modules", "trace"] = "auto",
+        blocks: str = "auto",
+        split_points: Optional[list[str]] = None,
+        balance: Optional[list[int]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        # Validate what needs no world size now, so a bad config fails before processes start.
+        resolve_schedule(schedule, stages_per_rank)
+        check_microbatch_settings(microbatches, microbatch_size)
+        if split_points is not None and balance is not None:
+            raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
+        if frontend not in ("auto", "modules", "trace"):
+            raise PipelineConfigError(f"`frontend={frontend!r}` is not one of 'auto', 'modules', 'trace'.")
+        self._pipeline_size = pipeline_size
+        self._schedule_name = schedule
+        self._microbatches = microbatches
+        self._microbatch_size = microbatch_size
+        self._stages_per_rank = stages_per_rank
+        self._module_name = module
+        self._frontend = "modules" if frontend == "auto" else frontend
+        self._blocks = blocks
+        self._split_points = split_points
+        self._balance = balance
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._data_parallel_size = 1
+        self._pp_group: Optional[dist.ProcessGroup] = None
+        self._dp_group: Optional[dist.ProcessGroup] = None
+        self._pp_ranks: list[int] = []
+        self._runtime: Optional[PipelineRuntime] = None
+        self._grads = GradientStash()
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ resolved settings
+    @property
+    def pipeline_size(self) -> int:
+        """Processes per pipeline (resolved in ``setup_environment``)."""
+        if self._pipeline_size == "auto":
+            raise PipelineUsageError("`pipeline_size` is resolved when the processes start (setup_environment).")
+        return int(self._pipeline_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._data_parallel_size
+
+    @property
+    def schedule_name(self) -> str:
+        return str(self._schedule_name)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return int(self._stages_per_rank)  # type: ignore[arg-type]
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.global_rank % self.pipeline_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.pipeline_size
+
+    @property
+    def runtime(self) -> PipelineRuntime:
+        if self._runtime is None:
+            raise PipelineUsageError("The pipeline is built in `Trainer.fit/validate/...` setup; it does not exist yet.")
+        return self._runtime
+
+    # ------------------------------------------------------------------ environment
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard data across data-parallel replicas only: all stages of one pipeline must see the same batch.
+        return {"num_replicas": self._data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        pp, dp = resolve_pipeline_size(self._pipeline_size, self.world_size)
+        self._pipeline_size, self._data_parallel_size = pp, dp
+        self._schedule_name, self._stages_per_rank = resolve_schedule(self._schedule_name, self._stages_per_rank)
+        self._pp_group, self._dp_group, self._pp_ranks = _new_groups(pp, dp, self.global_rank)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages."""
+        with torch.device("meta"):
+            yield
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        if not lightning_module.automatic_optimization:
+            raise PipelineUsageError(
+                "PipelineParallelStrategy needs automatic optimization: the schedule runs forward and backward for"
+                " you, so `manual_backward` has nothing to act on. Remove `self.automatic_optimization = False` and"
+                " return the loss from `training_step`."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise PipelineConfigError(
+                f"`precision={self.precision_plugin.precision!r}` needs a gradient scaler whose inf/NaN checks would"
+                " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
+                " 'bf16-true')."
+            )
+        self._runtime = builder.build_pipeline(
+            lightning_module,
+            module_name=self._module_name,
+            frontend=self._frontend,
+            blocks=self._blocks,
+            split_points=self._split_points,
+            balance=self._balance,
+            pipeline_size=self.pipeline_size,
+            pipeline_rank=self.pipeline_rank,
+            stages_per_rank=self.stages_per_rank,
+            schedule=self.schedule_name,
+            microbatches=self._microbatches,
+            microbatch_size=self._microbatch_size,
+            device=self.root_device,
+            group=self._pp_group,
+            group_ranks=self._pp_ranks,
+        )
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        # Lightning clips with the norm of this rank's gradients; the right norm spans every stage.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        if kwargs:
+            raise PipelineUsageError(f"Unexpected keyword arguments for training_step: {sorted(kwargs)}.")
+        batch, extra = args[0], tuple(args[1:])
+        trainer = self.lightning_module.trainer
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        with self.precision_plugin.train_step_context(), self._grads.capture(params):
+            result = self.runtime.train_step(batch, extra, trainer.accumulate_grad_batches)
+        self.runtime.replay_logs(result)
+        return torch.tensor(result.loss, device=self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward in ``training_step``; here its gradients land after Lightning's
+        ``zero_grad``, exactly where a single-device backward would put them."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        grads = self._grads.release()
+        if self._data_parallel_size > 1:
+            all_reduce_grads([g for _, g in grads], self._dp_group, self._data_parallel_size)
+        self._grads.apply(grads)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_across(params, float(clip_val), self._pp_group if self.pipeline_size > 1 else None)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce across data-parallel replicas (every stage of a pipeline already holds the same logged value)."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, None, reduce_op=ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    @override
+    def teardown(self) -> None:
+        if self._runtime is not None:
+            self._runtime.interceptor.remove()
+            self._runtime = None
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed.pipelining)")
+
+
+def _new_groups(pp: int, dp: int, rank: int) -> tuple[Any, Any, list[int]]:
+    """Pipeline groups hold consecutive ranks; data-parallel groups hold the ranks of one stage position.
+
+    Every process must create every group, in the same order, even those it is not a member of.
+    """
+    pp_group = dp_group = None
+    pp_ranks: list[int] = []
+    for replica in range(dp):
+        ranks = list(range(replica * pp, (replica + 1) * pp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            pp_group, pp_ranks = group, ranks
+    for position in range(pp):
+        ranks = list(range(position, pp * dp, pp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    return pp_group, dp_group, pp_ranks

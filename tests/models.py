@@ -1,0 +1,118 @@
+"""Small LightningModules shared by the tests and their subprocess scripts."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB = 32
+SEQ = 6
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """The seed article's pattern: embedding, a ModuleList of blocks, norm, head; forward skips missing units."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16, n_layers: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) if self.embed is not None else idx
+        for layer in self.layers:
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.head is not None:
+            h = self.head(h)
+        return h
+
+
+class LitLM(L.LightningModule):
+    def __init__(self, n_layers: int = 8, lr: float = 0.05, batch_size: int = 8, samples: int = 64,
+                 optimizer: str = "sgd", meta_init: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.step_losses: list[float] = []
+        if not meta_init:
+            self.model = TinyLM(n_layers=n_layers)
+
+    def configure_model(self) -> None:
+        if self.hparams.meta_init and not hasattr(self, "model"):
+            self.model = TinyLM(n_layers=self.hparams.n_layers)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(self.hparams.samples), batch_size=self.hparams.batch_size)
+
+
+def token_dataset(samples: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+class LitMLP(L.LightningModule):
+    """A plain nn.Sequential network (the seeds' AlexNet/ResNet style), no forward changes."""
+
+    def __init__(self, lr: float = 0.1, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)
+        )
+        self.step_losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(48, 10, generator=g)
+        y = torch.randint(0, 3, (48,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=self.hparams.batch_size)
