@@ -1,0 +1,62 @@
+"""Train LitLM under several pipeline configurations in one process group; each rank saves losses and its weights.
+
+Usage: parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "sabotage", ...}).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+
+import lightning_pipe
+from tests.models import LitLM
+
+
+class DropStageGradients(L.Callback):
+    """Fault injection: pipeline rank 1 loses its gradients, as a broken gradient hand-over would."""
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.strategy.pipeline_rank == 1:
+            for p in pl_module.parameters():
+                p.grad = None
+
+
+def main() -> None:
+    out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    for cfg in configs:
+        L.seed_everything(0)
+        model = LitLM(n_layers=cfg.get("n_layers", 8), optimizer=cfg.get("optimizer", "sgd"))
+        strategy = lightning_pipe.PipelineParallelStrategy(
+            schedule=cfg["schedule"],
+            pipeline_size=cfg.get("pipeline_size", "auto"),
+            microbatches=cfg.get("microbatches", "auto"),
+        )
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=cfg["devices"],
+            num_nodes=cfg.get("num_nodes", 1),
+            precision=cfg.get("precision", "32-true"),
+            max_steps=cfg.get("max_steps", 6),
+            accumulate_grad_batches=cfg.get("accumulate", 1),
+            gradient_clip_val=cfg.get("clip"),
+            callbacks=[DropStageGradients()] if cfg.get("sabotage") else [],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        torch.save(
+            {"losses": model.step_losses, "state": state, "logged": logged,
+             "pipeline_rank": strategy.pipeline_rank, "dp_rank": strategy.data_parallel_rank},
+            out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
+        )
+
+
+if __name__ == "__main__":
+    main()
