@@ -135,12 +135,13 @@ def build_pipeline(
         if meta:
             args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        state_keys = set(network.state_dict().keys())
         starts = [sum(counts[:s]) for s in range(1, num_stages)]
         traced = trace_stages(network, args, kwargs, [layout.blocks[i] for i in starts])
         stage_modules = [traced[s] for s in local]
         for mod in stage_modules:
             retarget_meta_constants(mod, device)
-        holder = merge(stage_modules)
+        holder = merge(stage_modules, state_keys)
         setattr(lightning_module, attr, holder)
         if meta:
             materialize(holder, device, seed)

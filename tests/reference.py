@@ -51,3 +51,15 @@ def assert_parity(ranks: list[dict], ref_losses: list[float], ref_state: dict, r
         assert state.keys() == ref_state.keys()
         for key in ref_state:
             torch.testing.assert_close(state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@functools.lru_cache(maxsize=None)
+def single_device_model_run(name: str, precision: str = "32-true", max_steps: int = 4) -> tuple[list[float], dict]:
+    from tests.models import build_model
+
+    L.seed_everything(0)
+    model = build_model(name)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, precision=precision, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
+    return model.step_losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
