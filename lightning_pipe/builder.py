@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,9 @@ def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, 
     return "", lightning_module
 
 
-def stage_counts(layout: Layout, num_stages: int, split_points: Optional[Sequence[str]],
-                 balance: Optional[Sequence[int]]) -> list[int]:
+def stage_counts(
+    layout: Layout, num_stages: int, split_points: Sequence[str] | None, balance: Sequence[int] | None
+) -> list[int]:
     """Blocks per stage from ``split_points``, ``balance`` or an even split."""
     if split_points is not None:
         return counts_from_split_points(layout.blocks, split_points, num_stages)
@@ -70,8 +71,9 @@ def stage_counts(layout: Layout, num_stages: int, split_points: Optional[Sequenc
     return balance_blocks(len(layout.blocks), num_stages)
 
 
-def _example_microbatch(lightning_module: Any, microbatches: Any, microbatch_size: Optional[int],
-                        num_stages: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _example_microbatch(
+    lightning_module: Any, microbatches: Any, microbatch_size: int | None, num_stages: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     example = getattr(lightning_module, "example_input_array", None)
     if example is None:
         raise PipelineModelError(
@@ -96,16 +98,16 @@ def build_pipeline(
     module_name: str,
     frontend: str,
     blocks: str,
-    split_points: Optional[Sequence[str]],
-    balance: Optional[Sequence[int]],
+    split_points: Sequence[str] | None,
+    balance: Sequence[int] | None,
     pipeline_size: int,
     pipeline_rank: int,
     stages_per_rank: int,
     schedule: str,
     microbatches: Any,
-    microbatch_size: Optional[int],
+    microbatch_size: int | None,
     device: torch.device,
-    group: Optional[dist.ProcessGroup],
+    group: dist.ProcessGroup | None,
     group_ranks: Sequence[int],
 ) -> PipelineRuntime:
     """Cut the LightningModule's network down to this rank's stages (in place) and return their runtime."""

@@ -44,8 +44,10 @@ def split_batch(batch: Any, n: int) -> list[Any]:
             return [obj] * n
         if isinstance(obj, Mapping):
             parts = {k: split(v) for k, v in obj.items()}
-            return [type(obj)({k: parts[k][i] for k in obj}) if type(obj) is not dict else {k: parts[k][i] for k in obj}
-                    for i in range(n)]
+            return [
+                type(obj)({k: parts[k][i] for k in obj}) if type(obj) is not dict else {k: parts[k][i] for k in obj}
+                for i in range(n)
+            ]
         if isinstance(obj, (list, tuple)):
             parts = [split(v) for v in obj]
             if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple

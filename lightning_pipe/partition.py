@@ -173,9 +173,7 @@ def check_balance(balance: Sequence[int], num_blocks: int, num_stages: int) -> l
     if any(n < 1 for n in balance):
         raise PipelineConfigError(f"`balance={balance}` gives a stage no blocks; every entry must be at least 1.")
     if sum(balance) != num_blocks:
-        raise PipelineConfigError(
-            f"`balance={balance}` sums to {sum(balance)} but the model has {num_blocks} blocks."
-        )
+        raise PipelineConfigError(f"`balance={balance}` sums to {sum(balance)} but the model has {num_blocks} blocks.")
     return balance
 
 
@@ -199,8 +197,10 @@ def stage_to_rank(num_stages: int, pipeline_size: int, style: str) -> list[int]:
     if style == "loop":
         return [s % pipeline_size for s in range(num_stages)]
     if style == "v":
-        return [s % pipeline_size if (s // pipeline_size) % 2 == 0 else pipeline_size - 1 - s % pipeline_size
-                for s in range(num_stages)]
+        return [
+            s % pipeline_size if (s // pipeline_size) % 2 == 0 else pipeline_size - 1 - s % pipeline_size
+            for s in range(num_stages)
+        ]
     raise ValueError(f"Unknown placement style {style!r}.")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -180,7 +180,7 @@ def _chain_stage_inputs(top: Any, modules: Sequence[nn.Module]) -> None:
     calls = [n for n in top.nodes if n.op == "call_module" and str(n.target).startswith("submod")]
     stage_of = {call: k for k, call in enumerate(calls)}
 
-    def source(value: Any) -> tuple[int, Optional[int]]:
+    def source(value: Any) -> tuple[int, int | None]:
         if value in stage_of:
             return stage_of[value], None
         if value.op == "call_function" and value.target is operator.getitem and value.args[0] in stage_of:
@@ -202,7 +202,7 @@ def _chain_stage_inputs(top: Any, modules: Sequence[nn.Module]) -> None:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         local = dict(zip(calls[k].args, placeholders))
         anchor = placeholders[-1]
-        for value in needs[k][len(calls[k].args):]:
+        for value in needs[k][len(calls[k].args) :]:
             with graph.inserting_after(anchor):
                 anchor = local[value] = graph.placeholder(f"pass_{value.name}")
         output = next(n for n in graph.nodes if n.op == "output")
@@ -220,7 +220,7 @@ def _chain_stage_inputs(top: Any, modules: Sequence[nn.Module]) -> None:
 
 
 def retarget_meta_constants(graph_module: nn.Module, device: torch.device) -> None:
-    """Traced graphs bake the tracing device into factory calls (``arange(..., device=meta)``); point them at ``device``."""
+    """Traced graphs bake the tracing device into factory calls (``arange(device=meta)``); use ``device``."""
     graph = getattr(graph_module, "graph", None)
     if graph is None:
         return
@@ -234,7 +234,19 @@ def retarget_meta_constants(graph_module: nn.Module, device: torch.device) -> No
         graph_module.recompile()
 
 
-def merge(modules: Sequence[nn.Module], state_keys: Optional[set[str]] = None) -> nn.Module:
+def _insert(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Place ``module`` at dotted ``name`` under ``root``, creating plain containers on the way."""
+    parent = root
+    parts = name.split(".")
+    for part in parts[:-1]:
+        if parent._modules.get(part) is None:
+            parent.add_module(part, nn.Module())
+        parent = parent._modules[part]
+    if parts[-1] not in parent._modules:
+        parent.add_module(parts[-1], module)
+
+
+def merge(modules: Sequence[nn.Module], state_keys: set[str] | None = None) -> nn.Module:
     """A new module holding the parameters and buffers of ``modules`` under the same names.
 
     It gives a rank's traced stages one home on the LightningModule (for the optimizer and checkpoints) that is not
@@ -251,15 +263,8 @@ def merge(modules: Sequence[nn.Module], state_keys: Optional[set[str]] = None) -
                     root.register_parameter(pname, p)
                 for bname, b in sub._buffers.items():
                     root.register_buffer(bname, b)
-                continue
-            parent = root
-            parts = name.split(".")
-            for part in parts[:-1]:
-                if part not in parent._modules or parent._modules[part] is None:
-                    parent.add_module(part, nn.Module())
-                parent = parent._modules[part]
-            if parts[-1] not in parent._modules:
-                parent.add_module(parts[-1], sub)
+            else:
+                _insert(root, name, sub)
     if state_keys is not None:
         for name, sub in root.named_modules():
             prefix = f"{name}." if name else ""

@@ -45,8 +45,15 @@ class TinyLM(nn.Module):
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, n_layers: int = 8, lr: float = 0.05, batch_size: int = 8, samples: int = 64,
-                 optimizer: str = "sgd", meta_init: bool = False) -> None:
+    def __init__(
+        self,
+        n_layers: int = 8,
+        lr: float = 0.05,
+        batch_size: int = 8,
+        samples: int = 64,
+        optimizer: str = "sgd",
+        meta_init: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.step_losses: list[float] = []
@@ -158,8 +165,9 @@ class LitGPTModule(L.LightningModule):
         from litgpt.config import Config
         from litgpt.model import GPT
 
-        config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=n_layers, n_head=2,
-                        n_embd=16, bias=True)
+        config = Config(
+            block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=n_layers, n_head=2, n_embd=16, bias=True
+        )
         self.model = GPT(config)
         self.example_input_array = torch.zeros(8, SEQ, dtype=torch.long)
         self.step_losses: list[float] = []

@@ -11,14 +11,29 @@ import torch
 from tests.models import LitLM
 
 
-@functools.lru_cache(maxsize=None)
-def single_device_run(accumulate: int = 1, clip: float | None = None, max_steps: int = 6, n_layers: int = 8,
-                      optimizer: str = "sgd", precision: str = "32-true") -> tuple[list[float], dict]:
+@functools.cache
+def single_device_run(
+    accumulate: int = 1,
+    clip: float | None = None,
+    max_steps: int = 6,
+    n_layers: int = 8,
+    optimizer: str = "sgd",
+    precision: str = "32-true",
+) -> tuple[list[float], dict]:
     L.seed_everything(0)
     model = LitLM(n_layers=n_layers, optimizer=optimizer)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
-                        gradient_clip_val=clip, precision=precision, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model)
     return model.step_losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
@@ -40,8 +55,9 @@ def merged_state(ranks: list[dict], dp_rank: int = 0) -> dict:
     return merged
 
 
-def assert_parity(ranks: list[dict], ref_losses: list[float], ref_state: dict, rtol: float = 1e-5,
-                  atol: float = 1e-7) -> None:
+def assert_parity(
+    ranks: list[dict], ref_losses: list[float], ref_state: dict, rtol: float = 1e-5, atol: float = 1e-7
+) -> None:
     """Per-step losses on every rank and the merged final parameters equal the single-device run."""
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=rtol, atol=atol)
@@ -50,16 +66,26 @@ def assert_parity(ranks: list[dict], ref_losses: list[float], ref_state: dict, r
         state = merged_state(ranks, dp)
         assert state.keys() == ref_state.keys()
         for key in ref_state:
-            torch.testing.assert_close(state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}"
+            )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single_device_model_run(name: str, precision: str = "32-true", max_steps: int = 4) -> tuple[list[float], dict]:
     from tests.models import build_model
 
     L.seed_everything(0)
     model = build_model(name)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, precision=precision, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model)
     return model.step_losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}

@@ -49,8 +49,10 @@ def one_proc(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name, model", [("mlp", "mlp"), ("flat", "flat"), ("litgpt", "litgpt"),
-                                         ("litgpt-4stages", "litgpt"), ("microbatch-size", "lm")])
+@pytest.mark.parametrize(
+    "name, model",
+    [("mlp", "mlp"), ("flat", "flat"), ("litgpt", "litgpt"), ("litgpt-4stages", "litgpt"), ("microbatch-size", "lm")],
+)
 def test_frontend_parity(two_procs, name, model):
     ranks = load_ranks(two_procs, name)
     assert_parity(ranks, *single_device_model_run(model))
@@ -95,11 +97,24 @@ def test_two_nodes(tmp_path):
     port = str(free_port())
     procs = []
     for node in (0, 1):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         env.pop("LOCAL_RANK", None)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "parity.py"), str(tmp_path), json.dumps(cfg)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "parity.py"), str(tmp_path), json.dumps(cfg)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     from tests.reference import single_device_run

@@ -17,15 +17,17 @@ def _configs(devices: int) -> list[dict]:
     configs = []
     for schedule in SCHEDULES:
         configs.append({"name": f"{schedule}-plain", "schedule": schedule, "devices": devices})
-        configs.append({"name": f"{schedule}-acc2-clip", "schedule": schedule, "devices": devices, "accumulate": 2,
-                        "clip": CLIP})
+        configs.append(
+            {"name": f"{schedule}-acc2-clip", "schedule": schedule, "devices": devices, "accumulate": 2, "clip": CLIP}
+        )
     if devices == 2:
         configs.append({"name": "sabotage", "schedule": "1F1B", "devices": 2, "sabotage": True})
         configs.append({"name": "sabotage-zbv", "schedule": "ZBVZeroBubble", "devices": 2, "sabotage": True})
     if devices == 4:
         # 2 pipelines of 2 stages: data parallel x pipeline parallel.
-        configs.append({"name": "dp2-pp2", "schedule": "1F1B", "devices": 4, "pipeline_size": 2, "accumulate": 2,
-                        "clip": CLIP})
+        configs.append(
+            {"name": "dp2-pp2", "schedule": "1F1B", "devices": 4, "pipeline_size": 2, "accumulate": 2, "clip": CLIP}
+        )
     return configs
 
 

@@ -13,8 +13,18 @@ import torch
 import lightning_pipe
 from tests.models import build_model
 
-STRATEGY_KEYS = ("schedule", "pipeline_size", "microbatches", "microbatch_size", "stages_per_rank", "module",
-                 "frontend", "blocks", "split_points", "balance")
+STRATEGY_KEYS = (
+    "schedule",
+    "pipeline_size",
+    "microbatches",
+    "microbatch_size",
+    "stages_per_rank",
+    "module",
+    "frontend",
+    "blocks",
+    "split_points",
+    "balance",
+)
 
 
 def main() -> None:
@@ -24,15 +34,26 @@ def main() -> None:
         model = build_model(cfg["model"])
         strategy = lightning_pipe.PipelineParallelStrategy(**{k: cfg[k] for k in STRATEGY_KEYS if k in cfg})
         trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=cfg["devices"], num_nodes=cfg.get("num_nodes", 1),
-            precision=cfg.get("precision", "32-true"), max_steps=cfg.get("max_steps", 4), logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=strategy,
+            accelerator="cpu",
+            devices=cfg["devices"],
+            num_nodes=cfg.get("num_nodes", 1),
+            precision=cfg.get("precision", "32-true"),
+            max_steps=cfg.get("max_steps", 4),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(model)
         torch.save(
-            {"losses": model.step_losses, "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
-             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-             "pipeline_rank": strategy.pipeline_rank, "dp_rank": strategy.data_parallel_rank},
+            {
+                "losses": model.step_losses,
+                "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+                "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                "pipeline_rank": strategy.pipeline_rank,
+                "dp_rank": strategy.data_parallel_rank,
+            },
             out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
         )
 
