@@ -194,6 +194,7 @@ def build_model(name: str) -> L.LightningModule:
         "lm": lambda: LitLM(),
         "lm-meta": lambda: LitLM(meta_init=True),
         "lm5": lambda: LitLM(n_layers=5),
+        "lm-short-last": lambda: LitLM(samples=60),  # 7 batches of 8, then one of 4
         "mlp": lambda: LitMLP(),
         "flat": lambda: FlatLM(),
         "litgpt": lambda: LitGPTModule(),

@@ -24,6 +24,7 @@ TWO_PROC_CONFIGS = [
     {"name": "uneven", "model": "lm5", "devices": 2, "balance": [1, 4]},
     {"name": "split-points", "model": "lm5", "devices": 2, "split_points": ["layers.3"], "schedule": "GPipe"},
     {"name": "microbatch-size", "model": "lm", "devices": 2, "microbatch_size": 2},
+    {"name": "short-last-batch", "model": "lm-short-last", "devices": 2, "schedule": "ZBVZeroBubble", "max_steps": 10},
     {"name": "bf16-mixed", "model": "lm", "devices": 2, "precision": "bf16-mixed"},
     {"name": "bf16-true", "model": "lm", "devices": 2, "precision": "bf16-true"},
 ]
@@ -56,6 +57,13 @@ def one_proc(tmp_path_factory):
 def test_frontend_parity(two_procs, name, model):
     ranks = load_ranks(two_procs, name)
     assert_parity(ranks, *single_device_model_run(model))
+
+
+def test_short_last_batch_gets_its_own_schedule(two_procs):
+    """A smaller final batch changes microbatch shapes; it must train exactly, not reuse stale stage shapes."""
+    ranks = load_ranks(two_procs, "short-last-batch")
+    assert len(ranks[0]["losses"]) == 10
+    assert_parity(ranks, *single_device_model_run("lm-short-last", max_steps=10))
 
 
 def test_uneven_balance_and_split_points(two_procs):
