@@ -125,7 +125,24 @@ class LitMLP(L.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=self.hparams.batch_size)
 
 
-class FlatLM(L.LightningModule):
+class _TokenTask(L.LightningModule):
+    """Next-token training on `token_dataset` with SGD, recording each step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_losses: list[float] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(64), batch_size=8)
+
+
+class FlatLM(_TokenTask):
     """Layers defined directly on the LightningModule (the LightningModule itself is the pipelined network)."""
 
     def __init__(self, n_layers: int = 4) -> None:
@@ -133,7 +150,6 @@ class FlatLM(L.LightningModule):
         self.embed = nn.Embedding(VOCAB, 16)
         self.layers = nn.ModuleList(Block(16) for _ in range(n_layers))
         self.head = nn.Linear(16, VOCAB)
-        self.step_losses: list[float] = []
 
     def forward(self, idx):
         h = self.embed(idx) if self.embed is not None else idx
@@ -147,17 +163,8 @@ class FlatLM(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.step_losses.append(float(outputs["loss"]))
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return DataLoader(token_dataset(64), batch_size=8)
-
-
-class LitGPTModule(L.LightningModule):
+class LitGPTModule(_TokenTask):
     """The public litgpt GPT, unmodified (its forward cannot skip missing units): needs frontend="trace"."""
 
     def __init__(self, n_layers: int = 4) -> None:
@@ -170,7 +177,6 @@ class LitGPTModule(L.LightningModule):
         )
         self.model = GPT(config)
         self.example_input_array = torch.zeros(8, SEQ, dtype=torch.long)
-        self.step_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -178,15 +184,6 @@ class LitGPTModule(L.LightningModule):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         self.log("train_loss", loss)
         return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.step_losses.append(float(outputs["loss"]))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return DataLoader(token_dataset(64), batch_size=8)
 
 
 def build_model(name: str) -> L.LightningModule:

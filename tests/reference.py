@@ -8,34 +8,38 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 
-from tests.models import LitLM
+from tests.models import LitLM, build_model
 
 
-@functools.cache
-def single_device_run(
-    accumulate: int = 1,
-    clip: float | None = None,
-    max_steps: int = 6,
-    n_layers: int = 8,
-    optimizer: str = "sgd",
-    precision: str = "32-true",
-) -> tuple[list[float], dict]:
-    L.seed_everything(0)
-    model = LitLM(n_layers=n_layers, optimizer=optimizer)
+def _fit_single_device(model: L.LightningModule, **trainer_kwargs) -> tuple[list[float], dict]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        precision=precision,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **trainer_kwargs,
     )
     trainer.fit(model)
     return model.step_losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+@functools.cache
+def single_device_run(
+    accumulate: int = 1, clip: float | None = None, max_steps: int = 6, n_layers: int = 8, optimizer: str = "sgd"
+) -> tuple[list[float], dict]:
+    """LitLM as the parity script trains it, on one device."""
+    L.seed_everything(0)
+    model = LitLM(n_layers=n_layers, optimizer=optimizer)
+    return _fit_single_device(model, max_steps=max_steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+
+
+@functools.cache
+def single_device_model_run(name: str, precision: str = "32-true", max_steps: int = 4) -> tuple[list[float], dict]:
+    """A `tests.models.build_model` model as the frontends script trains it, on one device."""
+    L.seed_everything(0)
+    return _fit_single_device(build_model(name), max_steps=max_steps, precision=precision)
 
 
 def load_ranks(out: Path, name: str) -> list[dict]:
@@ -69,23 +73,3 @@ def assert_parity(
             torch.testing.assert_close(
                 state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}"
             )
-
-
-@functools.cache
-def single_device_model_run(name: str, precision: str = "32-true", max_steps: int = 4) -> tuple[list[float], dict]:
-    from tests.models import build_model
-
-    L.seed_everything(0)
-    model = build_model(name)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model)
-    return model.step_losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
