@@ -175,26 +175,38 @@ def format_keys(keys: Iterable[str], limit: int = 6) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+def _entry_group(key: str) -> str:
+    head = key.split(".", 1)[0]
+    return "weights" if head == "state_dict" else f"{head.replace('_', ' ')} state"
+
+
+def _display(key: str) -> str:
+    return key[len(MODEL_PREFIX) :] if key.startswith(MODEL_PREFIX) else key
+
+
 def key_problems(
     expected: Mapping[str, tuple[int, ...] | None], stored: Mapping[str, tuple[int, ...] | None]
 ) -> list[str]:
-    """Entries this rank needs that the checkpoint lacks, and tensors whose stored shape differs.
+    """Entries this rank needs that the checkpoint lacks (weights first, then each optimizer's), and tensors whose
+    stored shape differs.
 
     Both map a flat key to a tensor shape, or ``None`` for a non-tensor entry (an optimizer hyperparameter).
     """
     problems = []
-    missing = [k for k in expected if k not in stored]
-    if missing:
-        problems.append(f"missing entries: {format_keys(missing)}")
+    missing: dict[str, list[str]] = {}
+    for key in expected:
+        if key not in stored:
+            missing.setdefault(_entry_group(key), []).append(_display(key))
+    for group in sorted(missing, key=lambda g: (g != "weights", g)):
+        problems.append(f"missing {group}: {format_keys(missing[group])}")
     shapes = [
-        f"{k!r} is {list(stored[k])} in the checkpoint but {list(shape)} in the model"
+        f"{_display(k)!r} is {list(stored[k])} in the checkpoint but {list(shape)} in the model"
         for k, shape in expected.items()
         if k in stored and shape is not None and stored[k] is not None and tuple(stored[k]) != tuple(shape)
     ]
     if shapes:
-        problems.append(
-            "shape mismatch: " + "; ".join(shapes[:6]) + (f"; and {len(shapes) - 6} more" if len(shapes) > 6 else "")
-        )
+        more = f"; and {len(shapes) - 6} more" if len(shapes) > 6 else ""
+        problems.append("shape mismatch: " + "; ".join(shapes[:6]) + more)
     return problems
 
 

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.checkpoint import optim
 from lightning_pipe.errors import PipelineCheckpointError
-
-_FLAT = {"flatten_optimizer_state_dict": True}
 
 
 @dataclass(frozen=True)
@@ -81,9 +80,7 @@ def model_state(module: nn.Module) -> dict[str, Any]:
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state keyed by parameter name, flattened so every entry (hyperparameters included) has a
     key of its own: DCP keeps one copy of a key that several ranks hold, which would lose other stages' entries."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(**_FLAT))
+    return optim.flatten(optimizer, optim.param_names(module))
 
 
 def _shapes(prefix: str, state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
@@ -93,11 +90,12 @@ def _shapes(prefix: str, state: Mapping[str, Any]) -> dict[str, tuple[int, ...] 
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
 
 
-def _stored(metadata: Any) -> dict[str, tuple[int, ...] | None]:
+def _stored(metadata: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+    """Every stored entry: ``(shape, dtype)`` of a tensor, ``None`` for a non-tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     return {
-        k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+        k: (tuple(v.size), v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
         for k, v in metadata.state_dict_metadata.items()
     }
 
@@ -225,24 +223,17 @@ def load(
     Each rank reads only the entries of its own stages, whatever the pipeline layout at save time.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
     problems: list[str] = []
-    state: dict[str, Any] = {"state_dict": model_state(module)}
-    for i, optimizer in enumerate(optimizers):
-        state[f"optimizer_{i}"] = optimizer_state(module, optimizer)
-    expected: dict[str, tuple[int, ...] | None] = {}
-    for key, value in state.items():
-        expected.update(_shapes(key, value))
-    found = _local(problems, _validate, path, expected, len(optimizers), topo, weights_only)
+    weights = model_state(module)
+    expected = _shapes("state_dict", weights)
+    names = optim.param_names(module)
+    found = _local(problems, _validate, path, expected, optimizers, names, topo, weights_only)
     _agree(problems, f"Cannot load checkpoint {str(path)!r}")
     manifest, stored, schedulers, rest = found
-    used = [k for rank_keys in _gather([k for k in expected if k.startswith(fmt.MODEL_PREFIX)]) for k in rank_keys]
+    used = [k for rank_keys in _gather(list(expected)) for k in rank_keys]
     unexpected = fmt.unexpected_keys(stored, used)
     if strict and unexpected:
         raise PipelineCheckpointError(
@@ -250,13 +241,18 @@ def load(
             f" {fmt.format_keys(k[len(fmt.MODEL_PREFIX) :] for k in unexpected)}. It is from a different model; load"
             " it into the model that wrote it, or set `strict_loading = False` on the LightningModule."
         )
+    state: dict[str, Any] = {"state_dict": weights}
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_{i}."
+        own = {k[len(prefix) :]: v for k, v in stored.items() if k.startswith(prefix)}
+        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
         raise PipelineCheckpointError(f"Reading checkpoint {str(path)!r} failed (corrupted shard?): {err}") from err
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=StateDictOptions(**_FLAT))
+        optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
     if optimizers and schedulers is not None:
         rest["lr_schedulers"] = schedulers
     return rest
@@ -265,7 +261,8 @@ def load(
 def _validate(
     path: Path,
     expected: Mapping[str, tuple[int, ...] | None],
-    n_optimizers: int,
+    optimizers: Sequence[torch.optim.Optimizer],
+    names: Mapping[int, str],
     topo: Topology,
     weights_only: bool | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any] | None, dict[str, Any]]:
@@ -279,10 +276,10 @@ def _validate(
     if problems:
         raise PipelineCheckpointError(f"it is incomplete or corrupted: {'; '.join(problems)}")
     assert metadata is not None
-    if n_optimizers and manifest["optimizers"] != n_optimizers:
+    if optimizers and manifest["optimizers"] != len(optimizers):
         raise PipelineCheckpointError(
             f"it holds the state of {manifest['optimizers']} optimizer(s) but `configure_optimizers` returned"
-            f" {n_optimizers}"
+            f" {len(optimizers)}"
             + (
                 " (it was saved with weights only). To start training from its weights, pass"
                 f" `PipelineParallelStrategy(init_weights={str(path)!r})` instead of `ckpt_path`"
@@ -291,13 +288,18 @@ def _validate(
             )
         )
     stored = _stored(metadata)
-    problems = fmt.key_problems(expected, stored)
+    problems = fmt.key_problems(expected, {k: v[0] if v else None for k, v in stored.items()})
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_{i}."
+        missing = optim.missing_params(optimizer, names, [k[len(prefix) :] for k in stored if k.startswith(prefix)])
+        if missing:
+            problems.append(optim.describe_missing(missing, i))
     if problems:
         raise PipelineCheckpointError(
             f"it does not match this rank's stages ({fmt.describe(manifest)}): {'; '.join(problems)}"
         )
     schedulers = (
-        _schedulers(path, manifest, topo, weights_only) if n_optimizers and manifest["lr_scheduler_files"] else None
+        _schedulers(path, manifest, topo, weights_only) if optimizers and manifest["lr_scheduler_files"] else None
     )
     rest = torch.load(path / fmt.TRAINER_STATE, map_location="cpu", weights_only=weights_only)
     return manifest, stored, schedulers, rest
