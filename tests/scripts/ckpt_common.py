@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_pipe
 from lightning_pipe.checkpoint import io as ckpt_io
@@ -36,14 +37,17 @@ def strategy(schedule: str = "1F1B", **kwargs: Any) -> lightning_pipe.PipelinePa
     return lightning_pipe.PipelineParallelStrategy(schedule=schedule, timeout=timedelta(seconds=60), **kwargs)
 
 
-def trainer(strat: Any, devices: int = 2, max_steps: int = 6, callbacks: list | None = None, **kwargs: Any) -> L.Trainer:
+def trainer(
+    strat: Any, devices: int = 2, max_steps: int = 6, callbacks: list | None = None, **kwargs: Any
+) -> L.Trainer:
     return L.Trainer(
         strategy=strat,
         accelerator="cpu",
         devices=devices,
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=bool(callbacks),
+        # Lightning adds a default ModelCheckpoint (writing into the cwd) unless checkpointing is off.
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
         callbacks=callbacks or [],
         enable_progress_bar=False,
         enable_model_summary=False,
