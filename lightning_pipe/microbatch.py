@@ -31,10 +31,14 @@ def batch_size(batch: Any) -> int:
     )
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split every tensor whose dim 0 is the batch size into ``n`` equal chunks; everything else is shared."""
+def split_batch(batch: Any, n: int, even: bool = True) -> list[Any]:
+    """Split every tensor whose dim 0 is the batch size into ``n`` chunks; everything else is shared.
+
+    ``even=False`` allows chunks whose sizes differ by one (``torch.tensor_split``: the first ``size % n`` chunks
+    take one more sample); evaluation uses it because its forward-only pass needs no equal shapes.
+    """
     size = batch_size(batch)
-    if size % n != 0:
+    if even and size % n != 0:
         raise MicrobatchError(f"A batch of {size} samples does not split into {n} equal microbatches.")
 
     def split(obj: Any) -> list[Any]:

@@ -39,6 +39,7 @@ from lightning_pipe.config import (
     resolve_schedule,
 )
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
+from lightning_pipe.evaluation import bind_metrics, check_eval_microbatches, eval_step
 from lightning_pipe.grads import GradientStash, all_reduce_grads, clip_grad_norm_across
 
 if TYPE_CHECKING:
@@ -84,6 +85,11 @@ class PipelineParallelStrategy(ParallelStrategy):
             created; each rank reads only its own stages' tensors (a file is memory-mapped). Optimizer, scheduler and
             loop state are not restored: resume a run with ``trainer.fit(ckpt_path=...)`` instead.
 
+        eval_microbatches: Microbatches per validation/test/predict batch. ``"auto"``: one per process of the
+            pipeline (``pipeline_size``). Evaluation runs a forward-only pass of its own (any schedule, no gradients,
+            modules in eval mode) whose microbatches may differ in size, so any batch size works; a batch smaller
+            than the setting runs as single-sample microbatches. See docs/evaluation.md.
+
     Checkpoints are directories: each rank writes its own stages' model and optimizer entries with
     ``torch.distributed.checkpoint`` under the full model's names, so they load into any pipeline layout (or one
     process with ``pipeline_size=1``). ``python -m lightning_pipe.checkpoint consolidate`` turns one into an ordinary
@@ -107,11 +113,13 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         init_weights: Optional[Union[str, Path]] = None,
+        eval_microbatches: Union[Literal["auto"], int] = "auto",
     ) -> None:
         super().__init__()
         # Validate what needs no world size now, so a bad config fails before processes start.
         resolve_schedule(schedule, stages_per_rank)
         check_microbatch_settings(microbatches, microbatch_size)
+        check_eval_microbatches(eval_microbatches)
         if split_points is not None and balance is not None:
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if frontend not in ("auto", "modules", "trace"):
@@ -129,6 +137,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._init_weights = init_weights
+        self._eval_microbatches = eval_microbatches
         self._data_parallel_size = 1
         self._pp_group: Optional[dist.ProcessGroup] = None
         self._dp_group: Optional[dist.ProcessGroup] = None
@@ -187,6 +196,11 @@ class PipelineParallelStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard data across data-parallel replicas only: all stages of one pipeline must see the same batch.
         return {"num_replicas": self._data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning applies ``self.log(..., sync_dist=True)`` only for strategies that say they are distributed."""
+        return True
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -266,6 +280,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             group=self._pp_group,
             group_ranks=self._pp_ranks,
         )
+        bind_metrics(lightning_module, self._dp_group)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -311,6 +326,28 @@ class PipelineParallelStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The batch's predictions on pipeline rank 0 of each replica (global rank 0 without data parallelism), where
+        ``trainer.predict`` returns them; ``None`` on the other ranks."""
+        with self.precision_plugin.predict_step_context():
+            return self._eval_step("predict_step", args, kwargs)
+
+    def _eval_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs:
+            raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
+        return eval_step(self.runtime, hook, args[0], tuple(args[1:]), self._eval_microbatches)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
