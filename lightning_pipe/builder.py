@@ -110,7 +110,17 @@ def build_pipeline(
     group: dist.ProcessGroup | None,
     group_ranks: Sequence[int],
 ) -> PipelineRuntime:
-    """Cut the LightningModule's network down to this rank's stages (in place) and return their runtime."""
+    """Cut the LightningModule's network down to this rank's stages (in place) and return their runtime.
+
+    A LightningModule that was already cut (``trainer.fit`` then ``trainer.test``, or a second Trainer) keeps its
+    stages: the runtime built the first time is returned again, bound to the new process group.
+    """
+    split = (
+        module_name, frontend, blocks, split_points, balance, pipeline_size, pipeline_rank, stages_per_rank, schedule
+    )
+    existing = lightning_module.__dict__.get(_RUNTIME_ATTR)
+    if existing is not None:
+        return _reuse(existing, split, microbatches, microbatch_size, group, group_ranks)
     attr, network = resolve_module(lightning_module, module_name)
     num_stages = pipeline_size * stages_per_rank
     layout = find_layout(network, blocks)
@@ -159,7 +169,7 @@ def build_pipeline(
         stage_modules = [stage_view(network, units_per_stage[s], layout.units) for s in local]
         interceptor_target = network
     interceptor = CallInterceptor(interceptor_target)
-    return PipelineRuntime(
+    runtime = PipelineRuntime(
         lightning_module=lightning_module,
         interceptor=interceptor,
         stage_modules=list(zip(local, stage_modules)),
@@ -172,3 +182,34 @@ def build_pipeline(
         group=group,
         group_ranks=group_ranks,
     )
+    runtime.split = split  # type: ignore[attr-defined]
+    lightning_module.__dict__[_RUNTIME_ATTR] = runtime
+    return runtime
+
+
+_RUNTIME_ATTR = "_lightning_pipe_runtime"
+
+
+def _reuse(
+    runtime: PipelineRuntime,
+    split: tuple,
+    microbatches: Any,
+    microbatch_size: int | None,
+    group: dist.ProcessGroup | None,
+    group_ranks: Sequence[int],
+) -> PipelineRuntime:
+    if runtime.split != split:  # type: ignore[attr-defined]
+        raise PipelineConfigError(
+            "This LightningModule was already split for another pipeline (module, frontend, blocks, split_points,"
+            f" balance, pipeline_size, pipeline_rank, stages_per_rank, schedule = {runtime.split}, now"  # type: ignore[attr-defined]
+            f" {split}). The split happens in place and cannot be redone: use the same strategy settings, or a new"
+            " LightningModule instance (loading a checkpoint into it) for another layout."
+        )
+    runtime.microbatches, runtime.microbatch_size = microbatches, microbatch_size
+    runtime.group, runtime.group_ranks = group, list(group_ranks)
+    runtime.last_stage_global_rank = runtime.group_ranks[runtime.stage_ranks[runtime.num_stages - 1]]
+    # Cached schedules hold stages bound to the previous process group.
+    runtime._schedules.clear()
+    runtime.interceptor.remove()
+    runtime.interceptor = CallInterceptor(runtime.interceptor._module)
+    return runtime

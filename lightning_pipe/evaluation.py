@@ -23,7 +23,7 @@ import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Union
 
 import torch
 import torch.distributed as dist
@@ -96,9 +96,7 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], hook: str) -> An
     if isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
         merged = {k: merge_outputs([o[k] for o in outputs], sizes, hook) for k in first}
         return merged if type(first) is dict else type(first)(merged)
-    if isinstance(first, (list, tuple)) and all(
-        type(o) is type(first) and len(o) == len(first) for o in outputs
-    ):
+    if isinstance(first, (list, tuple)) and all(type(o) is type(first) and len(o) == len(first) for o in outputs):
         columns = [merge_outputs([o[i] for o in outputs], sizes, hook) for i in range(len(first))]
         return type(first)(*columns) if hasattr(first, "_fields") else type(first)(columns)
     if isinstance(first, float) and all(isinstance(o, numbers.Real) for o in outputs):
@@ -163,7 +161,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 class MetricRef:
     """A torchmetrics object named by its attribute path in the LightningModule (the same on every rank)."""
 
-    name: Optional[str]
+    name: str | None
 
 
 @dataclass
@@ -187,7 +185,7 @@ def find_metrics(module: nn.Module) -> dict[str, nn.Module]:
     return {name: sub for name, sub in module.named_modules() if name and _is_metric(sub)}
 
 
-def bind_metrics(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+def bind_metrics(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make metrics without a process group of their own synchronise over ``group`` (the data-parallel replicas).
 
     torchmetrics synchronises over all processes by default. Every stage of a pipeline holds the same metric state, so
@@ -278,7 +276,7 @@ def pipeline_rank(runtime: PipelineRuntime) -> int:
 
 def forward_only(
     runtime: PipelineRuntime,
-    inputs: Optional[Sequence[tuple[tuple[Any, ...], dict[str, Any]]]],
+    inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]] | None,
     n: int,
     on_output: Callable[[int, Any], None],
 ) -> None:
@@ -379,7 +377,7 @@ def _share(
 ) -> _Shared:
     """Merge the last stage's microbatch results and broadcast what every rank needs (never the predictions)."""
     payload: list[Any] = [None]
-    local: Optional[_Shared] = None
+    local: _Shared | None = None
     if runtime.has_last:
         n = len(sizes)
         merged_logs = merge_microbatch_logs([logs[i] for i in range(n)], weights=sizes)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -155,7 +155,7 @@ def _to_float(name: str, value: Any) -> float:
 
 
 def merge_microbatch_logs(
-    per_microbatch: list[list[LoggedValue]], weights: Optional[Sequence[float]] = None
+    per_microbatch: list[list[LoggedValue]], weights: Sequence[float] | None = None
 ) -> list[LoggedValue]:
     """Merge the logs of one batch's microbatches into the value one full-batch call would have logged.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ def slots(skeleton: Any) -> list[_Slot]:
     return sorted(found, key=lambda s: s.index)
 
 
-def send_object(obj: Any, dst: int, group: Optional[dist.ProcessGroup], device: torch.device) -> list[Any]:
+def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
     """Post non-blocking sends of ``obj`` to global rank ``dst``.
 
     Returns the pending works; the caller keeps them (they hold the buffers) and waits on them once the pass ends, so
@@ -76,7 +76,8 @@ def send_object(obj: Any, dst: int, group: Optional[dist.ProcessGroup], device: 
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise PipelineUsageError(
             f"A stage output or prediction of type {type(obj).__name__} cannot be sent to the next pipeline rank"
-            f" ({err}). Stage outputs and predictions must be tensors or lists/tuples/dicts of tensors and plain values."
+            f" ({err}). Stage outputs and predictions must be tensors or lists/tuples/dicts of tensors and plain"
+            " values."
         ) from err
     payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
@@ -86,7 +87,7 @@ def send_object(obj: Any, dst: int, group: Optional[dist.ProcessGroup], device: 
     return works
 
 
-def recv_object(src: int, group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
+def recv_object(src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
     """Receive one object sent by :func:`send_object` from global rank ``src``."""
     length = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(length, src, group=group)
