@@ -12,6 +12,7 @@ from torch import nn
 from lightning_pipe.config import V_SHAPED
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.interception import CallInterceptor
+from lightning_pipe.microbatch import batch_size
 from lightning_pipe.partition import (
     Layout,
     balance_blocks,
@@ -122,6 +123,7 @@ def build_pipeline(
     if existing is not None:
         return _reuse(existing, split, microbatches, microbatch_size, group, group_ranks)
     attr, network = resolve_module(lightning_module, module_name)
+    static_microbatch_size = None
     num_stages = pipeline_size * stages_per_rank
     layout = find_layout(network, blocks)
     if len(layout.blocks) < num_stages:
@@ -143,6 +145,7 @@ def build_pipeline(
                 " not layers defined on the LightningModule itself. Set `module=` to that attribute."
             )
         args, kwargs = _example_microbatch(lightning_module, microbatches, microbatch_size, num_stages)
+        static_microbatch_size = batch_size((args, kwargs))
         meta = has_meta_tensors(network)
         if meta:
             args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
@@ -183,6 +186,8 @@ def build_pipeline(
         group_ranks=group_ranks,
     )
     runtime.split = split  # type: ignore[attr-defined]
+    # Traced graphs may bake the example microbatch's size into reshapes; evaluation pads to it (evaluation.py).
+    runtime.static_microbatch_size = static_microbatch_size  # type: ignore[attr-defined]
     lightning_module.__dict__[_RUNTIME_ATTR] = runtime
     return runtime
 

@@ -69,6 +69,44 @@ def microbatch_sizes(size: int, n: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(n)]
 
 
+def plan_microbatches(size: int, setting: EvalMicrobatches, pipeline_size: int, static: int | None) -> list[int]:
+    """Microbatch sizes for an evaluation batch of ``size`` samples.
+
+    ``static`` (traced stages, whose graphs may fix the microbatch size): microbatches of that size and a smaller
+    remainder, which :func:`pad_rows` fills up to it. Otherwise ``resolve_eval_microbatches`` near-equal microbatches.
+    """
+    if static is not None:
+        full, rest = divmod(size, static)
+        return [static] * full + ([rest] if rest else [])
+    return microbatch_sizes(size, resolve_eval_microbatches(setting, size, pipeline_size))
+
+
+def pad_rows(obj: Any, size: int, target: int) -> Any:
+    """Pad every tensor with ``size`` rows to ``target`` rows by repeating its last row.
+
+    Evaluation runs in eval mode, where a sample's output does not depend on the other rows, so the padding rows are
+    computed and dropped (:func:`trim_rows`) without touching the real ones.
+    """
+    if size == target:
+        return obj
+
+    def pad(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == size:
+            return torch.cat([t, t[-1:].expand(target - size, *t.shape[1:])])
+        return t
+
+    return transport.map_structure(obj, pad)
+
+
+def trim_rows(obj: Any, size: int, target: int) -> Any:
+    """Undo :func:`pad_rows` on a stage output: keep the first ``size`` of ``target`` rows."""
+    if size == target:
+        return obj
+    return transport.map_structure(
+        obj, lambda t: t[:size] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == target else t
+    )
+
+
 def task_order(local_stages: Sequence[int], n: int, pipeline_size: int) -> list[tuple[int, int]]:
     """The ``(microbatch, stage)`` forwards this rank runs, in the order it runs them.
 
@@ -334,17 +372,19 @@ def eval_step(
     """
     lightning_module = runtime.lightning_module
     step = getattr(lightning_module, hook)
-    n = resolve_eval_microbatches(eval_microbatches, batch_size(batch), len(runtime.group_ranks))
+    static = getattr(runtime, "static_microbatch_size", None)
+    sizes = plan_microbatches(batch_size(batch), eval_microbatches, len(runtime.group_ranks), static)
+    n = len(sizes)
     runtime._check_same_batch(("eval", signature(batch)), n)
-    microbatches = split_batch(batch, n, even=False)
-    sizes = [batch_size(mb) for mb in microbatches]
+    microbatches = split_batch(batch, n, sizes)
     runtime.interceptor.hook = hook
     inputs = None
     if runtime.has_first:
         inputs = []
-        for mb in microbatches:
+        for mb, size in zip(microbatches, sizes):
             with recording_logs(lightning_module, []):
-                inputs.append(runtime.interceptor.capture(lambda mb=mb: step(mb, *extra_args)))
+                captured = runtime.interceptor.capture(lambda mb=mb: step(mb, *extra_args))
+            inputs.append(pad_rows(captured, size, static or size))
     metrics = find_metrics(lightning_module)
     before = snapshot(metrics) if runtime.has_last else {}
     results: dict[int, Any] = {}
@@ -352,6 +392,7 @@ def eval_step(
 
     def on_output(m: int, output: Any) -> None:
         sink: list[LoggedValue] = []
+        output = trim_rows(output, sizes[m], static or sizes[m])
         with runtime.interceptor.responding(output), recording_logs(lightning_module, sink):
             results[m] = step(microbatches[m], *extra_args)
         logs[m] = sink

@@ -199,8 +199,10 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Lightning applies ``self.log(..., sync_dist=True)`` only for strategies that say they are distributed."""
-        return True
+        """Whether there are data-parallel replicas: Lightning then shards data with a distributed sampler and applies
+        ``self.log(..., sync_dist=True)``. The stages of one pipeline need neither: they see the same batches and log
+        the same values."""
+        return self._data_parallel_size > 1
 
     @property
     def process_group_backend(self) -> Optional[str]:

@@ -16,7 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.regression import MeanSquaredError
 from torchmetrics.text import Perplexity
 
-from tests.models import VOCAB, LitLM, token_dataset
+from tests.models import VOCAB, LitGPTModule, LitLM, token_dataset
 
 
 class LitEvalLM(LitLM):
@@ -131,6 +131,23 @@ class LitNormMLP(L.LightningModule):
         return self._loader()
 
 
+class LitGPTEval(LitGPTModule):
+    """The unmodified litgpt GPT (frontend="trace", whose graphs fix the microbatch size) with evaluation hooks."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.model(x).reshape(-1, VOCAB), y.reshape(-1)))
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self.model(batch[0])
+
+    def val_dataloader(self):
+        return DataLoader(token_dataset(13, seed=1), batch_size=8)
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
 class EpochRecorder(L.Callback):
     """Every rank's view of the logged metrics after each validation run (sanity check included)."""
 
@@ -177,9 +194,6 @@ def run_scenario(scenario: str, root: Path, strategy: Any = None, devices: int =
     """Run one evaluation scenario (single device when ``strategy`` is None) and return what the tests compare."""
     L.seed_everything(0)
     root.mkdir(parents=True, exist_ok=True)
-    # One pipeline sees every batch in order; Lightning would otherwise shuffle training data under a distributed
-    # sampler and the single-device reference would see other batches.
-    sampler = {"use_distributed_sampler": strategy is None or scenario == "dp"}
     recorder = EpochRecorder()
     if scenario == "full":
         model = LitEvalLM()
@@ -193,7 +207,6 @@ def run_scenario(scenario: str, root: Path, strategy: Any = None, devices: int =
             logger=logger,
             log_every_n_steps=1,
             callbacks=[recorder],
-            use_distributed_sampler=False,
         )
         trainer.fit(model)
         out = {
@@ -222,7 +235,6 @@ def run_scenario(scenario: str, root: Path, strategy: Any = None, devices: int =
             limit_train_batches=4,
             enable_checkpointing=True,
             callbacks=[ckpt, stop, recorder],
-            **sampler,
         )
         trainer.fit(model)
         return {
@@ -235,14 +247,18 @@ def run_scenario(scenario: str, root: Path, strategy: Any = None, devices: int =
     if scenario == "norm":
         model = LitNormMLP()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        trainer = _trainer(root, strategy, devices, callbacks=[recorder], **sampler)
+        trainer = _trainer(root, strategy, devices, callbacks=[recorder])
         out = {"validate": _floats(trainer.validate(model, verbose=False)), "predict": _cpu(trainer.predict(model))}
         after = model.state_dict()
         out["state_unchanged"] = all(torch.equal(before[k], after[k]) for k in after)
         return out
+    if scenario == "trace":
+        model = LitGPTEval()
+        trainer = _trainer(root, strategy, devices)
+        return {"validate": _floats(trainer.validate(model, verbose=False)), "predict": _cpu(trainer.predict(model))}
     if scenario == "dp":
         model = LitEvalLM(val_samples=24, val_batch_size=4, sync_dist=True)
-        trainer = _trainer(root, strategy, devices, callbacks=[recorder], **sampler)
+        trainer = _trainer(root, strategy, devices, callbacks=[recorder])
         out = {"validate": _floats(trainer.validate(model, verbose=False))}
         out["test"] = _floats(trainer.test(model, verbose=False))
         out["predict"] = _cpu(trainer.predict(model))

@@ -38,6 +38,7 @@ def _configs(devices: int) -> list[dict]:
             {"name": "1F1B-ckpt", "scenario": "ckpt", "schedule": "1F1B", "devices": 2},
             {"name": "ZBV-ckpt", "scenario": "ckpt", "schedule": "ZBVZeroBubble", "devices": 2},
             {"name": "GPipe-norm", "scenario": "norm", "schedule": "GPipe", "devices": 2},
+            {"name": "1F1B-trace", "scenario": "trace", "schedule": "1F1B", "devices": 2, "frontend": "trace"},
         ]
     else:
         configs += [
@@ -149,6 +150,11 @@ def _check_config(out: Path, cfg: dict, ref_root: str) -> None:
         _check_csv(rank0["csv"], ref["csv"])
     elif cfg["scenario"] == "ckpt":
         _check_ckpt(ranks, ref)
+    elif cfg["scenario"] == "trace":
+        for r in ranks:
+            _close_dicts(r["validate"], ref["validate"])
+        assert [p.shape[0] for p in ranks[0]["predict"]] == [8, 5]
+        torch.testing.assert_close(_cat(ranks[0]["predict"]), _cat(ref["predict"]), rtol=TOL, atol=1e-6)
     elif cfg["scenario"] == "norm":
         for r in ranks:
             _close_dicts(r["validate"], ref["validate"])

@@ -25,9 +25,12 @@ from lightning_pipe.evaluation import (
     is_scalar_structure,
     merge_outputs,
     microbatch_sizes,
+    pad_rows,
+    plan_microbatches,
     resolve_eval_microbatches,
     snapshot,
     task_order,
+    trim_rows,
 )
 from lightning_pipe.interception import LoggedValue, merge_microbatch_logs
 from lightning_pipe.microbatch import split_batch
@@ -53,12 +56,26 @@ def test_eval_microbatches_rejected_in_constructor(bad):
 def test_microbatch_sizes_match_tensor_split(size, n):
     assert microbatch_sizes(size, n) == [len(c) for c in torch.arange(size).tensor_split(n)]
     x = torch.arange(size)
-    assert [len(mb[0]) for mb in split_batch((x, x), n, even=False)] == microbatch_sizes(size, n)
+    assert [len(mb[0]) for mb in split_batch((x, x), n, microbatch_sizes(size, n))] == microbatch_sizes(size, n)
 
 
 def test_split_batch_stays_even_for_training():
     with pytest.raises(MicrobatchError, match="does not split into 2 equal microbatches"):
         split_batch(torch.zeros(5, 3), 2)
+    with pytest.raises(MicrobatchError, match=r"Microbatch sizes \[3, 3\] do not split a batch of 5 samples into 2"):
+        split_batch(torch.zeros(5, 3), 2, [3, 3])
+
+
+def test_traced_stages_get_their_microbatch_size_and_a_padded_remainder():
+    assert plan_microbatches(13, "auto", 2, static=4) == [4, 4, 4, 1]
+    assert plan_microbatches(8, 3, 2, static=4) == [4, 4]
+    assert plan_microbatches(5, "auto", 2, static=None) == [3, 2]
+    x = torch.arange(6).view(3, 2)
+    padded = pad_rows(((x, torch.tensor(7.0)), {"mask": x[:, :1]}), 3, 4)
+    assert torch.equal(padded[0][0], torch.tensor([[0, 1], [2, 3], [4, 5], [4, 5]]))
+    assert padded[0][1].item() == 7.0 and padded[1]["mask"].shape == (4, 1)
+    assert torch.equal(trim_rows(padded[0][0], 3, 4), x)
+    assert pad_rows(x, 3, 3) is x
 
 
 # ---------------------------------------------------------------------------------------------------- ordering

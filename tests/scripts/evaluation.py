@@ -6,6 +6,7 @@ Scenarios (the same functions build the single-device references in the pytest p
 - "full": fit 2 epochs with validation (uneven last validation batch), CSV logger; then validate, test, predict.
 - "ckpt": ModelCheckpoint(monitor="val_loss", save_top_k=2) and EarlyStopping(monitor="val_loss", patience=1).
 - "norm": an nn.Sequential with Dropout and BatchNorm (non-default running statistics): validate and predict.
+- "trace": the unmodified litgpt GPT cut by torch's tracer: validate and predict, with a short last batch.
 - "dp": validate/test/predict with 2 data-parallel replicas of a 2-stage pipeline, ``sync_dist=True``.
 """
 
@@ -26,6 +27,7 @@ def main() -> None:
             schedule=cfg["schedule"],
             pipeline_size=cfg.get("pipeline_size", "auto"),
             eval_microbatches=cfg.get("eval_microbatches", "auto"),
+            frontend=cfg.get("frontend", "auto"),
         )
         result = run_scenario(cfg["scenario"], out / cfg["name"], strategy=strategy, devices=cfg["devices"])
         result.update(pipeline_rank=strategy.pipeline_rank, dp_rank=strategy.data_parallel_rank)
