@@ -84,11 +84,11 @@ class PipelineParallelStrategy(ParallelStrategy):
             weights), or a lightning-pipe checkpoint directory. Loaded after the split, before the optimizers are
             created; each rank reads only its own stages' tensors (a file is memory-mapped). Optimizer, scheduler and
             loop state are not restored: resume a run with ``trainer.fit(ckpt_path=...)`` instead.
-
         eval_microbatches: Microbatches per validation/test/predict batch. ``"auto"``: one per process of the
             pipeline (``pipeline_size``). Evaluation runs a forward-only pass of its own (any schedule, no gradients,
             modules in eval mode) whose microbatches may differ in size, so any batch size works; a batch smaller
-            than the setting runs as single-sample microbatches. See docs/evaluation.md.
+            than the setting runs as single-sample microbatches. Not used with ``frontend="trace"``, whose graphs fix
+            the microbatch size (a short one is padded). See docs/evaluation.md.
 
     Checkpoints are directories: each rank writes its own stages' model and optimizer entries with
     ``torch.distributed.checkpoint`` under the full model's names, so they load into any pipeline layout (or one
