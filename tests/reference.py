@@ -42,6 +42,55 @@ def single_device_model_run(name: str, precision: str = "32-true", max_steps: in
     return _fit_single_device(build_model(name), max_steps=max_steps, precision=precision)
 
 
+class ReplicaBatches:
+    """Global batches as data-parallel training sees them: batch k of every replica's DistributedSampler shard
+    (shuffled, seeded as Lightning seeds it), concatenated. Averaging the replicas' gradients equals one device
+    training on these batches."""
+
+    def __init__(self, size: int, replicas: int, batch_size: int, seed: int = 0) -> None:
+        self.size, self.replicas, self.batch_size, self.seed, self.epoch = size, replicas, batch_size, seed, 0
+        # Lightning calls `set_epoch` on `batch_sampler.sampler` at each epoch start.
+        self.sampler = self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _shards(self) -> list[list[int]]:
+        from torch.utils.data import DistributedSampler
+
+        shards = []
+        for rank in range(self.replicas):
+            sampler = DistributedSampler(range(self.size), self.replicas, rank, shuffle=True, seed=self.seed)
+            sampler.set_epoch(self.epoch)
+            shards.append(list(sampler))
+        return shards
+
+    def __iter__(self):
+        shards = self._shards()
+        for start in range(0, len(shards[0]), self.batch_size):
+            yield [i for shard in shards for i in shard[start : start + self.batch_size]]
+
+    def __len__(self) -> int:
+        return -(-self.size // self.replicas // self.batch_size)
+
+
+@functools.cache
+def single_device_data_parallel_run(
+    replicas: int, accumulate: int = 1, clip: float | None = None, max_steps: int = 6
+) -> tuple[list[float], dict]:
+    """LitLM on one device, fed the concatenation of what each data-parallel replica would see."""
+    from torch.utils.data import DataLoader
+
+    from tests.models import token_dataset
+
+    L.seed_everything(0)
+    model = LitLM()
+    dataset = token_dataset(model.hparams.samples)
+    batches = ReplicaBatches(len(dataset), replicas, model.hparams.batch_size)
+    model.train_dataloader = lambda: DataLoader(dataset, batch_sampler=batches)
+    return _fit_single_device(model, max_steps=max_steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+
+
 def load_ranks(out: Path, name: str) -> list[dict]:
     files = sorted(out.glob(f"{name}.rank*.pt"), key=lambda p: int(p.suffixes[-2][5:]))
     return [torch.load(f, weights_only=False) for f in files]
