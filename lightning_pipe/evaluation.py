@@ -22,7 +22,7 @@ import math
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Union
 
 import torch
@@ -31,7 +31,18 @@ from torch import nn
 
 from lightning_pipe import transport
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
-from lightning_pipe.interception import LoggedValue, _is_metric, merge_microbatch_logs, recording_logs
+from lightning_pipe.interception import LoggedValue, merge_microbatch_logs, recording_logs
+from lightning_pipe.metrics import (
+    _CPU,
+    MetricUpdate,
+    apply_updates,
+    collect_updates,
+    find_metrics,
+    portable_logs,
+    resolve_refs,
+    snapshot,
+    to_device,
+)
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 
 if TYPE_CHECKING:
@@ -190,99 +201,7 @@ def is_scalar_structure(obj: Any) -> bool:
     return ok[0]
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    return transport.map_structure(obj, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
-
-
 # ---------------------------------------------------------------------------------------------------- metrics
-@dataclass(frozen=True)
-class MetricRef:
-    """A torchmetrics object named by its attribute path in the LightningModule (the same on every rank)."""
-
-    name: str | None
-
-
-@dataclass
-class MetricUpdate:
-    """How one metric's state changed during a step on the last-stage rank, in a form other ranks can apply.
-
-    Tensor states are sent whole; list states (``dist_reduce_fx="cat"``) only from ``list_start[state]`` on, the
-    length every rank's list had before the step.
-    """
-
-    name: str
-    update_count: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    lists: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    list_start: dict[str, int] = field(default_factory=dict)
-    forward_cache: Any = None
-
-
-def find_metrics(module: nn.Module) -> dict[str, nn.Module]:
-    """Every torchmetrics object inside ``module``, by attribute path."""
-    return {name: sub for name, sub in module.named_modules() if name and _is_metric(sub)}
-
-
-def bind_metrics(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Make metrics without a process group of their own synchronise over ``group`` (the data-parallel replicas).
-
-    torchmetrics synchronises over all processes by default. Every stage of a pipeline holds the same metric state, so
-    a world-wide sync would count each sample once per stage (and hang when only some ranks compute).
-    """
-    for metric in find_metrics(module).values():
-        if getattr(metric, "process_group", None) is None:
-            metric.process_group = group
-
-
-def snapshot(metrics: Mapping[str, nn.Module]) -> dict[str, tuple[int, dict[str, int]]]:
-    """Update count and list-state lengths of each metric, taken before a step."""
-    return {
-        name: (m._update_count, {k: len(v) for k, v in _states(m).items() if isinstance(v, list)})
-        for name, m in metrics.items()
-    }
-
-
-def _states(metric: nn.Module) -> dict[str, Any]:
-    return {k: getattr(metric, k) for k in metric._defaults}
-
-
-def collect_updates(metrics: Mapping[str, nn.Module], before: Mapping[str, tuple[int, dict[str, int]]]) -> list:
-    """The state changes of the metrics updated (or reset) since ``before``, on CPU for pickling."""
-    updates = []
-    for name, metric in metrics.items():
-        count, lengths = before[name]
-        if metric._update_count == count:
-            continue
-        update = MetricUpdate(name, metric._update_count, forward_cache=_to_device(metric._forward_cache, _CPU))
-        for key, value in _states(metric).items():
-            if isinstance(value, list):
-                start = lengths.get(key, 0) if len(value) >= lengths.get(key, 0) else 0
-                update.lists[key] = [t.detach().cpu() for t in value[start:]]
-                update.list_start[key] = start
-            else:
-                update.tensors[key] = value.detach().cpu()
-        updates.append(update)
-    return updates
-
-
-_CPU = torch.device("cpu")
-
-
-def apply_updates(metrics: Mapping[str, nn.Module], updates: Sequence[MetricUpdate], device: torch.device) -> None:
-    """Bring this rank's metrics to the last-stage rank's state."""
-    for update in updates:
-        metric = metrics[update.name]
-        for key, value in update.tensors.items():
-            setattr(metric, key, value.to(getattr(metric, key).device))
-        for key, tail in update.lists.items():
-            current = getattr(metric, key)
-            del current[update.list_start[key] :]
-            current.extend(t.to(device) for t in tail)
-        metric._update_count = update.update_count
-        metric._computed = None
-        metric._forward_cache = _to_device(update.forward_cache, device)
-
-
 # ---------------------------------------------------------------------------------------------------- executor
 @contextmanager
 def eval_mode(modules: Sequence[nn.Module]) -> Iterator[None]:
@@ -423,39 +342,24 @@ def _share(
         n = len(sizes)
         merged_logs = merge_microbatch_logs([logs[i] for i in range(n)], weights=sizes)
         output = merge_outputs([results[i] for i in range(n)], sizes, hook)
-        names = {id(m): name for name, m in metrics.items()}
-        portable = [
-            LoggedValue(e.name, MetricRef(names.get(id(e.value))) if _is_metric(e.value) else e.value, e.kwargs)
-            for e in merged_logs
-        ]
+        portable = portable_logs(merged_logs, metrics)
         shareable = hook != "predict_step" and is_scalar_structure(output)
         updates = collect_updates(metrics, before)
         local = _Shared(merged_logs, updates, output, shareable)
-        payload = [_Shared(portable, updates, _to_device(output, _CPU) if shareable else None, shareable)]
+        payload = [_Shared(portable, updates, to_device(output, _CPU) if shareable else None, shareable)]
     if runtime.group is not None and len(runtime.group_ranks) > 1:
         dist.broadcast_object_list(payload, src=runtime.last_stage_global_rank, group=runtime.group)
     if local is not None:
         return local
     received: _Shared = payload[0]
-    received.output = _to_device(received.output, runtime.device)
+    received.output = to_device(received.output, runtime.device)
     return received
 
 
 def _replay(runtime: PipelineRuntime, logs: Sequence[LoggedValue], metrics: Mapping[str, nn.Module]) -> None:
     from lightning_pipe.runtime import StepResult
 
-    resolved = []
-    for entry in logs:
-        value = entry.value
-        if isinstance(value, MetricRef):
-            if value.name is None:
-                raise PipelineUsageError(
-                    f"`self.log({entry.name!r}, <metric>)` logged a torchmetrics object that is not an attribute of"
-                    " the LightningModule. Under PipelineParallelStrategy metric objects are matched across ranks by"
-                    " attribute: assign it (e.g. `self.val_acc = Accuracy(...)`) in `__init__`."
-                )
-            value = metrics[value.name]
-        resolved.append(LoggedValue(entry.name, value, entry.kwargs))
+    resolved = resolve_refs(logs, metrics)
     if resolved:
         runtime.replay_logs(StepResult(None, resolved))
 

@@ -6,7 +6,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from torch import nn
 from lightning_pipe.config import SINGLE_STAGE, resolve_microbatches
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.interception import CallInterceptor, LoggedValue, _is_metric, merge_microbatch_logs, recording_logs
+from lightning_pipe.metrics import apply_updates, collect_updates, find_metrics, portable_logs, resolve_refs, snapshot
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 
 _MAX_CACHED_SCHEDULES = 8
@@ -37,7 +38,7 @@ class _Step:
 class StepResult:
     """The outcome of one pipeline step, identical on every rank of the pipeline."""
 
-    loss: Optional[float]
+    loss: float | None
     logs: list[LoggedValue]
 
 
@@ -64,9 +65,9 @@ class PipelineRuntime:
         stage_ranks: Sequence[int],
         schedule_name: str,
         microbatches: Any,
-        microbatch_size: Optional[int],
+        microbatch_size: int | None,
         device: torch.device,
-        group: Optional[dist.ProcessGroup],
+        group: dist.ProcessGroup | None,
         group_ranks: Sequence[int],
     ) -> None:
         self.lightning_module = lightning_module
@@ -86,7 +87,9 @@ class PipelineRuntime:
         #: global rank of the process that holds the last stage (the source of losses and logs)
         self.last_stage_global_rank = self.group_ranks[self.stage_ranks[num_stages - 1]]
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
-        self._step: Optional[_Step] = None
+        self._step: _Step | None = None
+        #: torchmetrics objects of the LightningModule by attribute path (the same on every rank)
+        self.metrics = find_metrics(lightning_module)
 
     # ----------------------------------------------------------------- schedules
     def _schedule(self, key: tuple, n_microbatches: int, with_loss: bool) -> Any:
@@ -184,6 +187,7 @@ class PipelineRuntime:
                 args, kwargs = self.interceptor.capture(
                     lambda: self.lightning_module.training_step(batch, *extra_args)
                 )
+        before = snapshot(self.metrics) if self.has_last else {}
         self._step = _Step(
             hook="training_step",
             microbatches=microbatches,
@@ -202,25 +206,24 @@ class PipelineRuntime:
             self._step = None
         if self.has_last and len(step.losses) != n:
             raise RuntimeError(f"Internal error: the last stage computed {len(step.losses)} of {n} microbatch losses.")
-        return self._share_outcome(step, n)
+        return self._share_outcome(step, n, before)
 
-    def _share_outcome(self, step: _Step, n: int) -> StepResult:
-        """Broadcast the last stage's loss and logs to every rank of the pipeline."""
+    def _share_outcome(self, step: _Step, n: int, before: Mapping[str, Any]) -> StepResult:
+        """Broadcast the last stage's loss, logs and metric state changes to every rank of the pipeline."""
         payload: list[Any] = [None]
         local_logs: list[LoggedValue] = []
         if self.has_last:
             loss = float(torch.stack([step.losses[i].float() for i in range(n)]).mean())
             local_logs = merge_microbatch_logs([step.logs[i] for i in range(n)])
-            shared = [
-                LoggedValue(e.name, _metric_stand_in(e.value) if _is_metric(e.value) else e.value, e.kwargs)
-                for e in local_logs
-            ]
-            payload = [(loss, shared)]
+            payload = [(loss, portable_logs(local_logs, self.metrics), collect_updates(self.metrics, before))]
         if self.group is not None and len(self.group_ranks) > 1:
             dist.broadcast_object_list(payload, src=self.last_stage_global_rank, group=self.group)
-        loss, shared = payload[0]
-        # The last stage keeps its torchmetrics objects (their epoch value needs their state); others get floats.
-        return StepResult(loss, local_logs if self.has_last else shared)
+        loss, shared, updates = payload[0]
+        if self.has_last:
+            return StepResult(loss, local_logs)
+        # Other ranks mirror the metrics' state, so a logged metric object gives them the last stage's values.
+        apply_updates(self.metrics, updates, self.device)
+        return StepResult(loss, resolve_refs(shared, self.metrics))
 
     def replay_logs(self, result: StepResult) -> None:
         """Log, on this rank, the values the last stage's step logged."""
@@ -228,12 +231,3 @@ class PipelineRuntime:
             value = entry.value if _is_metric(entry.value) else torch.tensor(entry.value, dtype=torch.float32)
             self.lightning_module.log(entry.name, value, **entry.kwargs)
 
-
-def _metric_stand_in(metric: Any) -> float:
-    cache = getattr(metric, "_forward_cache", None)
-    if isinstance(cache, torch.Tensor) and cache.numel() == 1:
-        return float(cache)
-    try:
-        return float(metric.compute())
-    except Exception:
-        return float("nan")

@@ -39,7 +39,8 @@ from lightning_pipe.config import (
     resolve_schedule,
 )
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
-from lightning_pipe.evaluation import bind_metrics, check_eval_microbatches, eval_step
+from lightning_pipe.evaluation import check_eval_microbatches, eval_step
+from lightning_pipe.metrics import bind_metrics
 from lightning_pipe.grads import GradientStash, all_reduce_grads, clip_grad_norm_across
 
 if TYPE_CHECKING:

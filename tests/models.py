@@ -186,12 +186,32 @@ class LitGPTModule(_TokenTask):
         return loss
 
 
+class LitLMWithMetric(LitLM):
+    """Training accuracy as a torchmetrics object, updated per step and logged per step and per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc = MulticlassAccuracy(num_classes=VOCAB, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.train_acc.update(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+
 def build_model(name: str) -> L.LightningModule:
     return {
         "lm": lambda: LitLM(),
         "lm-meta": lambda: LitLM(meta_init=True),
         "lm5": lambda: LitLM(n_layers=5),
         "lm-short-last": lambda: LitLM(samples=60),  # 7 batches of 8, then one of 4
+        "lm-metric": lambda: LitLMWithMetric(),
         "mlp": lambda: LitMLP(),
         "flat": lambda: FlatLM(),
         "litgpt": lambda: LitGPTModule(),

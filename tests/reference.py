@@ -12,6 +12,10 @@ from tests.models import LitLM, build_model
 
 
 def _fit_single_device(model: L.LightningModule, **trainer_kwargs) -> tuple[list[float], dict]:
+    return _fit_single_device_trainer(model, **trainer_kwargs)[:2]
+
+
+def _fit_single_device_trainer(model: L.LightningModule, **trainer_kwargs) -> tuple[list[float], dict, dict]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -22,7 +26,8 @@ def _fit_single_device(model: L.LightningModule, **trainer_kwargs) -> tuple[list
         **trainer_kwargs,
     )
     trainer.fit(model)
-    return model.step_losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return model.step_losses, state, {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
 @functools.cache
@@ -38,8 +43,14 @@ def single_device_run(
 @functools.cache
 def single_device_model_run(name: str, precision: str = "32-true", max_steps: int = 4) -> tuple[list[float], dict]:
     """A `tests.models.build_model` model as the frontends script trains it, on one device."""
+    return single_device_model_logged(name, precision, max_steps)[:2]
+
+
+@functools.cache
+def single_device_model_logged(name: str, precision: str = "32-true", max_steps: int = 4) -> tuple[list, dict, dict]:
+    """As `single_device_model_run`, plus the final `callback_metrics`."""
     L.seed_everything(0)
-    return _fit_single_device(build_model(name), max_steps=max_steps, precision=precision)
+    return _fit_single_device_trainer(build_model(name), max_steps=max_steps, precision=precision)
 
 
 class ReplicaBatches:

@@ -15,11 +15,7 @@ from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.builder import _reuse
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.evaluation import (
-    MetricRef,
     _replay,
-    apply_updates,
-    bind_metrics,
-    collect_updates,
     eval_mode,
     forward_only,
     is_scalar_structure,
@@ -28,11 +24,11 @@ from lightning_pipe.evaluation import (
     pad_rows,
     plan_microbatches,
     resolve_eval_microbatches,
-    snapshot,
     task_order,
     trim_rows,
 )
 from lightning_pipe.interception import LoggedValue, merge_microbatch_logs
+from lightning_pipe.metrics import MetricRef, apply_updates, bind_metrics, collect_updates, snapshot
 from lightning_pipe.microbatch import split_batch
 from lightning_pipe.partition import stage_to_rank
 from lightning_pipe.transport import pack, send_object, unpack

@@ -24,6 +24,7 @@ TWO_PROC_CONFIGS = [
     {"name": "uneven", "model": "lm5", "devices": 2, "balance": [1, 4]},
     {"name": "split-points", "model": "lm5", "devices": 2, "split_points": ["layers.3"], "schedule": "GPipe"},
     {"name": "microbatch-size", "model": "lm", "devices": 2, "microbatch_size": 2},
+    {"name": "train-metric", "model": "lm-metric", "devices": 2, "schedule": "ZBVZeroBubble", "max_steps": 12},
     {"name": "short-last-batch", "model": "lm-short-last", "devices": 2, "schedule": "ZBVZeroBubble", "max_steps": 10},
     {"name": "bf16-mixed", "model": "lm", "devices": 2, "precision": "bf16-mixed"},
     {"name": "bf16-true", "model": "lm", "devices": 2, "precision": "bf16-true"},
@@ -64,6 +65,19 @@ def test_short_last_batch_gets_its_own_schedule(two_procs):
     ranks = load_ranks(two_procs, "short-last-batch")
     assert len(ranks[0]["losses"]) == 10
     assert_parity(ranks, *single_device_model_run("lm-short-last", max_steps=10))
+
+
+def test_training_metric_objects_reach_every_rank(two_procs):
+    """A torchmetrics object updated in training_step (last stage only) logs the single-device epoch value on
+    every rank, including rank 0, which under ZBV holds the last stage and rank 1, which does not."""
+    from tests.reference import single_device_model_logged
+
+    losses, state, logged = single_device_model_logged("lm-metric", max_steps=12)
+    ranks = load_ranks(two_procs, "train-metric")
+    assert_parity(ranks, losses, state)
+    for r in ranks:
+        for key in ("train_acc", "train_loss_epoch"):
+            assert r["logged"][key] == pytest.approx(logged[key], rel=1e-5), key
 
 
 def test_uneven_balance_and_split_points(two_procs):
