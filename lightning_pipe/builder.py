@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -141,6 +142,10 @@ def build_pipeline(
         for mod in stage_modules:
             retarget_meta_constants(mod, device)
         holder = merge(stage_modules)
+        if holder is stage_modules[0]:
+            # One stage per rank: `merge` returns the stage module itself, and the interceptor installed on the holder
+            # would replace the forward that the PipelineStage runs. A GraphModule copy shares its parameters.
+            holder = copy.copy(holder)
         setattr(lightning_module, attr, holder)
         if meta:
             materialize(holder, device, seed)
