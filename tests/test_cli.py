@@ -24,8 +24,9 @@ def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def cli(*args: str) -> LightningCLI:
-    return LightningCLI(LitMLP, run=False, args=["--trainer.accelerator=cpu", "--trainer.devices=1", *args],
-                        save_config_callback=None)
+    return LightningCLI(
+        LitMLP, run=False, args=["--trainer.accelerator=cpu", "--trainer.devices=1", *args], save_config_callback=None
+    )
 
 
 def cli_exit(capsys: pytest.CaptureFixture, *args: str, code: int) -> str:
@@ -50,9 +51,18 @@ def test_strategy_by_registered_name() -> None:
 
 def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     values = {
-        "pipeline_size": 1, "schedule": "GPipe", "microbatches": 4, "microbatch_size": None, "stages_per_rank": 1,
-        "module": "net", "frontend": "modules", "blocks": "", "split_points": None, "balance": [4, 3],
-        "process_group_backend": "gloo", "timeout": "0:10:00",
+        "pipeline_size": 1,
+        "schedule": "GPipe",
+        "microbatches": 4,
+        "microbatch_size": None,
+        "stages_per_rank": 1,
+        "module": "net",
+        "frontend": "modules",
+        "blocks": "",
+        "split_points": None,
+        "balance": [4, 3],
+        "process_group_backend": "gloo",
+        "timeout": "0:10:00",
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy

@@ -33,7 +33,9 @@ def run_example(script: Path, *args: str, launcher: str = "lightning", timeout: 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     else:
         cmd = [sys.executable]
-    proc = subprocess.run([*cmd, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [*cmd, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         pytest.fail(f"{script.name} {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout + proc.stderr
@@ -41,8 +43,15 @@ def run_example(script: Path, *args: str, launcher: str = "lightning", timeout: 
 
 def fit_args(name: str, tmp_path: Path, *overrides: str) -> list[str]:
     config = EXAMPLES / name / "config.yaml"
-    args = ["fit", "--config", str(config), f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides]
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        *overrides,
+    ]
     if not _STRATEGY_EVALUATES:
         args.append("--trainer.limit_val_batches=0")
     if not _STRATEGY_CHECKPOINTS:
@@ -64,10 +73,18 @@ def logged(tmp_path: Path) -> dict[str, list[float]]:
 
 
 def test_gpt_example(tmp_path: Path) -> None:
-    run_example(EXAMPLES / "gpt" / "train.py", *fit_args(
-        "gpt", tmp_path, "--trainer.max_steps=8", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=2", "--model.warmup_steps=2",
-    ))
+    run_example(
+        EXAMPLES / "gpt" / "train.py",
+        *fit_args(
+            "gpt",
+            tmp_path,
+            "--trainer.max_steps=8",
+            "--trainer.val_check_interval=4",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=2",
+            "--model.warmup_steps=2",
+        ),
+    )
     metrics = logged(tmp_path)
     assert len(metrics["train_loss"]) == 4
     assert all(math.isfinite(v) for v in metrics["train_loss"])
@@ -80,10 +97,17 @@ def test_gpt_example(tmp_path: Path) -> None:
 
 
 def test_cnn_example(tmp_path: Path) -> None:
-    run_example(EXAMPLES / "cnn" / "train.py", *fit_args(
-        "cnn", tmp_path, "--trainer.max_epochs=1", "--trainer.limit_train_batches=12", "--trainer.limit_val_batches=3",
-        "--trainer.log_every_n_steps=4",
-    ))
+    run_example(
+        EXAMPLES / "cnn" / "train.py",
+        *fit_args(
+            "cnn",
+            tmp_path,
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=12",
+            "--trainer.limit_val_batches=3",
+            "--trainer.log_every_n_steps=4",
+        ),
+    )
     metrics = logged(tmp_path)
     assert len(metrics["train_loss"]) == 3
     assert all(math.isfinite(v) for v in metrics["train_loss"])
@@ -94,11 +118,19 @@ def test_cnn_example(tmp_path: Path) -> None:
 
 def test_cnn_example_alexnet(tmp_path: Path) -> None:
     # The AlexNet layout splits between the convolutional features and the classifier (seed 002's split).
-    run_example(EXAMPLES / "cnn" / "train.py", *fit_args(
-        "cnn", tmp_path, "--model.arch=alexnet", "--trainer.strategy.init_args.split_points=[flatten]",
-        "--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=1",
-        "--trainer.log_every_n_steps=2",
-    ))
+    run_example(
+        EXAMPLES / "cnn" / "train.py",
+        *fit_args(
+            "cnn",
+            tmp_path,
+            "--model.arch=alexnet",
+            "--trainer.strategy.init_args.split_points=[flatten]",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=4",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=2",
+        ),
+    )
     assert len(logged(tmp_path)["train_loss"]) == 2
 
 
@@ -106,11 +138,21 @@ def test_migrate_before_and_after_match(tmp_path: Path) -> None:
     """The hand-written loop and the strategy train the same model to the same losses, step for step."""
     steps = 6
     before = tmp_path / "before.json"
-    run_example(EXAMPLES / "migrate" / "before.py", "--steps", str(steps), "--losses", str(before),
-                "--checkpoint", str(tmp_path / "dcp"), launcher="torchrun")
+    run_example(
+        EXAMPLES / "migrate" / "before.py",
+        "--steps",
+        str(steps),
+        "--losses",
+        str(before),
+        "--checkpoint",
+        str(tmp_path / "dcp"),
+        launcher="torchrun",
+    )
     after_dir = tmp_path / "after"
-    run_example(EXAMPLES / "migrate" / "train.py", *fit_args("migrate", after_dir, f"--trainer.max_steps={steps}",
-                                                              "--trainer.limit_val_batches=0"))
+    run_example(
+        EXAMPLES / "migrate" / "train.py",
+        *fit_args("migrate", after_dir, f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0"),
+    )
     expected = json.loads(before.read_text())
     got = logged(after_dir)["train_loss"]
     assert len(expected) == len(got) == steps

@@ -47,8 +47,13 @@ def main() -> None:
         model = LitLM(n_layers=4) if frontend == "modules" else LitPlain()
         trainer = L.Trainer(
             strategy=lightning_pipe.PipelineParallelStrategy(frontend=frontend),
-            accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=2,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(model)
         results[frontend] = {"losses": model.step_losses, "names": sorted(model.state_dict())}
