@@ -63,6 +63,8 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "balance": [4, 3],
         "process_group_backend": "gloo",
         "timeout": "0:10:00",
+        "eval_microbatches": 2,
+        "init_weights": None,
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy
@@ -110,6 +112,7 @@ def test_help_shows_every_argument_with_type_default_and_text(capsys) -> None:
         ({"microbatch_size": 0}, "microbatch_size", "Not of type PositiveInt: does not conform to restriction v>0"),
         ({"stages_per_rank": 0}, "stages_per_rank", "Not of type PositiveInt: does not conform to restriction v>0"),
         ({"frontend": "fx"}, "frontend", "Expected a typing.Literal['auto', 'modules', 'trace']. Got value: fx"),
+        ({"eval_microbatches": 0}, "eval_microbatches", "Not of type PositiveInt: does not conform to restriction v>0"),
         ({"balance": [2, 0]}, "balance", "Not of type PositiveInt: 0 does not conform to restriction v>0"),
         ({"split_points": "layers.4"}, "split_points", "Expected a <class 'list'>"),
         ({"timeout": 600}, "timeout", 'Expected a string with form "h:m:s"'),

@@ -30,12 +30,12 @@ def _fragments(node: ast.expr) -> list[str]:
 def raised_messages() -> list[tuple[str, str]]:
     """``(location, longest literal fragment)`` of every exception raised with a message in the package."""
     found = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
                 fragments = [" ".join(f.split()) for f in _fragments(node.exc.args[0])]
                 if fragments:
-                    found.append((f"{path.name}:{node.lineno}", max(fragments, key=len).strip()))
+                    found.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", max(fragments, key=len).strip()))
     return found
 
 
