@@ -4,7 +4,13 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineModelError, PipelineUsageError
+from lightning_pipe.errors import (
+    MicrobatchError,
+    PipelineCheckpointError,
+    PipelineConfigError,
+    PipelineModelError,
+    PipelineUsageError,
+)
 from lightning_pipe.strategy import PipelineParallelStrategy
 
 # Lightning has no entry-point discovery for strategies: registering on import is what makes the string work.
@@ -13,6 +19,7 @@ if PipelineParallelStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "MicrobatchError",
+    "PipelineCheckpointError",
     "PipelineConfigError",
     "PipelineModelError",
     "PipelineParallelStrategy",

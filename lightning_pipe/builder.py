@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ from torch import nn
 from lightning_pipe.config import V_SHAPED
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.interception import CallInterceptor
+from lightning_pipe.microbatch import batch_size
 from lightning_pipe.partition import (
     Layout,
     balance_blocks,
@@ -61,8 +61,9 @@ def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, 
     return "", lightning_module
 
 
-def stage_counts(layout: Layout, num_stages: int, split_points: Optional[Sequence[str]],
-                 balance: Optional[Sequence[int]]) -> list[int]:
+def stage_counts(
+    layout: Layout, num_stages: int, split_points: Sequence[str] | None, balance: Sequence[int] | None
+) -> list[int]:
     """Blocks per stage from ``split_points``, ``balance`` or an even split."""
     if split_points is not None:
         return counts_from_split_points(layout.blocks, split_points, num_stages)
@@ -71,8 +72,9 @@ def stage_counts(layout: Layout, num_stages: int, split_points: Optional[Sequenc
     return balance_blocks(len(layout.blocks), num_stages)
 
 
-def _example_microbatch(lightning_module: Any, microbatches: Any, microbatch_size: Optional[int],
-                        num_stages: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _example_microbatch(
+    lightning_module: Any, microbatches: Any, microbatch_size: int | None, num_stages: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     example = getattr(lightning_module, "example_input_array", None)
     if example is None:
         raise PipelineModelError(
@@ -97,20 +99,31 @@ def build_pipeline(
     module_name: str,
     frontend: str,
     blocks: str,
-    split_points: Optional[Sequence[str]],
-    balance: Optional[Sequence[int]],
+    split_points: Sequence[str] | None,
+    balance: Sequence[int] | None,
     pipeline_size: int,
     pipeline_rank: int,
     stages_per_rank: int,
     schedule: str,
     microbatches: Any,
-    microbatch_size: Optional[int],
+    microbatch_size: int | None,
     device: torch.device,
-    group: Optional[dist.ProcessGroup],
+    group: dist.ProcessGroup | None,
     group_ranks: Sequence[int],
 ) -> PipelineRuntime:
-    """Cut the LightningModule's network down to this rank's stages (in place) and return their runtime."""
+    """Cut the LightningModule's network down to this rank's stages (in place) and return their runtime.
+
+    A LightningModule that was already cut (``trainer.fit`` then ``trainer.test``, or a second Trainer) keeps its
+    stages: the runtime built the first time is returned again, bound to the new process group.
+    """
+    split = (
+        module_name, frontend, blocks, split_points, balance, pipeline_size, pipeline_rank, stages_per_rank, schedule
+    )
+    existing = lightning_module.__dict__.get(_RUNTIME_ATTR)
+    if existing is not None:
+        return _reuse(existing, split, microbatches, microbatch_size, group, group_ranks)
     attr, network = resolve_module(lightning_module, module_name)
+    static_microbatch_size = None
     num_stages = pipeline_size * stages_per_rank
     layout = find_layout(network, blocks)
     if len(layout.blocks) < num_stages:
@@ -132,20 +145,18 @@ def build_pipeline(
                 " not layers defined on the LightningModule itself. Set `module=` to that attribute."
             )
         args, kwargs = _example_microbatch(lightning_module, microbatches, microbatch_size, num_stages)
+        static_microbatch_size = batch_size((args, kwargs))
         meta = has_meta_tensors(network)
         if meta:
             args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        state_keys = set(network.state_dict().keys())
         starts = [sum(counts[:s]) for s in range(1, num_stages)]
         traced = trace_stages(network, args, kwargs, [layout.blocks[i] for i in starts])
         stage_modules = [traced[s] for s in local]
         for mod in stage_modules:
             retarget_meta_constants(mod, device)
-        holder = merge(stage_modules)
-        if holder is stage_modules[0]:
-            # One stage per rank: `merge` returns the stage module itself, and the interceptor installed on the holder
-            # would replace the forward that the PipelineStage runs. A GraphModule copy shares its parameters.
-            holder = copy.copy(holder)
+        holder = merge(stage_modules, state_keys)
         setattr(lightning_module, attr, holder)
         if meta:
             materialize(holder, device, seed)
@@ -161,7 +172,7 @@ def build_pipeline(
         stage_modules = [stage_view(network, units_per_stage[s], layout.units) for s in local]
         interceptor_target = network
     interceptor = CallInterceptor(interceptor_target)
-    return PipelineRuntime(
+    runtime = PipelineRuntime(
         lightning_module=lightning_module,
         interceptor=interceptor,
         stage_modules=list(zip(local, stage_modules)),
@@ -174,3 +185,36 @@ def build_pipeline(
         group=group,
         group_ranks=group_ranks,
     )
+    runtime.split = split  # type: ignore[attr-defined]
+    # Traced graphs may bake the example microbatch's size into reshapes; evaluation pads to it (evaluation.py).
+    runtime.static_microbatch_size = static_microbatch_size  # type: ignore[attr-defined]
+    lightning_module.__dict__[_RUNTIME_ATTR] = runtime
+    return runtime
+
+
+_RUNTIME_ATTR = "_lightning_pipe_runtime"
+
+
+def _reuse(
+    runtime: PipelineRuntime,
+    split: tuple,
+    microbatches: Any,
+    microbatch_size: int | None,
+    group: dist.ProcessGroup | None,
+    group_ranks: Sequence[int],
+) -> PipelineRuntime:
+    if runtime.split != split:  # type: ignore[attr-defined]
+        raise PipelineConfigError(
+            "This LightningModule was already split for another pipeline (module, frontend, blocks, split_points,"
+            f" balance, pipeline_size, pipeline_rank, stages_per_rank, schedule = {runtime.split}, now"  # type: ignore[attr-defined]
+            f" {split}). The split happens in place and cannot be redone: use the same strategy settings, or a new"
+            " LightningModule instance (loading a checkpoint into it) for another layout."
+        )
+    runtime.microbatches, runtime.microbatch_size = microbatches, microbatch_size
+    runtime.group, runtime.group_ranks = group, list(group_ranks)
+    runtime.last_stage_global_rank = runtime.group_ranks[runtime.stage_ranks[runtime.num_stages - 1]]
+    # Cached schedules hold stages bound to the previous process group.
+    runtime._schedules.clear()
+    runtime.interceptor.remove()
+    runtime.interceptor = CallInterceptor(runtime.interceptor._module)
+    return runtime

@@ -18,7 +18,13 @@ ScheduleName = Literal[
 ]
 #: Every schedule torch ships, by its canonical name.
 SCHEDULES: tuple[str, ...] = (
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
 )
 #: Schedules that drive exactly one stage per rank.
 SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})

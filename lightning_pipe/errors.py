@@ -19,3 +19,8 @@ class MicrobatchError(ValueError):
 
 class PipelineUsageError(RuntimeError):
     """A LightningModule hook used the pipelined network in a way the pipeline cannot run."""
+
+
+class PipelineCheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted, or does not match the model, optimizers or schedulers it is
+    loaded into."""

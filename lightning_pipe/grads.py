@@ -1,10 +1,10 @@
-"""Gradients across a pipeline: hand-over past Lightning's ``zero_grad``, data-parallel averaging, global-norm clipping."""
+"""Gradients across a pipeline: hand-over past Lightning's ``zero_grad``, data-parallel mean, global-norm clipping."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ class GradientStash:
                 p.grad.add_(g)
 
 
-def all_reduce_grads(grads: Sequence[torch.Tensor], group: Optional[Any], world: int) -> None:
+def all_reduce_grads(grads: Sequence[torch.Tensor], group: Any | None, world: int) -> None:
     """Average gradients over data-parallel replicas, one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
@@ -61,7 +61,7 @@ def all_reduce_grads(grads: Sequence[torch.Tensor], group: Optional[Any], world:
             offset += t.numel()
 
 
-def clip_grad_norm_across(params: Sequence[nn.Parameter], max_norm: float, group: Optional[Any]) -> torch.Tensor:
+def clip_grad_norm_across(params: Sequence[nn.Parameter], max_norm: float, group: Any | None) -> torch.Tensor:
     """Clip by the 2-norm of all gradients of all stages (this rank's part combined over ``group``)."""
     with_grad = [p for p in params if p.grad is not None]
     device = with_grad[0].grad.device if with_grad else torch.device("cpu")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -154,34 +154,44 @@ def _to_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def merge_microbatch_logs(per_microbatch: list[list[LoggedValue]]) -> list[LoggedValue]:
-    """Merge the logs of equal-sized microbatches into the value one full-batch call would have logged.
+def merge_microbatch_logs(
+    per_microbatch: list[list[LoggedValue]], weights: Sequence[float] | None = None
+) -> list[LoggedValue]:
+    """Merge the logs of one batch's microbatches into the value one full-batch call would have logged.
 
-    Tensors and numbers are combined with the call's ``reduce_fx`` (mean by default, so a mean-reduced loss logged
-    per microbatch becomes the batch mean). A torchmetrics object is kept as it is (its state already holds every
-    microbatch); its float stand-in, for ranks that lack the object, is its last forward value.
+    Tensors and numbers are combined with the call's ``reduce_fx``: ``mean`` (the default) is weighted by ``weights``
+    (the microbatch sizes; equal weights when ``None``), so a mean-reduced loss logged per microbatch becomes the batch
+    mean even when the microbatches differ in size. A ``batch_size=`` passed to ``self.log`` is taken as that
+    microbatch's weight and the merged call carries their sum. A torchmetrics object is kept as it is (its state
+    already holds every microbatch); its float stand-in, for ranks that lack the object, is its last forward value.
     """
     order: list[str] = []
-    grouped: dict[str, list[LoggedValue]] = {}
-    for logs in per_microbatch:
+    grouped: dict[str, list[tuple[int, LoggedValue]]] = {}
+    for index, logs in enumerate(per_microbatch):
         for entry in logs:
             if entry.name not in grouped:
                 order.append(entry.name)
                 grouped[entry.name] = []
-            grouped[entry.name].append(entry)
+            grouped[entry.name].append((index, entry))
     merged = []
     for name in order:
         entries = grouped[name]
-        first = entries[0]
+        first = entries[0][1]
         if _is_metric(first.value):
             merged.append(LoggedValue(name, first.value, first.kwargs))
             continue
-        values = [_to_float(name, e.value) for e in entries]
-        merged.append(LoggedValue(name, _reduce(values, first.kwargs.get("reduce_fx", "mean")), first.kwargs))
+        values = [_to_float(name, e.value) for _, e in entries]
+        kwargs = dict(first.kwargs)
+        if kwargs.get("batch_size") is not None:
+            entry_weights = [float(e.kwargs["batch_size"]) for _, e in entries]
+            kwargs["batch_size"] = int(sum(entry_weights))
+        else:
+            entry_weights = [1.0 if weights is None else float(weights[i]) for i, _ in entries]
+        merged.append(LoggedValue(name, _reduce(values, kwargs.get("reduce_fx", "mean"), entry_weights), kwargs))
     return merged
 
 
-def _reduce(values: list[float], reduce_fx: Any) -> float:
+def _reduce(values: list[float], reduce_fx: Any, weights: Sequence[float]) -> float:
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
     name = name.lower()
     if name in ("sum",):
@@ -190,4 +200,4 @@ def _reduce(values: list[float], reduce_fx: Any) -> float:
         return max(values)
     if name in ("min", "amin"):
         return min(values)
-    return math.fsum(values) / len(values)
+    return math.fsum(w * v for w, v in zip(weights, values)) / math.fsum(weights)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,21 +31,32 @@ def batch_size(batch: Any) -> int:
     )
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split every tensor whose dim 0 is the batch size into ``n`` equal chunks; everything else is shared."""
+def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None) -> list[Any]:
+    """Split every tensor whose dim 0 is the batch size into ``n`` chunks; everything else is shared.
+
+    Chunks are equal unless ``sizes`` gives their sizes (summing to the batch size): evaluation's forward-only pass
+    needs no equal shapes, so a batch that does not divide evenly still splits.
+    """
     size = batch_size(batch)
-    if size % n != 0:
-        raise MicrobatchError(f"A batch of {size} samples does not split into {n} equal microbatches.")
+    if sizes is None:
+        if size % n != 0:
+            raise MicrobatchError(f"A batch of {size} samples does not split into {n} equal microbatches.")
+        sizes = [size // n] * n
+    elif len(sizes) != n or sum(sizes) != size:
+        raise MicrobatchError(f"Microbatch sizes {list(sizes)} do not split a batch of {size} samples into {n}.")
+    sizes = list(sizes)
 
     def split(obj: Any) -> list[Any]:
         if isinstance(obj, torch.Tensor):
             if obj.dim() > 0 and obj.shape[0] == size:
-                return list(obj.tensor_split(n))
+                return list(obj.split(sizes))
             return [obj] * n
         if isinstance(obj, Mapping):
             parts = {k: split(v) for k, v in obj.items()}
-            return [type(obj)({k: parts[k][i] for k in obj}) if type(obj) is not dict else {k: parts[k][i] for k in obj}
-                    for i in range(n)]
+            return [
+                type(obj)({k: parts[k][i] for k in obj}) if type(obj) is not dict else {k: parts[k][i] for k in obj}
+                for i in range(n)
+            ]
         if isinstance(obj, (list, tuple)):
             parts = [split(v) for v in obj]
             if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple

@@ -49,8 +49,9 @@ def _holds_state(module: nn.Module) -> bool:
 def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
     """Return the name of the container whose entries are the pipeline's blocks.
 
-    ``"auto"`` picks the ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` with at least two entries that holds
-    the most parameters (the shallowest one on a tie); the module itself if it is an ``nn.Sequential`` holding the most.
+    ``"auto"``: the module itself if it is an ``nn.Sequential``; otherwise the ``nn.ModuleList``/``nn.ModuleDict``/
+    ``nn.Sequential`` of at least two entries of one class that holds the most parameters (the shallowest on a tie),
+    or, if no container has entries of one class, the container holding the most parameters.
     """
     if blocks != "auto":
         try:
@@ -66,6 +67,8 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
                 " nn.Sequential. Point `blocks` at the container of the repeated blocks."
             )
         return blocks
+    if isinstance(module, nn.Sequential):
+        return ""
     candidates = [
         (name, sub)
         for name, sub in module.named_modules()
@@ -77,7 +80,10 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
             " in an nn.ModuleList, nn.ModuleDict or nn.Sequential with at least two entries (or an nn.Sequential"
             " network). Put the blocks in such a container, or use `frontend='trace'` with `example_input_array`."
         )
-    name, _ = max(candidates, key=lambda c: (_param_count(c[1]), -c[0].count("."), -len(c[0])))
+    # Repeated blocks share one class; a container of mixed parts (litgpt's `transformer` dict of wte/h/ln_f) is not
+    # the stack even when it holds more parameters.
+    uniform = [(n, c) for n, c in candidates if len({type(m) for m in c.children()}) == 1]
+    name, _ = max(uniform or candidates, key=lambda c: (_param_count(c[1]), -c[0].count("."), -len(c[0])))
     return name
 
 
@@ -167,9 +173,7 @@ def check_balance(balance: Sequence[int], num_blocks: int, num_stages: int) -> l
     if any(n < 1 for n in balance):
         raise PipelineConfigError(f"`balance={balance}` gives a stage no blocks; every entry must be at least 1.")
     if sum(balance) != num_blocks:
-        raise PipelineConfigError(
-            f"`balance={balance}` sums to {sum(balance)} but the model has {num_blocks} blocks."
-        )
+        raise PipelineConfigError(f"`balance={balance}` sums to {sum(balance)} but the model has {num_blocks} blocks.")
     return balance
 
 
@@ -193,8 +197,10 @@ def stage_to_rank(num_stages: int, pipeline_size: int, style: str) -> list[int]:
     if style == "loop":
         return [s % pipeline_size for s in range(num_stages)]
     if style == "v":
-        return [s % pipeline_size if (s // pipeline_size) % 2 == 0 else pipeline_size - 1 - s % pipeline_size
-                for s in range(num_stages)]
+        return [
+            s % pipeline_size if (s // pipeline_size) % 2 == 0 else pipeline_size - 1 - s % pipeline_size
+            for s in range(num_stages)
+        ]
     raise ValueError(f"Unknown placement style {style!r}.")
 
 

@@ -163,11 +163,64 @@ def trace_stages(
             f"The tracer produced {pipe.num_stages} stages instead of {len(split_fqns) + 1}: the split points"
             f" {list(split_fqns)} are not all called in the traced forward."
         )
-    return [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    _chain_stage_inputs(pipe.split_gm.graph, modules)
+    return modules
+
+
+def _chain_stage_inputs(top: Any, modules: Sequence[nn.Module]) -> None:
+    """Rewrite traced stages so each one receives inputs only from the stage before it.
+
+    The tracer lets a later stage read values an earlier stage computed (litgpt's rope ``cos``/``sin`` from the
+    first stage feed every block). torch's multi-stage schedules refuse such skip connections, so every stage in
+    between takes those values as extra inputs and returns them as extra outputs.
+    """
+    import operator
+
+    calls = [n for n in top.nodes if n.op == "call_module" and str(n.target).startswith("submod")]
+    stage_of = {call: k for k, call in enumerate(calls)}
+
+    def source(value: Any) -> tuple[int, int | None]:
+        if value in stage_of:
+            return stage_of[value], None
+        if value.op == "call_function" and value.target is operator.getitem and value.args[0] in stage_of:
+            return stage_of[value.args[0]], value.args[1]
+        return -1, None  # a network input
+
+    needs = [list(call.args) for call in calls]
+    for k in range(len(calls) - 1, 0, -1):
+        for value in needs[k]:
+            if source(value)[0] < k - 1 and value not in needs[k - 1]:
+                if k - 1 == 0:
+                    raise PipelineModelError(
+                        f"A traced stage after the first reads the network input {value.name!r} that the first stage"
+                        " does not use; pass it through the network's first blocks or use `frontend='modules'`."
+                    )
+                needs[k - 1].append(value)
+    for k in range(len(calls) - 1):
+        graph = modules[k].graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        local = dict(zip(calls[k].args, placeholders))
+        anchor = placeholders[-1]
+        for value in needs[k][len(calls[k].args) :]:
+            with graph.inserting_after(anchor):
+                anchor = local[value] = graph.placeholder(f"pass_{value.name}")
+        output = next(n for n in graph.nodes if n.op == "output")
+        produced = output.args[0]
+        outs = []
+        for value in needs[k + 1]:
+            stage, index = source(value)
+            if stage == k:
+                outs.append(produced if index is None else produced[index])
+            else:
+                outs.append(local[value])
+        output.args = (tuple(outs) if len(outs) > 1 else outs[0],)
+        graph.lint()
+        modules[k].recompile()
 
 
 def retarget_meta_constants(graph_module: nn.Module, device: torch.device) -> None:
-    """Traced graphs bake the tracing device into factory calls (``arange(..., device=meta)``); point them at ``device``."""
+    """Traced graphs bake the tracing device into factory calls (``arange(device=meta)``); use ``device``."""
     graph = getattr(graph_module, "graph", None)
     if graph is None:
         return
@@ -181,10 +234,25 @@ def retarget_meta_constants(graph_module: nn.Module, device: torch.device) -> No
         graph_module.recompile()
 
 
-def merge(modules: Sequence[nn.Module]) -> nn.Module:
-    """One module whose parameters are those of ``modules`` under the same names (for a rank with several stages)."""
-    if len(modules) == 1:
-        return modules[0]
+def _insert(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Place ``module`` at dotted ``name`` under ``root``, creating plain containers on the way."""
+    parent = root
+    parts = name.split(".")
+    for part in parts[:-1]:
+        if parent._modules.get(part) is None:
+            parent.add_module(part, nn.Module())
+        parent = parent._modules[part]
+    if parts[-1] not in parent._modules:
+        parent.add_module(parts[-1], module)
+
+
+def merge(modules: Sequence[nn.Module], state_keys: set[str] | None = None) -> nn.Module:
+    """A new module holding the parameters and buffers of ``modules`` under the same names.
+
+    It gives a rank's traced stages one home on the LightningModule (for the optimizer and checkpoints) that is not
+    itself a stage module, so intercepting its calls never intercepts a stage's. Buffers whose names are not in
+    ``state_keys`` (the original network's state dict) stay out of the state dict, as they were in the original.
+    """
     root = nn.Module()
     for mod in modules:
         for name, sub in mod.named_modules():
@@ -195,13 +263,12 @@ def merge(modules: Sequence[nn.Module]) -> nn.Module:
                     root.register_parameter(pname, p)
                 for bname, b in sub._buffers.items():
                     root.register_buffer(bname, b)
-                continue
-            parent = root
-            parts = name.split(".")
-            for part in parts[:-1]:
-                if part not in parent._modules or parent._modules[part] is None:
-                    parent.add_module(part, nn.Module())
-                parent = parent._modules[part]
-            if parts[-1] not in parent._modules:
-                parent.add_module(parts[-1], sub)
+            else:
+                _insert(root, name, sub)
+    if state_keys is not None:
+        for name, sub in root.named_modules():
+            prefix = f"{name}." if name else ""
+            for bname in sub._buffers:
+                if prefix + bname not in state_keys:
+                    sub._non_persistent_buffers_set.add(bname)
     return root

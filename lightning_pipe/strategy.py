@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import uuid
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -29,6 +31,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe import builder
+from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.config import (
     PositiveInt,
     ScheduleName,
@@ -37,7 +40,8 @@ from lightning_pipe.config import (
     resolve_pipeline_size,
     resolve_schedule,
 )
-from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
+from lightning_pipe.evaluation import bind_metrics, check_eval_microbatches, eval_step
 from lightning_pipe.grads import GradientStash, all_reduce_grads, clip_grad_norm_across
 
 if TYPE_CHECKING:
@@ -77,6 +81,21 @@ class PipelineParallelStrategy(ParallelStrategy):
             stages taking one more when the blocks do not divide evenly.
         process_group_backend: ``torch.distributed`` backend. ``None``: ``nccl`` on CUDA, ``gloo`` on CPU.
         timeout: Timeout of collective and point-to-point operations.
+        init_weights: Weights to start from instead of the model's own initialisation: a Lightning ``.ckpt`` file, a
+            file holding a plain ``state_dict`` (of the LightningModule, or of the network alone, e.g. pretrained
+            weights), or a lightning-pipe checkpoint directory. Loaded after the split, before the optimizers are
+            created; each rank reads only its own stages' tensors (a file is memory-mapped). Optimizer, scheduler and
+            loop state are not restored: resume a run with ``trainer.fit(ckpt_path=...)`` instead.
+        eval_microbatches: Microbatches per validation/test/predict batch. ``"auto"``: one per process of the
+            pipeline (``pipeline_size``). Evaluation runs a forward-only pass of its own (any schedule, no gradients,
+            modules in eval mode) whose microbatches may differ in size, so any batch size works; a batch smaller
+            than the setting runs as single-sample microbatches. Not used with ``frontend="trace"``, whose graphs fix
+            the microbatch size (a short one is padded). See docs/evaluation.md.
+
+    Checkpoints are directories: each rank writes its own stages' model and optimizer entries with
+    ``torch.distributed.checkpoint`` under the full model's names, so they load into any pipeline layout (or one
+    process with ``pipeline_size=1``). ``python -m lightning_pipe.checkpoint consolidate`` turns one into an ordinary
+    single-file ``.ckpt``. See docs/checkpoints.md.
     """
 
     strategy_name = "pipeline"
@@ -95,12 +114,15 @@ class PipelineParallelStrategy(ParallelStrategy):
         balance: Optional[list[PositiveInt]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        init_weights: Optional[Union[str, Path]] = None,
+        eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
     ) -> None:
         super().__init__()
         # Validate what needs no world size now, so a bad config fails before processes start.
         check_pipeline_size(pipeline_size)
         resolve_schedule(schedule, stages_per_rank)
         check_microbatch_settings(microbatches, microbatch_size)
+        check_eval_microbatches(eval_microbatches)
         if split_points is not None and balance is not None:
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if frontend not in ("auto", "modules", "trace"):
@@ -117,6 +139,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._balance = balance
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._init_weights = init_weights
+        self._eval_microbatches = eval_microbatches
         self._data_parallel_size = 1
         self._pp_group: Optional[dist.ProcessGroup] = None
         self._dp_group: Optional[dist.ProcessGroup] = None
@@ -177,6 +201,13 @@ class PipelineParallelStrategy(ParallelStrategy):
         return {"num_replicas": self._data_parallel_size, "rank": self.data_parallel_rank}
 
     @property
+    def is_distributed(self) -> bool:
+        """Whether there are data-parallel replicas: Lightning then shards data with a distributed sampler and applies
+        ``self.log(..., sync_dist=True)``. The stages of one pipeline need neither: they see the same batches and log
+        the same values."""
+        return self._data_parallel_size > 1
+
+    @property
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
@@ -235,6 +266,8 @@ class PipelineParallelStrategy(ParallelStrategy):
                 " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
                 " 'bf16-true')."
             )
+        # The network's attribute name is known only before the split (the trace frontend replaces the attribute).
+        network_attr = builder.resolve_module(lightning_module, self._module_name)[0] if self._init_weights else ""
         self._runtime = builder.build_pipeline(
             lightning_module,
             module_name=self._module_name,
@@ -252,9 +285,12 @@ class PipelineParallelStrategy(ParallelStrategy):
             group=self._pp_group,
             group_ranks=self._pp_ranks,
         )
+        bind_metrics(lightning_module, self._dp_group)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._init_weights is not None:
+            self._load_initial_weights(network_attr)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -296,9 +332,135 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The batch's predictions on pipeline rank 0 of each replica (global rank 0 without data parallelism), where
+        ``trainer.predict`` returns them; ``None`` on the other ranks."""
+        with self.precision_plugin.predict_step_context():
+            return self._eval_step("predict_step", args, kwargs)
+
+    def _eval_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs:
+            raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
+        return eval_step(self.runtime, hook, args[0], tuple(args[1:]), self._eval_microbatches)
+
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_across(params, float(clip_val), self._pp_group if self.pipeline_size > 1 else None)
+
+    # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A rank holds only its stages, which exist only after the split in `setup`.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # `load_checkpoint` restores the optimizers itself (by parameter name, whatever the layout at save time).
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's stages' entries, under the full model's names."""
+        assert self.model is not None
+        return ckpt_io.model_state(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's optimizer state, flattened and keyed by parameter name."""
+        assert self.model is not None
+        return ckpt_io.optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # `load_checkpoint` already loaded this rank's weights
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # `load_checkpoint` already loaded this rank's optimizer states
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        """Save ``checkpoint`` as the directory ``filepath`` (atomically; see docs/checkpoints.md)."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: checkpoints are"
+                " written with torch.distributed.checkpoint, not a CheckpointIO plugin. Remove `storage_options`."
+            )
+        path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))
+        cls = type(self.lightning_module)
+        ckpt_io.save(checkpoint, path, self._checkpoint_topology(), token, f"{cls.__module__}.{cls.__qualname__}")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a directory checkpoint into this rank's stages (model, and optimizers when fitting), or, outside
+        ``fit``, the weights of a single-file ``.ckpt``; returns Lightning's remaining checkpoint state."""
+        path = Path(self.broadcast(checkpoint_path))
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        if path.is_dir() or not path.exists():
+            return ckpt_io.load(
+                path,
+                self._checkpoint_topology(),
+                self.model,
+                self.optimizers if fitting else [],
+                strict=module.strict_loading,
+                weights_only=weights_only,
+            )
+        if fitting:
+            raise PipelineCheckpointError(
+                f"`ckpt_path={str(checkpoint_path)!r}` is a single-file checkpoint; resuming `fit` from one would need"
+                " its optimizer state, which a single file stores by position for one device's parameter order. To"
+                f" train from its weights, pass `PipelineParallelStrategy(init_weights={str(checkpoint_path)!r})`; to"
+                " resume a pipeline run, pass the checkpoint directory it saved."
+            )
+        return ckpt_io.load_weights(
+            path, self._checkpoint_topology(), self.model, network_prefix="", strict=module.strict_loading
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        """Delete a checkpoint directory (or file) on global rank 0; never a save's temporary directory."""
+        if self.is_global_zero:
+            ckpt_io.remove(Path(filepath), uuid.uuid4().hex[:12])
+
+    def _checkpoint_topology(self) -> ckpt_io.Topology:
+        return ckpt_io.Topology(
+            global_rank=self.global_rank,
+            world_size=self.world_size,
+            pipeline_rank=self.pipeline_rank,
+            pipeline_size=self.pipeline_size,
+            data_parallel_rank=self.data_parallel_rank,
+            data_parallel_size=self._data_parallel_size,
+            stages_per_rank=self.stages_per_rank,
+            schedule=self.schedule_name,
+            pipeline_group=self._pp_group,
+        )
+
+    def _load_initial_weights(self, network_attr: str) -> None:
+        assert self.model is not None and self._init_weights is not None
+        ckpt_io.load_weights(
+            Path(self._init_weights),
+            self._checkpoint_topology(),
+            self.model,
+            network_prefix=f"{network_attr}." if network_attr else "",
+            strict=self.lightning_module.strict_loading,
+        )
 
     # ------------------------------------------------------------------ collectives
     @override

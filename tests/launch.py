@@ -37,8 +37,15 @@ def run_script(
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
-               f"--master-port={free_port()}", script, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nprocs}",
+            f"--master-port={free_port()}",
+            script,
+            *args,
+        ]
     else:
         full_env.setdefault("MASTER_PORT", str(free_port()))
         cmd = [sys.executable, script, *args]
@@ -47,8 +54,10 @@ def run_script(
         if proc.returncode == 0:
             pytest.fail(f"{name} {args} was expected to fail but succeeded:\n{proc.stdout[-3000:]}")
     elif proc.returncode != 0:
-        pytest.fail(f"{name} {args} exited {proc.returncode}:\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-                    f"{proc.stderr[-8000:]}")
+        pytest.fail(
+            f"{name} {args} exited {proc.returncode}:\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+            f"{proc.stderr[-8000:]}"
+        )
     return proc
 
 

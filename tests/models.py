@@ -45,8 +45,15 @@ class TinyLM(nn.Module):
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, n_layers: int = 8, lr: float = 0.05, batch_size: int = 8, samples: int = 64,
-                 optimizer: str = "sgd", meta_init: bool = False) -> None:
+    def __init__(
+        self,
+        n_layers: int = 8,
+        lr: float = 0.05,
+        batch_size: int = 8,
+        samples: int = 64,
+        optimizer: str = "sgd",
+        meta_init: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.step_losses: list[float] = []
@@ -116,3 +123,76 @@ class LitMLP(L.LightningModule):
         x = torch.randn(48, 10, generator=g)
         y = torch.randint(0, 3, (48,), generator=g)
         return DataLoader(TensorDataset(x, y), batch_size=self.hparams.batch_size)
+
+
+class _TokenTask(L.LightningModule):
+    """Next-token training on `token_dataset` with SGD, recording each step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_losses: list[float] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(64), batch_size=8)
+
+
+class FlatLM(_TokenTask):
+    """Layers defined directly on the LightningModule (the LightningModule itself is the pipelined network)."""
+
+    def __init__(self, n_layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(Block(16) for _ in range(n_layers))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        h = self.embed(idx) if self.embed is not None else idx
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h) if self.head is not None else h
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+
+class LitGPTModule(_TokenTask):
+    """The public litgpt GPT, unmodified (its forward cannot skip missing units): needs frontend="trace"."""
+
+    def __init__(self, n_layers: int = 4) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        config = Config(
+            block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=n_layers, n_head=2, n_embd=16, bias=True
+        )
+        self.model = GPT(config)
+        self.example_input_array = torch.zeros(8, SEQ, dtype=torch.long)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+
+def build_model(name: str) -> L.LightningModule:
+    return {
+        "lm": lambda: LitLM(),
+        "lm-meta": lambda: LitLM(meta_init=True),
+        "lm5": lambda: LitLM(n_layers=5),
+        "lm-short-last": lambda: LitLM(samples=60),  # 7 batches of 8, then one of 4
+        "mlp": lambda: LitMLP(),
+        "flat": lambda: FlatLM(),
+        "litgpt": lambda: LitGPTModule(),
+    }[name]()

@@ -52,8 +52,13 @@ def main() -> None:
         state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
         torch.save(
-            {"losses": model.step_losses, "state": state, "logged": logged,
-             "pipeline_rank": strategy.pipeline_rank, "dp_rank": strategy.data_parallel_rank},
+            {
+                "losses": model.step_losses,
+                "state": state,
+                "logged": logged,
+                "pipeline_rank": strategy.pipeline_rank,
+                "dp_rank": strategy.data_parallel_rank,
+            },
             out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
         )
 

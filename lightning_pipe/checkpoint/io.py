@@ -1,0 +1,380 @@
+"""Where checkpoints are written and read: per-rank DCP shards, per-rank scheduler files, one trainer state file.
+
+Every function here runs on every rank of the world (save and load are collective). Checks that can fail on some
+ranks only are agreed on (``_agree``) before any collective that would otherwise wait forever for a rank that raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.checkpoint import optim
+from lightning_pipe.errors import PipelineCheckpointError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits, as the checkpoint code needs it."""
+
+    global_rank: int
+    world_size: int
+    pipeline_rank: int
+    pipeline_size: int
+    data_parallel_rank: int
+    data_parallel_size: int
+    stages_per_rank: int
+    schedule: str
+    #: this rank's pipeline process group (``None`` without a process group)
+    pipeline_group: Any | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- collectives
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(problems: Sequence[str], what: str) -> None:
+    """Raise the same error on every rank if any rank found a problem, so no rank waits in a later collective."""
+    everyone = _gather(list(problems))
+    ranks_of: dict[str, list[int]] = {}
+    for rank, found in enumerate(everyone):
+        for problem in found:
+            ranks_of.setdefault(problem, []).append(rank)
+    if ranks_of:
+        lines = [f"  - {problem} (rank {', '.join(map(str, ranks))})" for problem, ranks in ranks_of.items()]
+        raise PipelineCheckpointError(f"{what}:\n" + "\n".join(lines))
+
+
+def _local(problems: list[str], fn: Any, *args: Any) -> Any:
+    """Run a local step; an error becomes a problem to agree on instead of an exception on this rank alone."""
+    try:
+        return fn(*args)
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as err:
+        problems.append(str(err) if isinstance(err, PipelineCheckpointError) else f"{type(err).__name__}: {err}")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- state dicts
+def model_state(module: nn.Module) -> dict[str, Any]:
+    """This rank's model entries under the full model's names."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter name, flattened so every entry (hyperparameters included) has a
+    key of its own: DCP keeps one copy of a key that several ranks hold, which would lose other stages' entries."""
+    return optim.flatten(optimizer, optim.param_names(module))
+
+
+def _shapes(prefix: str, state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict({prefix.rstrip("."): dict(state)})
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+
+
+def _stored(metadata: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+    """Every stored entry: ``(shape, dtype)`` of a tensor, ``None`` for a non-tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        k: (tuple(v.size), v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in metadata.state_dict_metadata.items()
+    }
+
+
+def _storage_ends(metadata: Any) -> list[tuple[str, int]]:
+    return [(info.relative_path, info.offset + info.length) for info in (metadata.storage_data or {}).values()]
+
+
+# ---------------------------------------------------------------------------------------------------- save
+def save(checkpoint: dict[str, Any], path: Path, topo: Topology, token: str, module_class: str) -> None:
+    """Write Lightning's ``checkpoint`` dict as the directory ``path``; atomic: the directory appears complete or not
+    at all, and a previous checkpoint of the same name is replaced only once the new one is complete.
+
+    ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` hold this rank's entries
+    (:func:`model_state`, :func:`optimizer_state`); ``token`` is the same on every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = fmt.temporary_path(path, token)
+    problems: list[str] = []
+    if topo.global_rank == 0:
+        _local(problems, _prepare, path, tmp)
+    _agree(problems, f"Could not start saving checkpoint {str(path)!r}")
+
+    state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    schedulers = checkpoint.pop("lr_schedulers", None)
+    for i, osd in enumerate(optimizer_states or []):
+        state[f"optimizer_{i}"] = osd
+    # Data-parallel replicas hold identical states: only the first replica's pipeline writes.
+    if topo.data_parallel_rank == 0:
+        _local(
+            problems,
+            lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=topo.pipeline_group),
+        )
+        if schedulers is not None:
+            _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
+    if topo.global_rank == 0:
+        manifest = fmt.build_manifest(
+            pipeline_size=topo.pipeline_size,
+            data_parallel_size=topo.data_parallel_size,
+            stages_per_rank=topo.stages_per_rank,
+            schedule=topo.schedule,
+            optimizers=len(optimizer_states or []),
+            lr_schedulers=schedulers is not None,
+            module_class=module_class,
+        )
+        _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
+        # The manifest is written last: a directory without one was never completely written.
+        _local(problems, _write_manifest, manifest, tmp)
+    _agree(problems, f"Saving checkpoint {str(path)!r} failed; the previous checkpoint of that name is untouched")
+    if topo.global_rank == 0:
+        _local(problems, _commit, tmp, path, token)
+    _agree(problems, f"Could not move the saved checkpoint into place at {str(path)!r}")
+
+
+def _prepare(path: Path, tmp: Path) -> None:
+    # Leftovers of saves of this name that were killed: nothing can load them.
+    for stale in fmt.leftovers(path):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _save_file(obj: Any, file: Path) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_manifest(manifest: Mapping[str, Any], directory: Path) -> None:
+    with open(directory / fmt.MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(tmp: Path, path: Path, token: str) -> None:
+    """Rename ``tmp`` to ``path``; a previous ``path`` is moved aside first and deleted only after the rename."""
+    old = None
+    if path.exists() or path.is_symlink():
+        old = fmt.replaced_path(path, token)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        _delete(old)
+
+
+def _delete(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def remove(path: Path, token: str) -> None:
+    """Delete a checkpoint (a directory, a file, or a link to either); a directory is first renamed to a transient
+    name, so an interrupted deletion never leaves a partial directory under a checkpoint's name."""
+    path = Path(path)
+    if fmt.is_transient(path):
+        raise PipelineCheckpointError(f"Refusing to remove {str(path)!r}: it belongs to a save or removal in progress.")
+    if path.is_dir() and not path.is_symlink():
+        trash = fmt.trash_path(path, token)
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------- load
+def load(
+    path: Path,
+    topo: Topology,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a directory checkpoint into this rank's ``module`` and ``optimizers`` (empty: weights only) and return
+    Lightning's remaining checkpoint dict, with this rank's ``lr_schedulers`` when ``optimizers`` are given.
+
+    Each rank reads only the entries of its own stages, whatever the pipeline layout at save time.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    path = Path(path)
+    problems: list[str] = []
+    weights = model_state(module)
+    expected = _shapes("state_dict", weights)
+    names = optim.param_names(module)
+    found = _local(problems, _validate, path, expected, optimizers, names, topo, weights_only)
+    _agree(problems, f"Cannot load checkpoint {str(path)!r}")
+    manifest, stored, schedulers, rest = found
+    used = [k for rank_keys in _gather(list(expected)) for k in rank_keys]
+    unexpected = fmt.unexpected_keys(stored, used)
+    if strict and unexpected:
+        raise PipelineCheckpointError(
+            f"Checkpoint {str(path)!r} ({fmt.describe(manifest)}) holds weights the model does not have:"
+            f" {fmt.format_keys(k[len(fmt.MODEL_PREFIX) :] for k in unexpected)}. It is from a different model; load"
+            " it into the model that wrote it, or set `strict_loading = False` on the LightningModule."
+        )
+    state: dict[str, Any] = {"state_dict": weights}
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_{i}."
+        own = {k[len(prefix) :]: v for k, v in stored.items() if k.startswith(prefix)}
+        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
+        raise PipelineCheckpointError(f"Reading checkpoint {str(path)!r} failed (corrupted shard?): {err}") from err
+    set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
+    if optimizers and schedulers is not None:
+        rest["lr_schedulers"] = schedulers
+    return rest
+
+
+def _validate(
+    path: Path,
+    expected: Mapping[str, tuple[int, ...] | None],
+    optimizers: Sequence[torch.optim.Optimizer],
+    names: Mapping[int, str],
+    topo: Topology,
+    weights_only: bool | None,
+) -> tuple[dict[str, Any], dict[str, Any], list[Any] | None, dict[str, Any]]:
+    import torch.distributed.checkpoint as dcp
+
+    manifest = fmt.read_manifest(path)
+    metadata = None
+    if (path / fmt.DCP_METADATA).is_file():
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    problems = fmt.missing_files(path, manifest, _storage_ends(metadata) if metadata is not None else [])
+    if problems:
+        raise PipelineCheckpointError(f"it is incomplete or corrupted: {'; '.join(problems)}")
+    assert metadata is not None
+    if optimizers and manifest["optimizers"] != len(optimizers):
+        raise PipelineCheckpointError(
+            f"it holds the state of {manifest['optimizers']} optimizer(s) but `configure_optimizers` returned"
+            f" {len(optimizers)}"
+            + (
+                " (it was saved with weights only). To start training from its weights, pass"
+                f" `PipelineParallelStrategy(init_weights={str(path)!r})` instead of `ckpt_path`"
+                if manifest["optimizers"] == 0
+                else ""
+            )
+        )
+    stored = _stored(metadata)
+    problems = fmt.key_problems(expected, {k: v[0] if v else None for k, v in stored.items()})
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_{i}."
+        missing = optim.missing_params(optimizer, names, [k[len(prefix) :] for k in stored if k.startswith(prefix)])
+        if missing:
+            problems.append(optim.describe_missing(missing, i))
+    if problems:
+        raise PipelineCheckpointError(
+            f"it does not match this rank's stages ({fmt.describe(manifest)}): {'; '.join(problems)}"
+        )
+    schedulers = (
+        _schedulers(path, manifest, topo, weights_only) if optimizers and manifest["lr_scheduler_files"] else None
+    )
+    rest = torch.load(path / fmt.TRAINER_STATE, map_location="cpu", weights_only=weights_only)
+    return manifest, stored, schedulers, rest
+
+
+def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights_only: bool | None) -> list[Any]:
+    source = fmt.scheduler_source(manifest, topo.pipeline_rank, topo.pipeline_size)
+    chosen = torch.load(path / source, map_location="cpu", weights_only=weights_only)
+    if source == fmt.scheduler_file(topo.pipeline_rank) and manifest["pipeline_size"] == topo.pipeline_size:
+        return chosen
+    for other in manifest["lr_scheduler_files"]:
+        if not fmt.same_state(chosen, torch.load(path / other, map_location="cpu", weights_only=weights_only)):
+            raise PipelineCheckpointError(
+                f"its LR scheduler states differ between pipeline ranks ({source} vs {other}), and with"
+                f" pipeline_size={topo.pipeline_size} instead of {manifest['pipeline_size']} no rank's state can be"
+                " assigned to the new ranks. Resume with the pipeline size it was saved with."
+            )
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------------- initial weights
+def load_weights(
+    source: Path, topo: Topology, module: nn.Module, *, network_prefix: str, strict: bool
+) -> dict[str, Any]:
+    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, or a
+    directory checkpoint. A file is memory-mapped: a rank reads only its own stages' tensors from it.
+
+    Returns what else a single-file Lightning checkpoint holds (``{}`` for a plain state dict or a directory).
+    """
+    source = Path(source)
+    if source.is_dir():
+        load(source, topo, module, [], strict=strict)
+        return {}
+    problems: list[str] = []
+    found = _local(problems, lambda: _split_weights(_mmap(source)))
+    _agree(problems, f"Cannot read weights from {str(source)!r}")
+    weights, rest = found
+    local = model_state(module)
+    names = fmt.match_weight_keys(local, weights, network_prefix)
+    expected = {names[k]: tuple(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)}
+    stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in weights.items()}
+    problems = fmt.key_problems(expected, stored)
+    _agree(problems, f"The weights in {str(source)!r} do not match this rank's stages")
+    used = {k for rank_keys in _gather(sorted(expected)) for k in rank_keys}
+    unexpected = sorted(set(weights) - used)
+    if strict and unexpected:
+        raise PipelineCheckpointError(
+            f"{str(source)!r} holds weights the model does not have: {fmt.format_keys(unexpected)}. Check that it"
+            " belongs to this model, or set `strict_loading = False` on the LightningModule to ignore them."
+        )
+    with torch.no_grad():
+        for key, tensor in local.items():
+            tensor.copy_(weights[names[key]])
+    return rest
+
+
+def _mmap(source: Path) -> Any:
+    if not source.exists():
+        raise FileNotFoundError(f"{str(source)!r} does not exist")
+    try:
+        return torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise
+        # Files in torch's legacy (non-zip) format cannot be memory-mapped; they are small enough to read whole.
+        return torch.load(source, map_location="cpu", weights_only=True)
+
+
+def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        rest = {k: v for k, v in loaded.items() if k != "state_dict"}
+        return dict(loaded["state_dict"]), rest
+    if isinstance(loaded, Mapping) and all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        return dict(loaded), {}
+    raise PipelineCheckpointError(
+        "expected a Lightning checkpoint (a dict with a 'state_dict') or a plain state dict (names to tensors), got"
+        f" {type(loaded).__name__}"
+    )
