@@ -114,7 +114,10 @@ def test_cnn_example(tmp_path: Path) -> None:
     assert all(math.isfinite(v) for v in metrics["train_loss"])
     assert 0.0 <= metrics["train_acc"][-1] <= 1.0
     if _STRATEGY_EVALUATES:
-        assert 0.0 <= metrics["val_acc"][-1] <= 1.0
+        # BatchNorm's running statistics on the second stage must survive torch's shape inference (no NaN), and
+        # 12 steps already beat chance (0.1) on held-out digits.
+        assert math.isfinite(metrics["val_loss"][-1])
+        assert 0.3 < metrics["val_acc"][-1] <= 1.0
 
 
 def test_cnn_example_alexnet(tmp_path: Path) -> None:
