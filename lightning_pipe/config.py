@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
+# An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
+# is reported as a parse error naming the key instead of failing later inside the strategy.
+from jsonargparse.typing import PositiveInt as PositiveInt
+
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError
 
 ScheduleName = Literal[
@@ -67,12 +71,17 @@ def resolve_schedule(schedule: str, stages_per_rank: Union[int, str]) -> tuple[s
     return name, stages_per_rank
 
 
+def check_pipeline_size(pipeline_size: Union[int, str]) -> None:
+    """Validate ``pipeline_size`` on its own (the world size is checked in :func:`resolve_pipeline_size`)."""
+    if pipeline_size != "auto" and (not isinstance(pipeline_size, int) or pipeline_size < 1):
+        raise PipelineConfigError(f"`pipeline_size` must be 'auto' or an int >= 1, got {pipeline_size!r}.")
+
+
 def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int) -> tuple[int, int]:
     """Return ``(pipeline_size, data_parallel_size)``; ``"auto"`` makes every process one stage of one pipeline."""
+    check_pipeline_size(pipeline_size)
     if pipeline_size == "auto":
         return world_size, 1
-    if not isinstance(pipeline_size, int) or pipeline_size < 1:
-        raise PipelineConfigError(f"`pipeline_size` must be 'auto' or an int >= 1, got {pipeline_size!r}.")
     if world_size % pipeline_size != 0:
         raise PipelineConfigError(
             f"The world size ({world_size} processes) is not divisible by `pipeline_size={pipeline_size}`: every"

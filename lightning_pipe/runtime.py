@@ -103,6 +103,8 @@ class PipelineRuntime:
             PipelineStage(module, idx, self.num_stages, self.device, group=self.group)
             for idx, module in self.stage_modules
         ]
+        for stage in stages:
+            _shapes_only_in_eval_mode(stage)
         cls = get_schedule_class(self.schedule_name)
         loss_fn = self._loss_fn if with_loss else None
         try:
@@ -230,4 +232,27 @@ class PipelineRuntime:
         for entry in result.logs:
             value = entry.value if _is_metric(entry.value) else torch.tensor(entry.value, dtype=torch.float32)
             self.lightning_module.log(entry.name, value, **entry.kwargs)
+
+
+def _shapes_only_in_eval_mode(stage: Any) -> None:
+    """Run torch's one-off shape inference of ``stage`` with its module in eval mode.
+
+    On every stage but the first, torch infers output shapes by running the stage's forward on ``torch.empty`` inputs
+    (uninitialised memory). In train mode that pass would fold garbage into BatchNorm's running statistics (NaN in
+    later validation); in eval mode buffers are left alone and the shapes are the same.
+    """
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def in_eval_mode(*args: Any, **kwargs: Any) -> Any:
+        modes = [(m, m.training) for m in stage.submod.modules()]
+        stage.submod.train(False)
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    stage._forward_metadata_inference = in_eval_mode
 

@@ -33,8 +33,10 @@ from typing_extensions import override
 from lightning_pipe import builder
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.config import (
+    PositiveInt,
     ScheduleName,
     check_microbatch_settings,
+    check_pipeline_size,
     resolve_pipeline_size,
     resolve_schedule,
 )
@@ -101,23 +103,24 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        pipeline_size: Union[Literal["auto"], int] = "auto",
+        pipeline_size: Union[Literal["auto"], PositiveInt] = "auto",
         schedule: ScheduleName = "auto",
-        microbatches: Union[Literal["auto"], int] = "auto",
-        microbatch_size: Optional[int] = None,
-        stages_per_rank: Union[Literal["auto"], int] = "auto",
+        microbatches: Union[Literal["auto"], PositiveInt] = "auto",
+        microbatch_size: Optional[PositiveInt] = None,
+        stages_per_rank: Union[Literal["auto"], PositiveInt] = "auto",
         module: str = "auto",
         frontend: Literal["auto", "modules", "trace"] = "auto",
         blocks: str = "auto",
         split_points: Optional[list[str]] = None,
-        balance: Optional[list[int]] = None,
+        balance: Optional[list[PositiveInt]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         init_weights: Optional[Union[str, Path]] = None,
-        eval_microbatches: Union[Literal["auto"], int] = "auto",
+        eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
     ) -> None:
         super().__init__()
         # Validate what needs no world size now, so a bad config fails before processes start.
+        check_pipeline_size(pipeline_size)
         resolve_schedule(schedule, stages_per_rank)
         check_microbatch_settings(microbatches, microbatch_size)
         check_eval_microbatches(eval_microbatches)
