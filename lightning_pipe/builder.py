@@ -117,7 +117,15 @@ def build_pipeline(
     stages: the runtime built the first time is returned again, bound to the new process group.
     """
     split = (
-        module_name, frontend, blocks, split_points, balance, pipeline_size, pipeline_rank, stages_per_rank, schedule
+        module_name,
+        frontend,
+        blocks,
+        split_points,
+        balance,
+        pipeline_size,
+        pipeline_rank,
+        stages_per_rank,
+        schedule,
     )
     existing = lightning_module.__dict__.get(_RUNTIME_ATTR)
     if existing is not None:

@@ -27,19 +27,19 @@ from lightning_pipe.errors import PipelineUsageError
 
 
 class _InputsCaptured(BaseException):
-    """Stops the user's step once the network's inputs are known (BaseException: user ``except Exception`` won't eat it)."""
+    """Ends the user's step at the network call (a BaseException, so ``except Exception`` cannot swallow it)."""
 
 
 class CallInterceptor:
     """Stands in for the pipelined network's ``forward`` while the strategy runs a step."""
 
-    def __init__(self, module: nn.Module, hook_names: str = "training_step") -> None:
+    def __init__(self, module: nn.Module, hook: str = "training_step") -> None:
         self._module = module
         self._mode = "off"
         self._output: Any = None
         self._used = False
         self.captured: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self.hook = hook_names
+        self.hook = hook
         # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
         module.forward = self  # type: ignore[method-assign]
 
@@ -149,7 +149,9 @@ def _is_metric(value: Any) -> bool:
 def _to_float(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise PipelineUsageError(f"`self.log({name!r}, ...)` got a tensor of shape {tuple(value.shape)}; log scalars.")
+            raise PipelineUsageError(
+                f"`self.log({name!r}, ...)` got a tensor of shape {tuple(value.shape)}; log scalars."
+            )
         return float(value.detach().float().item())
     return float(value)
 

@@ -186,9 +186,7 @@ class PipelineRuntime:
         if self.has_first:
             self.interceptor.hook = "training_step"
             with recording_logs(self.lightning_module, []):
-                args, kwargs = self.interceptor.capture(
-                    lambda: self.lightning_module.training_step(batch, *extra_args)
-                )
+                args, kwargs = self.interceptor.capture(lambda: self.lightning_module.training_step(batch, *extra_args))
         before = snapshot(self.metrics) if self.has_last else {}
         self._step = _Step(
             hook="training_step",
@@ -255,4 +253,3 @@ def _shapes_only_in_eval_mode(stage: Any) -> None:
                 m.training = training
 
     stage._forward_metadata_inference = in_eval_mode
-

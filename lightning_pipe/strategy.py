@@ -42,8 +42,8 @@ from lightning_pipe.config import (
 )
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.evaluation import check_eval_microbatches, eval_step
-from lightning_pipe.metrics import bind_metrics
 from lightning_pipe.grads import GradientStash, all_reduce_grads, clip_grad_norm_across
+from lightning_pipe.metrics import bind_metrics
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -181,7 +181,9 @@ class PipelineParallelStrategy(ParallelStrategy):
     @property
     def runtime(self) -> PipelineRuntime:
         if self._runtime is None:
-            raise PipelineUsageError("The pipeline is built in `Trainer.fit/validate/...` setup; it does not exist yet.")
+            raise PipelineUsageError(
+                "The pipeline is built in `Trainer.fit/validate/...` setup; it does not exist yet."
+            )
         return self._runtime
 
     # ------------------------------------------------------------------ environment
@@ -483,7 +485,10 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         """Reduce across data-parallel replicas (every stage of a pipeline already holds the same logged value)."""
         if isinstance(tensor, Tensor):
@@ -510,7 +515,9 @@ class PipelineParallelStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed.pipelining)")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed.pipelining)"
+        )
 
 
 def _new_groups(pp: int, dp: int, rank: int) -> tuple[Any, Any, list[int]]:
