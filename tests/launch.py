@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set in the pytest process by any in-process Lightning run; a child must not inherit them.
+_DIST_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without distributed settings, with the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("TORCHELASTIC_")}
+    return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+
+
+_PORT_CLASH = ("EADDRINUSE", "address already in use", "Address already in use")
+
+
+def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session and kill the whole session when it ends.
+
+    Lightning's launcher starts ranks 1..N-1 as children of rank 0; if rank 0 dies they are orphaned and would wait
+    for it until the process-group timeout while holding our output pipes. Output goes to files, not pipes, and the
+    session is killed as soon as the command returns (or times out), so a failed launch fails the test at once.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = -signal.SIGKILL
+            err.write(f"\n[tests.launch] killed after {timeout} s\n")
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, returncode, out.read(), err.read())
+
+
+def launch(cmd_for_port, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run the command ``cmd_for_port(port)`` builds; once more on a new port if the first one was taken meanwhile
+    (a port found free can be bound by another process before rank 0 listens on it)."""
+    for attempt in range(2):
+        port = str(free_port())
+        proc = run_command(cmd_for_port(port), {**env, "MASTER_PORT": port}, timeout)
+        if proc.returncode == 0 or not any(s in proc.stdout + proc.stderr for s in _PORT_CLASH) or attempt:
+            return proc
+    return proc
+
+
 def run_script(
     name: str,
     *args: str,
@@ -34,29 +94,22 @@ def run_script(
     """Run ``tests/scripts/<name>`` with ``launcher`` ("lightning": plain python, Lightning starts the other ranks;
     "torchrun": ``torch.distributed.run`` starts ``nprocs`` ranks). Fails the test with the output tail on error."""
     script = str(SCRIPTS / name)
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env.pop("LOCAL_RANK", None)
-    if launcher == "torchrun":
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nprocs}",
-            f"--master-port={free_port()}",
-            script,
-            *args,
-        ]
-    else:
-        full_env.setdefault("MASTER_PORT", str(free_port()))
-        cmd = [sys.executable, script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    full_env = clean_env(**(env or {}))
+
+    def command(port: str) -> list[str]:
+        if launcher == "torchrun":
+            run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--master-port={port}"]
+            return [*run, script, *args]
+        return [sys.executable, script, *args]
+
+    proc = launch(command, full_env, timeout)
     if expect_failure:
         if proc.returncode == 0:
             pytest.fail(f"{name} {args} was expected to fail but succeeded:\n{proc.stdout[-3000:]}")
     elif proc.returncode != 0:
         pytest.fail(
             f"{name} {args} exited {proc.returncode}:\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-            f"{proc.stderr[-8000:]}"
+            f"{proc.stderr[-12000:]}"
         )
     return proc
 

@@ -1,7 +1,7 @@
 """Smoke tests of the examples: each one's ``train.py`` runs its own ``config.yaml`` for a few steps on 2 processes.
 
 They run the README's command with a handful of overrides (fewer steps, logs under ``tmp_path``), as a user would.
-Validation and checkpointing are exercised once the strategy implements them (see ``_STRATEGY_EVALUATES``).
+Validation and checkpointing run as configured.
 """
 
 from __future__ import annotations
@@ -9,33 +9,27 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from lightning_pipe import PipelineParallelStrategy
-from tests.launch import ROOT, free_port
+from tests.launch import ROOT, clean_env, launch
 
 EXAMPLES = ROOT / "examples"
-# Validation under the strategy lands separately from training; until then the smoke runs train only.
-_STRATEGY_EVALUATES = "validation_step" in PipelineParallelStrategy.__dict__
-_STRATEGY_CHECKPOINTS = "save_checkpoint" in PipelineParallelStrategy.__dict__
 
 
 def run_example(script: Path, *args: str, launcher: str = "lightning", timeout: float = 300) -> str:
     """Run an example script as its README says (plain python, or torchrun) and return its output."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
-    env.pop("LOCAL_RANK", None)
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-    else:
-        cmd = [sys.executable]
-    proc = subprocess.run(
-        [*cmd, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    env = clean_env()
+
+    def command(port: str) -> list[str]:
+        if launcher == "torchrun":
+            run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}"]
+            return [*run, str(script), *args]
+        return [sys.executable, str(script), *args]
+
+    proc = launch(command, env, timeout)
     if proc.returncode != 0:
         pytest.fail(f"{script.name} {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout + proc.stderr
@@ -52,10 +46,6 @@ def fit_args(name: str, tmp_path: Path, *overrides: str) -> list[str]:
         "--trainer.enable_progress_bar=false",
         *overrides,
     ]
-    if not _STRATEGY_EVALUATES:
-        args.append("--trainer.limit_val_batches=0")
-    if not _STRATEGY_CHECKPOINTS:
-        args.append("--trainer.enable_checkpointing=false")
     return args
 
 
@@ -92,9 +82,8 @@ def test_gpt_example(tmp_path: Path) -> None:
     assert metrics["train_loss"][-1] < 5.5
     # A torchmetrics object's per-step value is that of the step's last microbatch (train_loss is the batch mean).
     assert all(1.0 < v < 2 * 256 for v in metrics["train_ppl"])
-    if _STRATEGY_EVALUATES:
-        assert len(metrics["val_ppl"]) == 2
-        assert metrics["val_ppl"][-1] == pytest.approx(math.exp(metrics["val_loss"][-1]), rel=0.05)
+    assert len(metrics["val_ppl"]) == 2
+    assert metrics["val_ppl"][-1] == pytest.approx(math.exp(metrics["val_loss"][-1]), rel=0.05)
 
 
 def test_cnn_example(tmp_path: Path) -> None:
@@ -113,11 +102,10 @@ def test_cnn_example(tmp_path: Path) -> None:
     assert len(metrics["train_loss"]) == 3
     assert all(math.isfinite(v) for v in metrics["train_loss"])
     assert 0.0 <= metrics["train_acc"][-1] <= 1.0
-    if _STRATEGY_EVALUATES:
-        # BatchNorm's running statistics on the second stage must survive torch's shape inference (no NaN), and
-        # 12 steps already beat chance (0.1) on held-out digits.
-        assert math.isfinite(metrics["val_loss"][-1])
-        assert 0.3 < metrics["val_acc"][-1] <= 1.0
+    # BatchNorm's running statistics on the second stage must survive torch's shape inference (no NaN), and
+    # 12 steps already beat chance (0.1) on held-out digits.
+    assert math.isfinite(metrics["val_loss"][-1])
+    assert 0.3 < metrics["val_acc"][-1] <= 1.0
 
 
 def test_cnn_example_alexnet(tmp_path: Path) -> None:

@@ -5,14 +5,13 @@ split points, microbatch size, bf16 precisions, a one-process pipeline, and two 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.launch import ROOT, SCRIPTS, free_port, run_script
+from tests.launch import SCRIPTS, clean_env, free_port, run_command, run_script
 from tests.reference import assert_parity, load_ranks, single_device_model_run
 
 TWO_PROC_CONFIGS = [
@@ -117,28 +116,11 @@ def test_two_nodes(tmp_path):
     """num_nodes=2 with one process each, started per node with NODE_RANK as Lightning's launcher expects."""
     cfg = [{"name": "nodes", "schedule": "1F1B", "devices": 1, "num_nodes": 2}]
     port = str(free_port())
-    procs = []
-    for node in (0, 1):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "NODE_RANK": str(node),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        env.pop("LOCAL_RANK", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "parity.py"), str(tmp_path), json.dumps(cfg)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    command = [sys.executable, str(SCRIPTS / "parity.py"), str(tmp_path), json.dumps(cfg)]
+    envs = [clean_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for node in (0, 1)]
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda env: run_command(command, env, timeout=300), envs))
+    assert [p.returncode for p in procs] == [0, 0], procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
     from tests.reference import single_device_run
 
     ranks = load_ranks(tmp_path, "nodes")
