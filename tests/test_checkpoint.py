@@ -275,10 +275,16 @@ def test_resume_reshard_convert_and_errors(trained):
     assert [p.name for p in (out / "topk").iterdir()] == [Path(saved["1f1b"][0]["best"]).name]
     assert not [p for p in out.rglob("*") if fmt.is_transient(p)]
 
-    # Convert: the single file holds the saved weights; its predictions give the pipeline's next-step loss.
+    # Convert: the single file holds the saved weights; on one device it predicts what the pipeline predicted, and
+    # gives the pipeline's next-step loss.
     convert.consolidate(out / "interleaved.ckpt", out / "single.ckpt")
     single = LitLMScheduled.load_from_checkpoint(out / "single.ckpt")
     _assert_same_state(single.state_dict(), _merged(saved["interleaved"], "state"))
+    pipeline_predictions = torch.load(out / "interleaved-predictions.pt")
+    with torch.no_grad():
+        single_predictions = single.eval()(single.train_dataloader().dataset.tensors[0])
+    assert pipeline_predictions.shape == (24, 6, VOCAB)
+    torch.testing.assert_close(single_predictions, pipeline_predictions, rtol=1e-5, atol=1e-6)
     assert _batch_loss(single, 0) == pytest.approx(straight["interleaved"][3], abs=1e-6)
 
     # Reverse direction: pretrained weights of the network alone, and the expected single-device first loss.

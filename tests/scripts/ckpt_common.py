@@ -24,6 +24,10 @@ class LitLMScheduled(LitLM):
     def __init__(self, n_layers: int = 8) -> None:
         super().__init__(n_layers=n_layers, lr=0.01, samples=SAMPLES, optimizer="adam")
 
+    def predict_step(self, batch, batch_idx):
+        (x,) = batch
+        return self(x)
+
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from tests.scripts.ckpt_common import LitLMScheduled, save, snapshot, strategy, trainer
 
@@ -35,6 +37,11 @@ def main() -> None:
         if name == "interleaved":
             t.save_checkpoint(out / "interleaved.ckpt")
             t.save_checkpoint(out / "weights.ckpt", weights_only=True)
+            # The pipeline's predictions of the saved weights (on pipeline rank 0; None elsewhere).
+            inputs = TensorDataset(model.train_dataloader().dataset.tensors[0])
+            predictions = t.predict(model, dataloaders=DataLoader(inputs, batch_size=8))
+            if t.global_rank == 0:
+                torch.save(torch.cat(predictions), out / "interleaved-predictions.pt")
         best = callbacks[0].best_model_path if callbacks else None
         save({"losses": model.step_losses, "best": best, **snapshot(t, model)}, out, f"{name}-saved", t.global_rank)
 
