@@ -40,6 +40,7 @@ from lightning_pipe.metrics import (
     find_metrics,
     portable_logs,
     resolve_refs,
+    settle_step_values,
     snapshot,
     to_device,
 )
@@ -344,6 +345,7 @@ def _share(
         output = merge_outputs([results[i] for i in range(n)], sizes, hook)
         portable = portable_logs(merged_logs, metrics)
         shareable = hook != "predict_step" and is_scalar_structure(output)
+        settle_step_values(metrics, before)
         updates = collect_updates(metrics, before)
         local = _Shared(merged_logs, updates, output, shareable)
         payload = [_Shared(portable, updates, to_device(output, _CPU) if shareable else None, shareable)]

@@ -66,10 +66,23 @@ def bind_metrics(module: nn.Module, group: dist.ProcessGroup | None) -> None:
             metric.process_group = group
 
 
-def snapshot(metrics: Mapping[str, nn.Module]) -> dict[str, tuple[int, dict[str, int]]]:
-    """Update count and list-state lengths of each metric, taken before a step."""
+@dataclass(frozen=True)
+class Snapshot:
+    """One metric's state before a step: update count, list-state lengths, and copies of its tensor states."""
+
+    update_count: int
+    lengths: dict[str, int]
+    tensors: dict[str, torch.Tensor]
+
+
+def snapshot(metrics: Mapping[str, nn.Module]) -> dict[str, Snapshot]:
+    """The state of each metric, taken before a step."""
     return {
-        name: (m._update_count, {k: len(v) for k, v in _states(m).items() if isinstance(v, list)})
+        name: Snapshot(
+            m._update_count,
+            {k: len(v) for k, v in _states(m).items() if isinstance(v, list)},
+            {k: v.detach().clone() for k, v in _states(m).items() if isinstance(v, torch.Tensor)},
+        )
         for name, m in metrics.items()
     }
 
@@ -78,11 +91,45 @@ def _states(metric: nn.Module) -> dict[str, Any]:
     return {k: getattr(metric, k) for k in metric._defaults}
 
 
-def collect_updates(metrics: Mapping[str, nn.Module], before: Mapping[str, tuple[int, dict[str, int]]]) -> list:
+def settle_step_values(metrics: Mapping[str, nn.Module], before: Mapping[str, Snapshot]) -> None:
+    """Give each metric called on several microbatches of one step the forward value of the whole batch.
+
+    ``metric(preds, target)`` per microbatch leaves the last microbatch's value as the step value Lightning logs. When
+    every state of the metric is summed or concatenated (Accuracy, Perplexity, MeanSquaredError, ...), the step's
+    own state is the difference from ``before``; computing on it gives what one call on the full batch would have.
+    Metrics with other reductions (max, min, custom) keep the last microbatch's value.
+    """
+    from torchmetrics.utilities.data import dim_zero_cat, dim_zero_sum
+
+    for name, metric in metrics.items():
+        prior = before[name]
+        calls = metric._update_count - prior.update_count
+        if calls <= 1 or metric._forward_cache is None or getattr(metric, "dist_sync_on_step", False):
+            continue
+        if not all(metric._reductions.get(k) in (dim_zero_sum, dim_zero_cat) for k in metric._defaults):
+            continue
+        # Compute on the step's own state in place (a copy could not deep-copy tensors with autograd history), then
+        # put everything back; only this rank computes, so no synchronisation.
+        saved = _states(metric)
+        saved_count, saved_sync = metric._update_count, metric._to_sync
+        try:
+            for key, value in saved.items():
+                step = value[prior.lengths.get(key, 0) :] if isinstance(value, list) else value - prior.tensors[key]
+                setattr(metric, key, step)
+            metric._update_count, metric._to_sync, metric._computed = calls, False, None
+            value = metric.compute()
+        finally:
+            for key, state in saved.items():
+                setattr(metric, key, state)
+            metric._update_count, metric._to_sync, metric._computed = saved_count, saved_sync, None
+        metric._forward_cache = value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def collect_updates(metrics: Mapping[str, nn.Module], before: Mapping[str, Snapshot]) -> list:
     """The state changes of the metrics updated (or reset) since ``before``, on CPU for pickling."""
     updates = []
     for name, metric in metrics.items():
-        count, lengths = before[name]
+        count, lengths = before[name].update_count, before[name].lengths
         if metric._update_count == count:
             continue
         update = MetricUpdate(name, metric._update_count, forward_cache=to_device(metric._forward_cache, _CPU))

@@ -15,7 +15,15 @@ from torch import nn
 from lightning_pipe.config import SINGLE_STAGE, resolve_microbatches
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.interception import CallInterceptor, LoggedValue, _is_metric, merge_microbatch_logs, recording_logs
-from lightning_pipe.metrics import apply_updates, collect_updates, find_metrics, portable_logs, resolve_refs, snapshot
+from lightning_pipe.metrics import (
+    apply_updates,
+    collect_updates,
+    find_metrics,
+    portable_logs,
+    resolve_refs,
+    settle_step_values,
+    snapshot,
+)
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 
 _MAX_CACHED_SCHEDULES = 8
@@ -215,6 +223,7 @@ class PipelineRuntime:
         if self.has_last:
             loss = float(torch.stack([step.losses[i].float() for i in range(n)]).mean())
             local_logs = merge_microbatch_logs([step.logs[i] for i in range(n)])
+            settle_step_values(self.metrics, before)
             payload = [(loss, portable_logs(local_logs, self.metrics), collect_updates(self.metrics, before))]
         if self.group is not None and len(self.group_ranks) > 1:
             dist.broadcast_object_list(payload, src=self.last_stage_global_rank, group=self.group)

@@ -187,22 +187,27 @@ class LitGPTModule(_TokenTask):
 
 
 class LitLMWithMetric(LitLM):
-    """Training accuracy as a torchmetrics object, updated per step and logged per step and per epoch."""
+    """Training accuracy as a torchmetrics object, called per step and logged per step and per epoch."""
 
     def __init__(self) -> None:
         super().__init__()
         from torchmetrics.classification import MulticlassAccuracy
 
         self.train_acc = MulticlassAccuracy(num_classes=VOCAB, average="micro")
+        self.step_acc: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-        self.train_acc.update(logits.reshape(-1, VOCAB), y.reshape(-1))
-        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        self.train_acc(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         self.log("train_loss", loss, on_epoch=True)
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.step_acc.append(float(self.trainer.callback_metrics["train_acc_step"]))
 
 
 def build_model(name: str) -> L.LightningModule:

@@ -27,7 +27,9 @@ def _fit_single_device_trainer(model: L.LightningModule, **trainer_kwargs) -> tu
     )
     trainer.fit(model)
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    return model.step_losses, state, {k: float(v) for k, v in trainer.callback_metrics.items()}
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    logged["step_acc"] = getattr(model, "step_acc", None)
+    return model.step_losses, state, logged
 
 
 @functools.cache

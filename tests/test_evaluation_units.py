@@ -274,3 +274,26 @@ def test_reuse_refuses_another_layout():
     runtime = SimpleNamespace(split=("auto", "modules", "auto", None, None, 2, 0, 1, "1F1B"))
     with pytest.raises(PipelineConfigError, match="already split for another pipeline"):
         _reuse(runtime, ("auto", "modules", "auto", None, None, 4, 0, 1, "1F1B"), "auto", None, None, [0, 1, 2, 3])
+
+
+def test_settle_step_values_gives_the_full_batch_forward_value():
+    from torchmetrics import MaxMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lightning_pipe.metrics import settle_step_values
+
+    g = torch.Generator().manual_seed(0)
+    preds, target = torch.randn(12, 5, generator=g), torch.randint(0, 5, (12,), generator=g)
+    acc, reference, peak = MulticlassAccuracy(5, average="micro"), MulticlassAccuracy(5, average="micro"), MaxMetric()
+    acc(preds[:4], target[:4])  # an earlier step
+    metrics = {"acc": acc, "peak": peak}
+    before = snapshot(metrics)
+    for chunk in range(1, 3):
+        acc(preds[4 * chunk : 4 * chunk + 4], target[4 * chunk : 4 * chunk + 4])
+        peak(torch.tensor(float(chunk)))
+    last_microbatch = float(acc._forward_cache)
+    settle_step_values(metrics, before)
+    whole = float(reference(preds[4:], target[4:]))
+    assert float(acc._forward_cache) == pytest.approx(whole) and whole != pytest.approx(last_microbatch)
+    assert float(acc.compute()) == pytest.approx(float(MulticlassAccuracy(5, average="micro")(preds, target)))
+    assert float(peak._forward_cache) == 2.0  # max-reduced state: the last microbatch's value is kept

@@ -67,16 +67,18 @@ def test_short_last_batch_gets_its_own_schedule(two_procs):
 
 
 def test_training_metric_objects_reach_every_rank(two_procs):
-    """A torchmetrics object updated in training_step (last stage only) logs the single-device epoch value on
-    every rank, including rank 0, which under ZBV holds the last stage and rank 1, which does not."""
+    """A torchmetrics object called in training_step (last stage only) logs the single-device step and epoch values
+    on every rank: rank 0, which under ZBV holds the last stage, and rank 1, which does not."""
     from tests.reference import single_device_model_logged
 
     losses, state, logged = single_device_model_logged("lm-metric", max_steps=12)
     ranks = load_ranks(two_procs, "train-metric")
     assert_parity(ranks, losses, state)
     for r in ranks:
-        for key in ("train_acc", "train_loss_epoch"):
+        for key in ("train_acc_epoch", "train_loss_epoch"):
             assert r["logged"][key] == pytest.approx(logged[key], rel=1e-5), key
+        # The step value is the whole batch's, not the last microbatch's (4 microbatches per step here).
+        assert r["step_acc"] == pytest.approx(logged["step_acc"], rel=1e-5)
 
 
 def test_uneven_balance_and_split_points(two_procs):

@@ -51,6 +51,7 @@ def main() -> None:
                 "losses": model.step_losses,
                 "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
                 "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                "step_acc": getattr(model, "step_acc", None),
                 "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                 "pipeline_rank": strategy.pipeline_rank,
                 "dp_rank": strategy.data_parallel_rank,
