@@ -37,7 +37,6 @@ from lightning_pipe.metrics import (
     MetricUpdate,
     apply_updates,
     collect_updates,
-    find_metrics,
     portable_logs,
     resolve_refs,
     settle_step_values,
@@ -305,17 +304,14 @@ def eval_step(
             with recording_logs(lightning_module, []):
                 captured = runtime.interceptor.capture(lambda mb=mb: step(mb, *extra_args))
             inputs.append(pad_rows(captured, size, static or size))
-    metrics = find_metrics(lightning_module)
+    metrics = runtime.metrics
     before = snapshot(metrics) if runtime.has_last else {}
     results: dict[int, Any] = {}
     logs: dict[int, list[LoggedValue]] = {}
 
     def on_output(m: int, output: Any) -> None:
-        sink: list[LoggedValue] = []
         output = trim_rows(output, sizes[m], static or sizes[m])
-        with runtime.interceptor.responding(output), recording_logs(lightning_module, sink):
-            results[m] = step(microbatches[m], *extra_args)
-        logs[m] = sink
+        results[m], logs[m] = runtime.run_user_step(hook, microbatches[m], extra_args, output)
 
     forward_only(runtime, inputs, n, on_output)
     shared = _share(runtime, hook, metrics, before, results, logs, sizes)

@@ -162,10 +162,7 @@ class PipelineRuntime:
             step.skip_metadata_call = False
             return _zero_loss(output)
         index = int(target.reshape(-1)[0])
-        logs: list[LoggedValue] = []
-        hook = getattr(self.lightning_module, step.hook)
-        with self.interceptor.responding(output), recording_logs(self.lightning_module, logs):
-            result = hook(step.microbatches[index], *step.extra_args)
+        result, logs = self.run_user_step(step.hook, step.microbatches[index], step.extra_args, output)
         loss = result.get("loss") if isinstance(result, Mapping) else result
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise PipelineUsageError(
@@ -175,6 +172,15 @@ class PipelineRuntime:
         step.losses[index] = loss.detach()
         step.logs[index] = logs
         return loss * step.scale
+
+    def run_user_step(
+        self, hook: str, microbatch: Any, extra_args: tuple[Any, ...], output: Any
+    ) -> tuple[Any, list[LoggedValue]]:
+        """Run the user's ``hook`` on one microbatch with the network's call answered by ``output``; record its logs."""
+        logs: list[LoggedValue] = []
+        with self.interceptor.responding(output), recording_logs(self.lightning_module, logs):
+            result = getattr(self.lightning_module, hook)(microbatch, *extra_args)
+        return result, logs
 
     # ----------------------------------------------------------------- steps
     def _resolve(self, batch: Any) -> tuple[int, tuple]:
