@@ -520,11 +520,22 @@ class PipelineParallelStrategy(ParallelStrategy):
         )
 
 
+# Groups by (pipeline size, data-parallel size, rank), kept for later Trainer entries in the same process group: every
+# `fit`/`validate`/`test` would otherwise add a full set of gloo/NCCL groups (and their threads and sockets).
+_GROUPS: dict[tuple[int, int, int], tuple[Any, Any, list[int]]] = {}
+
+
 def _new_groups(pp: int, dp: int, rank: int) -> tuple[Any, Any, list[int]]:
     """Pipeline groups hold consecutive ranks; data-parallel groups hold the ranks of one stage position.
 
-    Every process must create every group, in the same order, even those it is not a member of.
+    Every process must create every group, in the same order, even those it is not a member of. All processes
+    make the same cache decision: the cache is emptied together when the default process group is destroyed.
     """
+    live = dist.distributed_c10d._world.pg_map
+    cached = _GROUPS.get((pp, dp, rank))
+    if cached is not None and all(g in live for g in cached[:2] if g is not None):
+        return cached
+    _GROUPS.clear()
     pp_group = dp_group = None
     pp_ranks: list[int] = []
     for replica in range(dp):
@@ -537,4 +548,5 @@ def _new_groups(pp: int, dp: int, rank: int) -> tuple[Any, Any, list[int]]:
         group = dist.new_group(ranks)
         if rank in ranks:
             dp_group = group
+    _GROUPS[(pp, dp, rank)] = (pp_group, dp_group, pp_ranks)
     return pp_group, dp_group, pp_ranks
