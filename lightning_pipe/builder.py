@@ -1,18 +1,22 @@
-"""Where the model is split: from a LightningModule to this rank's stages and the runtime that drives them."""
+"""Where the model is split: from a LightningModule to the stage bodies this rank owns.
+
+The cut happens in place (other stages' units are removed from the network), so it is recorded on the LightningModule
+as a :class:`Split`: a second Trainer entry (``fit`` then ``test``, or a second Trainer) reuses it instead of cutting
+again. The strategy turns a split into runnable stages (:func:`stage_modules`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.config import V_SHAPED
+from lightning_pipe.config import V_SHAPED, resolve_microbatches
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
-from lightning_pipe.interception import CallInterceptor
-from lightning_pipe.microbatch import batch_size
+from lightning_pipe.microbatch import batch_size, split_batch
 from lightning_pipe.partition import (
     Layout,
     balance_blocks,
@@ -22,7 +26,7 @@ from lightning_pipe.partition import (
     stage_to_rank,
     stage_units,
 )
-from lightning_pipe.runtime import PipelineRuntime
+from lightning_pipe.side_inputs import CallBook, StageCall, StageModule, call_with_activation
 from lightning_pipe.stages import (
     check_ownership,
     has_meta_tensors,
@@ -33,6 +37,30 @@ from lightning_pipe.stages import (
     stage_view,
     trace_stages,
 )
+
+SPLIT_ATTR = "_lightning_pipe_split"
+
+
+@dataclass
+class Split:
+    """A LightningModule cut down to one rank's stages."""
+
+    #: the settings the cut was made with (a later entry must use the same)
+    settings: tuple
+    num_stages: int
+    #: pipeline rank of every stage
+    stage_ranks: list[int]
+    #: this rank's stage bodies by stage index (views sharing the network's parameters, or traced graphs)
+    bodies: dict[int, nn.Module]
+    #: units of the network that each local stage does not hold
+    absent: dict[int, tuple[str, ...]]
+    stage_call: StageCall
+    #: the module whose forward the user's step calls (replaced by the interceptor while the strategy runs)
+    network: nn.Module
+    #: attribute of the LightningModule holding the network before the cut ("" for the LightningModule itself)
+    network_attr: str
+    #: traced stages may bake the example microbatch's size into reshapes (evaluation pads to it)
+    static_microbatch_size: int | None = None
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -81,9 +109,6 @@ def _example_microbatch(
             "`frontend='trace'` traces the network with an example input: set `self.example_input_array` in the"
             " LightningModule to one full batch of network inputs (a tensor, a tuple of tensors or a dict)."
         )
-    from lightning_pipe.config import resolve_microbatches
-    from lightning_pipe.microbatch import batch_size, split_batch
-
     n = resolve_microbatches(microbatches, microbatch_size, batch_size(example), num_stages, "microbatches")
     first = split_batch(example, n)[0]
     if isinstance(first, dict):
@@ -93,7 +118,15 @@ def _example_microbatch(
     return (first,), {}
 
 
-def build_pipeline(
+def call_traced(
+    body: nn.Module, args: tuple, kwargs: dict, received: tuple | None, is_first: bool, is_last: bool
+) -> Any:
+    """The stage call of traced stages: the first takes the network's call, later ones what the stage before sent
+    (values a later stage needs from the network's input are threaded through the stages in between)."""
+    return body(*args, **kwargs) if received is None else body(*received)
+
+
+def split_module(
     lightning_module: Any,
     *,
     module_name: str,
@@ -108,15 +141,9 @@ def build_pipeline(
     microbatches: Any,
     microbatch_size: int | None,
     device: torch.device,
-    group: dist.ProcessGroup | None,
-    group_ranks: Sequence[int],
-) -> PipelineRuntime:
-    """Cut the LightningModule's network down to this rank's stages (in place) and return their runtime.
-
-    A LightningModule that was already cut (``trainer.fit`` then ``trainer.test``, or a second Trainer) keeps its
-    stages: the runtime built the first time is returned again, bound to the new process group.
-    """
-    split = (
+) -> Split:
+    """Cut the LightningModule's network down to this rank's stages (in place), or return the cut made before."""
+    settings = (
         module_name,
         frontend,
         blocks,
@@ -127,11 +154,11 @@ def build_pipeline(
         stages_per_rank,
         schedule,
     )
-    existing = lightning_module.__dict__.get(_RUNTIME_ATTR)
+    existing = lightning_module.__dict__.get(SPLIT_ATTR)
     if existing is not None:
-        return _reuse(existing, split, microbatches, microbatch_size, group, group_ranks)
+        check_same_split(existing.settings, settings)
+        return existing
     attr, network = resolve_module(lightning_module, module_name)
-    static_microbatch_size = None
     num_stages = pipeline_size * stages_per_rank
     layout = find_layout(network, blocks)
     if len(layout.blocks) < num_stages:
@@ -145,30 +172,12 @@ def build_pipeline(
     ranks = stage_to_rank(num_stages, pipeline_size, "v" if schedule in V_SHAPED else "loop")
     local = [s for s in range(num_stages) if ranks[s] == pipeline_rank]
     seed = torch.initial_seed()
-
+    absent = {s: tuple(u for u in layout.units if u not in units_per_stage[s]) for s in local}
     if frontend == "trace":
-        if not attr:
-            raise PipelineModelError(
-                "`frontend='trace'` needs the network in an attribute of the LightningModule (e.g. `self.model`),"
-                " not layers defined on the LightningModule itself. Set `module=` to that attribute."
-            )
-        args, kwargs = _example_microbatch(lightning_module, microbatches, microbatch_size, num_stages)
-        static_microbatch_size = batch_size((args, kwargs))
-        meta = has_meta_tensors(network)
-        if meta:
-            args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
-            kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        state_keys = set(network.state_dict().keys())
-        starts = [sum(counts[:s]) for s in range(1, num_stages)]
-        traced = trace_stages(network, args, kwargs, [layout.blocks[i] for i in starts])
-        stage_modules = [traced[s] for s in local]
-        for mod in stage_modules:
-            retarget_meta_constants(mod, device)
-        holder = merge(stage_modules, state_keys)
-        setattr(lightning_module, attr, holder)
-        if meta:
-            materialize(holder, device, seed)
-        interceptor_target = holder
+        split = _trace(lightning_module, attr, network, layout, counts, local, microbatches, microbatch_size, device)
+        split.settings, split.stage_ranks, split.absent = settings, ranks, absent
+        if has_meta_tensors(split.network):
+            materialize(split.network, device, seed)
     else:
         check_ownership(network, layout.units, units_per_stage)
         keep = [u for s in local for u in units_per_stage[s]]
@@ -177,52 +186,58 @@ def build_pipeline(
             materialize(network, device, seed)
         # Views share the kept units (and their parameters) with `network`; made before the interceptor is installed
         # so that they keep the network's own forward.
-        stage_modules = [stage_view(network, units_per_stage[s], layout.units) for s in local]
-        interceptor_target = network
-    interceptor = CallInterceptor(interceptor_target)
-    runtime = PipelineRuntime(
-        lightning_module=lightning_module,
-        interceptor=interceptor,
-        stage_modules=list(zip(local, stage_modules)),
-        num_stages=num_stages,
-        stage_ranks=ranks,
-        schedule_name=schedule,
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        device=device,
-        group=group,
-        group_ranks=group_ranks,
-    )
-    runtime.split = split  # type: ignore[attr-defined]
-    # Traced graphs may bake the example microbatch's size into reshapes; evaluation pads to it (evaluation.py).
-    runtime.static_microbatch_size = static_microbatch_size  # type: ignore[attr-defined]
-    lightning_module.__dict__[_RUNTIME_ATTR] = runtime
-    return runtime
+        bodies = {s: stage_view(network, units_per_stage[s], layout.units) for s in local}
+        split = Split(settings, num_stages, ranks, bodies, absent, call_with_activation, network, attr)
+    lightning_module.__dict__[SPLIT_ATTR] = split
+    return split
 
 
-_RUNTIME_ATTR = "_lightning_pipe_runtime"
-
-
-def _reuse(
-    runtime: PipelineRuntime,
-    split: tuple,
+def _trace(
+    lightning_module: Any,
+    attr: str,
+    network: nn.Module,
+    layout: Layout,
+    counts: list[int],
+    local: list[int],
     microbatches: Any,
     microbatch_size: int | None,
-    group: dist.ProcessGroup | None,
-    group_ranks: Sequence[int],
-) -> PipelineRuntime:
-    if runtime.split != split:  # type: ignore[attr-defined]
+    device: torch.device,
+) -> Split:
+    if not attr:
+        raise PipelineModelError(
+            "`frontend='trace'` needs the network in an attribute of the LightningModule (e.g. `self.model`),"
+            " not layers defined on the LightningModule itself. Set `module=` to that attribute."
+        )
+    num_stages = len(counts)
+    args, kwargs = _example_microbatch(lightning_module, microbatches, microbatch_size, num_stages)
+    static = batch_size((args, kwargs))
+    if has_meta_tensors(network):
+        args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    state_keys = set(network.state_dict().keys())
+    starts = [sum(counts[:s]) for s in range(1, num_stages)]
+    traced = trace_stages(network, args, kwargs, [layout.blocks[i] for i in starts])
+    bodies = {s: traced[s] for s in local}
+    for body in bodies.values():
+        retarget_meta_constants(body, device)
+    holder = merge(list(bodies.values()), state_keys)
+    setattr(lightning_module, attr, holder)
+    return Split((), num_stages, [], bodies, {}, call_traced, holder, attr, static)
+
+
+def check_same_split(before: tuple, now: tuple) -> None:
+    if before != now:
         raise PipelineConfigError(
             "This LightningModule was already split for another pipeline (module, frontend, blocks, split_points,"
-            f" balance, pipeline_size, pipeline_rank, stages_per_rank, schedule = {runtime.split}, now"  # type: ignore[attr-defined]
-            f" {split}). The split happens in place and cannot be redone: use the same strategy settings, or a new"
-            " LightningModule instance (loading a checkpoint into it) for another layout."
+            f" balance, pipeline_size, pipeline_rank, stages_per_rank, schedule = {before}, now {now}). The split"
+            " happens in place and cannot be redone: use the same strategy settings, or a new LightningModule"
+            " instance (loading a checkpoint into it) for another layout."
         )
-    runtime.microbatches, runtime.microbatch_size = microbatches, microbatch_size
-    runtime.group, runtime.group_ranks = group, list(group_ranks)
-    runtime.last_stage_global_rank = runtime.group_ranks[runtime.stage_ranks[runtime.num_stages - 1]]
-    # Cached schedules hold stages bound to the previous process group.
-    runtime._schedules.clear()
-    runtime.interceptor.remove()
-    runtime.interceptor = CallInterceptor(runtime.interceptor._module)
-    return runtime
+
+
+def stage_modules(split: Split, book: CallBook) -> dict[int, StageModule]:
+    """Runnable stages for ``split``, reading their side inputs from ``book``."""
+    return {
+        s: StageModule(body, s, split.num_stages, book, split.stage_call, split.absent.get(s, ()))
+        for s, body in split.bodies.items()
+    }

@@ -7,8 +7,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from lightning_pipe import collectives
 
 
 class GradientStash:
@@ -21,6 +22,8 @@ class GradientStash:
 
     def __init__(self) -> None:
         self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []
+        #: factor for the pending gradients (``1 / num_items`` of a token-weighted step), applied in :meth:`apply`
+        self.scale: float | None = None
 
     @contextmanager
     def capture(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
@@ -34,31 +37,22 @@ class GradientStash:
             for p, g in zip(params, previous):
                 p.grad = g
 
-    def release(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def apply(self, data_parallel_group: Any | None = None) -> None:
+        """Add the pending gradients to ``.grad``, scaled, averaged over ``data_parallel_group`` when given."""
         pending, self._pending = self._pending, []
-        return pending
-
-    @staticmethod
-    def apply(grads: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        for p, g in grads:
+        scale, self.scale = self.scale, None
+        grads = [g for _, g in pending]
+        if data_parallel_group is not None:
+            replicas = collectives.group_size(data_parallel_group)
+            collectives.all_reduce_many_(grads, data_parallel_group, scale=(scale or 1.0) / replicas)
+        elif scale is not None:
+            for g in grads:
+                g.mul_(scale)
+        for p, g in pending:
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad.add_(g)
-
-
-def all_reduce_grads(grads: Sequence[torch.Tensor], group: Any | None, world: int) -> None:
-    """Average gradients over data-parallel replicas, one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for tensors in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def clip_grad_norm_across(params: Sequence[nn.Parameter], max_norm: float, group: Any | None) -> torch.Tensor:
@@ -71,7 +65,7 @@ def clip_grad_norm_across(params: Sequence[nn.Parameter], max_norm: float, group
         local = torch.zeros((), device=device)
     squared = local.double().pow(2)
     if group is not None:
-        dist.all_reduce(squared, group=group)
+        collectives.all_reduce_(squared, group)
     total = squared.sqrt().to(local.dtype)
     if with_grad:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)

@@ -1,30 +1,49 @@
-"""torchmetrics objects under a pipeline: the last stage updates them; every other rank mirrors their state.
+"""torchmetrics under a pipeline: exact step values on the last stage, mirrored state on every other rank.
 
-The user's step runs (per microbatch) only on the last-stage rank, so only there do metrics see data. After each
-step the last stage sends what changed (:func:`collect_updates`) with its logs; the other ranks apply it
-(:func:`apply_updates`). Logged metric objects travel as :class:`MetricRef` (their attribute path) and are resolved
-to each rank's own object, so ``self.log("acc", self.acc)`` gives every rank the same step and epoch values.
+The user's step runs, once per microbatch, only on the rank holding the last stage, so only there do metrics see data.
+
+- **Step values.** ``metric(preds, target)`` per microbatch would leave the last microbatch's value as the step's
+  value. While a step runs, a private copy of each metric (its *shadow*, reset at every step) receives the same
+  ``update`` calls; its ``compute`` is the value one call on the full batch would have returned, for every metric
+  whose repeated updates equal one update on the concatenated inputs (all of torchmetrics' own, including
+  ``full_state_update=True`` metrics, max/min/mean reductions and wrappers). That value becomes the metric's step value,
+  and a logged forward output of the metric is replaced by it.
+- **Mirroring.** After the step the last stage sends the state of every metric that changed (:class:`MetricUpdate`);
+  the other ranks assign it, so ``self.log("acc", self.acc)``, ``self.acc.compute()`` in an epoch-end hook and
+  callbacks see the same values on every rank. Logged metric objects travel as :class:`MetricRef` (their attribute
+  path).
+
+``MetricCollection`` (nested, with prefixes/postfixes, compute groups) needs nothing special: its members are metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe import transport
+from lightning_pipe.compat import torchmetrics as tm_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.interception import LoggedValue, _is_metric
-
-_CPU = torch.device("cpu")
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    return transport.map_structure(obj, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+def is_metric(value: Any) -> bool:
+    """Whether ``value`` is a ``torchmetrics.Metric`` (without importing torchmetrics when the user does not)."""
+    return any(cls.__name__ == "Metric" and cls.__module__.startswith("torchmetrics") for cls in type(value).__mro__)
+
+
+def is_metric_container(value: Any) -> bool:
+    """A torchmetrics object of any kind (a metric or a ``MetricCollection``): holds state, never a pipeline unit."""
+    return any(cls.__module__.startswith("torchmetrics") for cls in type(value).__mro__)
+
+
+def find_metrics(module: nn.Module) -> dict[str, nn.Module]:
+    """Every ``torchmetrics.Metric`` inside ``module`` (members of collections and wrappers too), by attribute path."""
+    return {name: sub for name, sub in module.named_modules() if name and is_metric(sub)}
 
 
 @dataclass(frozen=True)
@@ -36,7 +55,7 @@ class MetricRef:
 
 @dataclass
 class MetricUpdate:
-    """How one metric's state changed during a step on the last-stage rank, in a form other ranks can apply.
+    """One metric's state after a step on the last-stage rank, in a form the other ranks can assign.
 
     Tensor states are sent whole; list states (``dist_reduce_fx="cat"``) only from ``list_start[state]`` on, the
     length every rank's list had before the step.
@@ -47,15 +66,38 @@ class MetricUpdate:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     lists: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     list_start: dict[str, int] = field(default_factory=dict)
-    forward_cache: Any = None
+    forward_value: Any = None
 
 
-def find_metrics(module: nn.Module) -> dict[str, nn.Module]:
-    """Every torchmetrics object inside ``module``, by attribute path."""
-    return {name: sub for name, sub in module.named_modules() if name and _is_metric(sub)}
+@dataclass(frozen=True)
+class _Before:
+    """A metric before a step: update count, identity of each state object, and list lengths."""
+
+    update_count: int
+    ids: dict[str, int]
+    lengths: dict[str, int]
 
 
-def bind_metrics(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+def _before(metric: Any) -> _Before:
+    states = metric.metric_state
+    return _Before(
+        metric.update_count,
+        {k: id(v) for k, v in states.items()},
+        {k: len(v) for k, v in states.items() if isinstance(v, list)},
+    )
+
+
+def _changed(metric: Any, before: _Before) -> bool:
+    # Every `update` and `forward` increments the count; `reset` zeroes it and replaces tensor states.
+    if metric.update_count != before.update_count:
+        return True
+    states = metric.metric_state
+    return any(id(v) != before.ids.get(k) for k, v in states.items() if not isinstance(v, list)) or any(
+        len(v) != before.lengths.get(k, 0) for k, v in states.items() if isinstance(v, list)
+    )
+
+
+def bind_metrics(module: nn.Module, group: Any) -> None:
     """Make metrics without a process group of their own synchronise over ``group`` (the data-parallel replicas).
 
     torchmetrics synchronises over all processes by default. Every stage of a pipeline holds the same metric state, so
@@ -66,120 +108,167 @@ def bind_metrics(module: nn.Module, group: dist.ProcessGroup | None) -> None:
             metric.process_group = group
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """One metric's state before a step: update count, list-state lengths, and copies of its tensor states."""
-
-    update_count: int
-    lengths: dict[str, int]
-    tensors: dict[str, torch.Tensor]
-
-
-def snapshot(metrics: Mapping[str, nn.Module]) -> dict[str, Snapshot]:
-    """The state of each metric, taken before a step."""
-    return {
-        name: Snapshot(
-            m._update_count,
-            {k: len(v) for k, v in _states(m).items() if isinstance(v, list)},
-            {k: v.detach().clone() for k, v in _states(m).items() if isinstance(v, torch.Tensor)},
-        )
-        for name, m in metrics.items()
-    }
+def _detached_copy(metric: nn.Module) -> Any:
+    """A deep copy of ``metric`` (and the metrics inside it) whose tensors carry no autograd history and whose process
+    groups are shared, not copied (deepcopy refuses both non-leaf tensors and process groups)."""
+    memo: dict[int, Any] = {}
+    for sub in metric.modules():
+        group = getattr(sub, "process_group", None)
+        if group is not None:
+            memo[id(group)] = group
+        for value in vars(sub).values():
+            leaves = value.values() if isinstance(value, Mapping) else value
+            for t in leaves if isinstance(value, (list, tuple, Mapping)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    memo[id(t)] = t.detach().clone()
+    return copy.deepcopy(metric, memo)
 
 
-def _states(metric: nn.Module) -> dict[str, Any]:
-    return {k: getattr(metric, k) for k in metric._defaults}
+class MetricMirror:
+    """The metrics of one LightningModule: step values on the last stage, state mirrored to the other ranks."""
 
+    def __init__(self, lightning_module: nn.Module) -> None:
+        self.metrics = find_metrics(lightning_module)
+        self._names = {id(m): n for n, m in self.metrics.items()}
+        self._shadows: dict[str, Any] = {}
+        self._recording = False
+        #: per metric called during the step: ids of the leaves of its forward outputs -> (metric, key)
+        self._outputs: dict[int, tuple[str, Any]] = {}
+        self._keep: list[Any] = []  # forward outputs, alive while their ids are in use
+        self._called: set[str] = set()
+        self._handles = [
+            metric.register_forward_hook(self._after_forward(name), with_kwargs=True)
+            for name, metric in self.metrics.items()
+        ]
 
-def settle_step_values(metrics: Mapping[str, nn.Module], before: Mapping[str, Snapshot]) -> None:
-    """Give each metric called on several microbatches of one step the forward value of the whole batch.
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
-    ``metric(preds, target)`` per microbatch leaves the last microbatch's value as the step value Lightning logs. When
-    every state of the metric is summed or concatenated (Accuracy, Perplexity, MeanSquaredError, ...), the step's
-    own state is the difference from ``before``; computing on it gives what one call on the full batch would have.
-    Metrics with other reductions (max, min, custom) keep the last microbatch's value.
-    """
-    from torchmetrics.utilities.data import dim_zero_cat, dim_zero_sum
+    # ------------------------------------------------------------------------------------------------ step values
+    def _shadow(self, name: str) -> Any:
+        shadow = self._shadows.get(name)
+        if shadow is None:
+            shadow = _detached_copy(self.metrics[name])
+            shadow.reset()
+            for sub in shadow.modules():
+                if is_metric(sub):
+                    tm_compat.never_sync(sub)
+            self._shadows[name] = shadow
+        return shadow
 
-    for name, metric in metrics.items():
-        prior = before[name]
-        calls = metric._update_count - prior.update_count
-        if calls <= 1 or metric._forward_cache is None or getattr(metric, "dist_sync_on_step", False):
-            continue
-        if not all(metric._reductions.get(k) in (dim_zero_sum, dim_zero_cat) for k in metric._defaults):
-            continue
-        # Compute on the step's own state in place (a copy could not deep-copy tensors with autograd history), then
-        # put everything back; only this rank computes, so no synchronisation.
-        saved = _states(metric)
-        saved_count, saved_sync = metric._update_count, metric._to_sync
+    def _after_forward(self, name: str) -> Any:
+        def hook(metric: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self._recording:
+                return
+            self._shadow(name).update(*args, **kwargs)
+            self._called.add(name)
+            self._keep.append(output)
+            if isinstance(output, torch.Tensor):
+                self._outputs[id(output)] = (name, None)
+            elif isinstance(output, Mapping):
+                for key, value in output.items():
+                    self._outputs[id(value)] = (name, key)
+
+        return hook
+
+    @contextmanager
+    def step(self, record_step_values: bool) -> Iterator[StepMetrics]:
+        """The metrics during one step on the last-stage rank; ``record_step_values`` when it has several
+        microbatches (with one, ``forward`` already returns the batch's value)."""
+        before = {name: _before(m) for name, m in self.metrics.items()}
+        self._recording = record_step_values
+        self._outputs, self._keep, self._called = {}, [], set()
+        step = StepMetrics(self, before)
         try:
-            for key, value in saved.items():
-                step = value[prior.lengths.get(key, 0) :] if isinstance(value, list) else value - prior.tensors[key]
-                setattr(metric, key, step)
-            metric._update_count, metric._to_sync, metric._computed = calls, False, None
-            value = metric.compute()
+            yield step
         finally:
-            for key, state in saved.items():
-                setattr(metric, key, state)
-            metric._update_count, metric._to_sync, metric._computed = saved_count, saved_sync, None
-        metric._forward_cache = value.detach() if isinstance(value, torch.Tensor) else value
+            self._recording = False
+
+    def settle_step_values(self) -> dict[str, Any]:
+        """Step values of the metrics called this step; their forward values become them, shadows are reset."""
+        values = {}
+        for name in self._called:
+            shadow = self._shadows[name]
+            value = shadow.compute()
+            shadow.reset()
+            values[name] = value.detach() if isinstance(value, torch.Tensor) else value
+            tm_compat.set_forward_value(self.metrics[name], values[name])
+        return values
+
+    def output_source(self, value: Any) -> tuple[str, Any] | None:
+        """``(metric name, key)`` when ``value`` is (an entry of) the output of a metric's ``forward`` this step."""
+        return self._outputs.get(id(value))
+
+    # ------------------------------------------------------------------------------------------------ mirroring
+    def apply(self, updates: Sequence[MetricUpdate], device: torch.device) -> None:
+        """Bring this rank's metrics to the last-stage rank's state."""
+        for update in updates:
+            metric = self.metrics[update.name]
+            for key, value in update.tensors.items():
+                setattr(metric, key, value.to(getattr(metric, key).device))
+            for key, tail in update.lists.items():
+                current = getattr(metric, key)
+                del current[update.list_start[key] :]
+                current.extend(t.to(device) for t in tail)
+            tm_compat.set_update_count(metric, update.update_count)
+            tm_compat.invalidate(metric)
+            tm_compat.set_forward_value(metric, update.forward_value)
+
+    def portable(self, value: Any) -> Any:
+        """A logged value ready to send: a metric object becomes a :class:`MetricRef`."""
+        if is_metric_container(value):
+            return MetricRef(self._names.get(id(value)))
+        return value
+
+    def resolve(self, value: Any, log_name: str) -> Any:
+        """The inverse of :meth:`portable` on a receiving rank."""
+        if not isinstance(value, MetricRef):
+            return value
+        if value.name is None:
+            raise PipelineUsageError(
+                f"`self.log({log_name!r}, <metric>)` logged a torchmetrics object that is not an attribute of"
+                " the LightningModule. Under PipelineParallelStrategy metric objects are matched across ranks by"
+                " attribute: assign it (e.g. `self.val_acc = Accuracy(...)`) in `__init__`."
+            )
+        return self.metrics[value.name]
 
 
-def collect_updates(metrics: Mapping[str, nn.Module], before: Mapping[str, Snapshot]) -> list:
-    """The state changes of the metrics updated (or reset) since ``before``, on CPU for pickling."""
-    updates = []
-    for name, metric in metrics.items():
-        count, lengths = before[name].update_count, before[name].lengths
-        if metric._update_count == count:
-            continue
-        update = MetricUpdate(name, metric._update_count, forward_cache=to_device(metric._forward_cache, _CPU))
-        for key, value in _states(metric).items():
-            if isinstance(value, list):
-                start = lengths.get(key, 0) if len(value) >= lengths.get(key, 0) else 0
-                update.lists[key] = [t.detach().cpu() for t in value[start:]]
-                update.list_start[key] = start
-            else:
-                update.tensors[key] = value.detach().cpu()
-        updates.append(update)
-    return updates
+class StepMetrics:
+    """What happened to the metrics during one step (see :meth:`MetricMirror.step`)."""
 
+    def __init__(self, mirror: MetricMirror, before: Mapping[str, _Before]) -> None:
+        self._mirror, self._before = mirror, before
+        self.step_values: dict[str, Any] = {}
 
-def apply_updates(metrics: Mapping[str, nn.Module], updates: Sequence[MetricUpdate], device: torch.device) -> None:
-    """Bring this rank's metrics to the last-stage rank's state."""
-    for update in updates:
-        metric = metrics[update.name]
-        for key, value in update.tensors.items():
-            setattr(metric, key, value.to(getattr(metric, key).device))
-        for key, tail in update.lists.items():
-            current = getattr(metric, key)
-            del current[update.list_start[key] :]
-            current.extend(t.to(device) for t in tail)
-        metric._update_count = update.update_count
-        metric._computed = None
-        metric._forward_cache = to_device(update.forward_cache, device)
+    def settle(self) -> None:
+        self.step_values = self._mirror.settle_step_values()
 
+    def step_value_of(self, logged: Any) -> tuple[bool, Any]:
+        """``(True, full-batch value)`` when ``logged`` is (an entry of) a metric's forward output of this step."""
+        found = self._mirror.output_source(logged)
+        if found is None or found[0] not in self.step_values:
+            return False, None
+        name, key = found
+        value = self.step_values[name]
+        return True, value if key is None else value[key]
 
-def portable_logs(logs: Sequence[LoggedValue], metrics: Mapping[str, nn.Module]) -> list[LoggedValue]:
-    """The logs with metric objects replaced by :class:`MetricRef`, ready to pickle."""
-    names = {id(m): name for name, m in metrics.items()}
-    return [
-        LoggedValue(e.name, MetricRef(names.get(id(e.value))) if _is_metric(e.value) else e.value, e.kwargs)
-        for e in logs
-    ]
-
-
-def resolve_refs(logs: Sequence[LoggedValue], metrics: Mapping[str, nn.Module]) -> list[LoggedValue]:
-    """The logs with each :class:`MetricRef` replaced by this rank's metric object of that name."""
-    resolved = []
-    for entry in logs:
-        value = entry.value
-        if isinstance(value, MetricRef):
-            if value.name is None:
-                raise PipelineUsageError(
-                    f"`self.log({entry.name!r}, <metric>)` logged a torchmetrics object that is not an attribute of"
-                    " the LightningModule. Under PipelineParallelStrategy metric objects are matched across ranks by"
-                    " attribute: assign it (e.g. `self.val_acc = Accuracy(...)`) in `__init__`."
-                )
-            value = metrics[value.name]
-        resolved.append(LoggedValue(entry.name, value, entry.kwargs))
-    return resolved
+    def updates(self) -> list[MetricUpdate]:
+        """The state of every metric that changed during the step."""
+        out = []
+        for name, metric in self._mirror.metrics.items():
+            before = self._before[name]
+            if not _changed(metric, before):
+                continue
+            update = MetricUpdate(name, metric.update_count, forward_value=tm_compat.forward_value(metric))
+            for key, value in metric.metric_state.items():
+                if isinstance(value, list):
+                    start = before.lengths.get(key, 0) if before.ids.get(key) == id(value) else 0
+                    start = start if len(value) >= start else 0
+                    update.lists[key] = [t.detach() for t in value[start:]]
+                    update.list_start[key] = start
+                else:
+                    update.tensors[key] = value.detach()
+            out.append(update)
+        return out

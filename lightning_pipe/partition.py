@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.metrics import is_metric_container
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+#: Containers whose entries can be a block stack.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,6 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _is_metric(module: nn.Module) -> bool:
-    # torchmetrics objects hold state, not weights: every stage keeps them so that any stage's code can update them.
-    return any(cls.__module__.startswith("torchmetrics") for cls in type(module).__mro__)
-
-
 def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
@@ -61,7 +58,7 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
                 f"`blocks={blocks!r}` names no submodule of {type(module).__name__}. Pass the name of the"
                 " nn.ModuleList/nn.ModuleDict/nn.Sequential that holds the repeated blocks, or `blocks='auto'`."
             ) from None
-        if not isinstance(found, _CONTAINERS):
+        if not isinstance(found, CONTAINERS):
             raise PipelineModelError(
                 f"`blocks={blocks!r}` is a {type(found).__name__}, not an nn.ModuleList, nn.ModuleDict or"
                 " nn.Sequential. Point `blocks` at the container of the repeated blocks."
@@ -72,7 +69,7 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
     candidates = [
         (name, sub)
         for name, sub in module.named_modules()
-        if isinstance(sub, _CONTAINERS) and len(sub) >= 2 and not _is_metric(sub)
+        if isinstance(sub, CONTAINERS) and len(sub) >= 2 and not is_metric_container(sub)
     ]
     if not candidates:
         raise PipelineModelError(
@@ -96,7 +93,7 @@ def find_layout(module: nn.Module, blocks: str = "auto") -> Layout:
     stack = find_block_stack(module, blocks)
     container = module.get_submodule(stack) if stack else module
     prefix = f"{stack}." if stack else ""
-    block_names = tuple(prefix + name for name, child in container.named_children() if not _is_metric(child))
+    block_names = tuple(prefix + name for name, child in container.named_children() if not is_metric_container(child))
     pre: list[str] = []
     post: list[str] = []
     parts = stack.split(".") if stack else []
@@ -108,7 +105,7 @@ def find_layout(module: nn.Module, blocks: str = "auto") -> Layout:
             if name == part:
                 seen_path = True
                 continue
-            if _is_metric(child) or not _holds_state(child):
+            if is_metric_container(child) or not _holds_state(child):
                 # Stateless children (dropout, activations, loss modules) stay on every stage.
                 continue
             (post if seen_path else pre).append(path + name)

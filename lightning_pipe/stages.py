@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.partition import _CONTAINERS
+from lightning_pipe.partition import CONTAINERS
 
 
 def _ancestors(names: Iterable[str]) -> set[str]:
@@ -32,11 +33,11 @@ def _ancestors(names: Iterable[str]) -> set[str]:
 
 
 def _remove_child(parent: nn.Module, name: str) -> None:
-    if isinstance(parent, _CONTAINERS):
-        # Deleting keeps the other entries' keys, so "layers.5" stays "layers.5" on the stage that owns it.
-        del parent._modules[name]
+    if isinstance(parent, CONTAINERS):
+        # Deleting the slot keeps the other entries' keys, so "layers.5" stays "layers.5" on the stage that owns it.
+        del torch_compat.children(parent)[name]
     else:
-        parent._modules[name] = None
+        setattr(parent, name, None)
 
 
 def _split_name(fqn: str) -> tuple[str, str]:
@@ -92,18 +93,18 @@ def stage_view(module: nn.Module, keep: Iterable[str], units: Sequence[str]) -> 
 
     def view(mod: nn.Module, prefix: str) -> nn.Module:
         clone = copy.copy(mod)
-        children = dict(mod._modules)
-        for name, child in mod._modules.items():
+        children = dict(torch_compat.children(mod))
+        for name, child in torch_compat.children(mod).items():
             fqn = prefix + name
             if fqn in unit_set:
                 if fqn not in keep:
-                    if isinstance(mod, _CONTAINERS):
+                    if isinstance(mod, CONTAINERS):
                         del children[name]
                     else:
                         children[name] = None
             elif fqn in paths and child is not None:
                 children[name] = view(child, fqn + ".")
-        clone.__dict__["_modules"] = children
+        torch_compat.set_children(clone, children)
         return clone
 
     return view(module, "")
@@ -239,10 +240,10 @@ def _insert(root: nn.Module, name: str, module: nn.Module) -> None:
     parent = root
     parts = name.split(".")
     for part in parts[:-1]:
-        if parent._modules.get(part) is None:
+        if torch_compat.children(parent).get(part) is None:
             parent.add_module(part, nn.Module())
-        parent = parent._modules[part]
-    if parts[-1] not in parent._modules:
+        parent = torch_compat.children(parent)[part]
+    if parts[-1] not in torch_compat.children(parent):
         parent.add_module(parts[-1], module)
 
 
@@ -256,19 +257,20 @@ def merge(modules: Sequence[nn.Module], state_keys: set[str] | None = None) -> n
     root = nn.Module()
     for mod in modules:
         for name, sub in mod.named_modules():
-            if not (sub._parameters or sub._buffers):
+            params, buffers = torch_compat.own_parameters(sub), torch_compat.own_buffers(sub)
+            if not (params or buffers):
                 continue
             if not name:
-                for pname, p in sub._parameters.items():
+                for pname, p in params.items():
                     root.register_parameter(pname, p)
-                for bname, b in sub._buffers.items():
+                for bname, b in buffers.items():
                     root.register_buffer(bname, b)
             else:
                 _insert(root, name, sub)
     if state_keys is not None:
         for name, sub in root.named_modules():
             prefix = f"{name}." if name else ""
-            for bname in sub._buffers:
+            for bname in torch_compat.own_buffers(sub):
                 if prefix + bname not in state_keys:
-                    sub._non_persistent_buffers_set.add(bname)
+                    torch_compat.mark_non_persistent(sub, bname)
     return root

@@ -1,4 +1,10 @@
-"""``PipelineParallelStrategy``: Lightning's Trainer driving ``torch.distributed.pipelining``."""
+"""``PipelineParallelStrategy``: Lightning's Trainer driving ``torch.distributed.pipelining``.
+
+The strategy wires Lightning to the pieces that do the work: the split (:mod:`lightning_pipe.builder`), the step
+protocol (:mod:`lightning_pipe.protocol`) with its executors, gradients (:mod:`lightning_pipe.grads`) and checkpoints
+(:mod:`lightning_pipe.checkpoint`). It owns the process topology (a ``DeviceMesh``, :mod:`lightning_pipe.mesh`) and the
+pipeline runtime; nothing is stored on the LightningModule but the split itself.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -30,8 +26,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import builder
+from lightning_pipe import builder, collectives, transport
+from lightning_pipe import mesh as meshes
 from lightning_pipe.checkpoint import io as ckpt_io
+from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.config import (
     PositiveInt,
     ScheduleName,
@@ -41,14 +39,18 @@ from lightning_pipe.config import (
     resolve_schedule,
 )
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
-from lightning_pipe.evaluation import check_eval_microbatches, eval_step
-from lightning_pipe.grads import GradientStash, all_reduce_grads, clip_grad_norm_across
-from lightning_pipe.metrics import bind_metrics
+from lightning_pipe.executors import ForwardOnlyExecutor, ScheduleExecutor
+from lightning_pipe.executors.forward_only import check_eval_microbatches
+from lightning_pipe.grads import GradientStash, clip_grad_norm_across
+from lightning_pipe.interception import CallInterceptor
+from lightning_pipe.metrics import MetricMirror, bind_metrics
+from lightning_pipe.protocol import RngStreams, StepProtocol
+from lightning_pipe.runtime import PipelineRuntime
+from lightning_pipe.side_inputs import CallBook
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from lightning_pipe.runtime import PipelineRuntime
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -80,7 +82,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         split_points: Names of the blocks that begin stages 1..N-1 (e.g. ``["layers.4"]``). Default: even split.
         balance: Blocks per stage instead of ``split_points`` (e.g. ``[3, 5]``). Default: even split, the first
             stages taking one more when the blocks do not divide evenly.
-        process_group_backend: ``torch.distributed`` backend. ``None``: ``nccl`` on CUDA, ``gloo`` on CPU.
+        process_group_backend: ``torch.distributed`` backend. ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
+            activations and gradients, gloo for the few CPU tensors a step sends: a pure ``nccl`` group rejects CPU
+            tensors), ``gloo`` on CPU.
         timeout: Timeout of collective and point-to-point operations.
         init_weights: Weights to start from instead of the model's own initialisation: a Lightning ``.ckpt`` file, a
             file holding a plain ``state_dict`` (of the LightningModule, or of the network alone, e.g. pretrained
@@ -143,11 +147,14 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._init_weights = init_weights
         self._eval_microbatches = eval_microbatches
         self._data_parallel_size = 1
-        self._pp_group: Optional[dist.ProcessGroup] = None
-        self._dp_group: Optional[dist.ProcessGroup] = None
-        self._pp_ranks: list[int] = []
+        self._mesh: Optional[DeviceMesh] = None
+        self._mesh_world: Any = None
         self._runtime: Optional[PipelineRuntime] = None
+        self._protocol: Optional[StepProtocol] = None
+        self._train_executor: Optional[ScheduleExecutor] = None
+        self._eval_executor: Optional[ForwardOnlyExecutor] = None
         self._grads = GradientStash()
+        self._rng = RngStreams()
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ resolved settings
@@ -171,12 +178,27 @@ class PipelineParallelStrategy(ParallelStrategy):
         return int(self._stages_per_rank)  # type: ignore[arg-type]
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The process topology: axes ``"dp"`` (data-parallel replicas) and ``"pp"`` (stages of one pipeline)."""
+        if self._mesh is None:
+            raise PipelineUsageError("The device mesh is built when the processes start (setup_environment).")
+        return self._mesh
+
+    @property
     def pipeline_rank(self) -> int:
-        return self.global_rank % self.pipeline_size
+        return meshes.axis_rank(self.device_mesh, meshes.PP) if self._mesh is not None else 0
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.global_rank // self.pipeline_size
+        return meshes.axis_rank(self.device_mesh, meshes.DP) if self._mesh is not None else 0
+
+    @property
+    def pipeline_group(self) -> Any:
+        return meshes.axis_group(self.device_mesh, meshes.PP)
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return meshes.axis_group(self.device_mesh, meshes.DP)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -218,24 +240,36 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = pl_compat.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
+        # No `reset_seed()` as Lightning's DDP does: every process runs the user's script, seeded as on one device, and
+        # re-seeding here would give a shuffling DataLoader another order than that device (see RngStreams).
         self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        if self._process_group_backend is None:
+            self._process_group_backend = default_backend(self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        pl_compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         pp, dp = resolve_pipeline_size(self._pipeline_size, self.world_size)
         self._pipeline_size, self._data_parallel_size = pp, dp
         self._schedule_name, self._stages_per_rank = resolve_schedule(self._schedule_name, self._stages_per_rank)
-        self._pp_group, self._dp_group, self._pp_ranks = _new_groups(pp, dp, self.global_rank)
+        self._build_mesh(meshes.MeshLayout(pp, dp))
+        if self.lightning_module is not None:
+            pl_compat.set_device_mesh(self.lightning_module, self._mesh)
+
+    def _build_mesh(self, layout: meshes.MeshLayout) -> None:
+        # One mesh per default process group: later entries (fit -> validate -> test) reuse its groups.
+        world = collectives.world_group()
+        if self._mesh is not None and self._mesh_world is world:
+            return
+        self._mesh = meshes.build_mesh(layout, self.root_device.type)
+        self._mesh_world = world
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -257,21 +291,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         lightning_module = self.lightning_module
         assert lightning_module is not None
-        if not lightning_module.automatic_optimization:
-            raise PipelineUsageError(
-                "PipelineParallelStrategy needs automatic optimization: the schedule runs forward and backward for"
-                " you, so `manual_backward` has nothing to act on. Remove `self.automatic_optimization = False` and"
-                " return the loss from `training_step`."
-            )
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise PipelineConfigError(
-                f"`precision={self.precision_plugin.precision!r}` needs a gradient scaler whose inf/NaN checks would"
-                " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
-                " 'bf16-true')."
-            )
-        # The network's attribute name is known only before the split (the trace frontend replaces the attribute).
-        network_attr = builder.resolve_module(lightning_module, self._module_name)[0] if self._init_weights else ""
-        self._runtime = builder.build_pipeline(
+        self._check_supported(lightning_module)
+        split = builder.split_module(
             lightning_module,
             module_name=self._module_name,
             frontend=self._frontend,
@@ -285,23 +306,68 @@ class PipelineParallelStrategy(ParallelStrategy):
             microbatches=self._microbatches,
             microbatch_size=self._microbatch_size,
             device=self.root_device,
-            group=self._pp_group,
-            group_ranks=self._pp_ranks,
         )
-        bind_metrics(lightning_module, self._dp_group)
+        self._build_runtime(split)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._init_weights is not None:
-            self._load_initial_weights(network_attr)
+            self._load_initial_weights(split.network_attr)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            pl_compat.optimizers_to_device(self.optimizers, self.root_device)
         # Lightning clips with the norm of this rank's gradients; the right norm spans every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
+        self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
+
+    def _check_supported(self, lightning_module: Any) -> None:
+        if not lightning_module.automatic_optimization:
+            raise PipelineUsageError(
+                "PipelineParallelStrategy needs automatic optimization: the schedule runs forward and backward for"
+                " you, so `manual_backward` has nothing to act on. Remove `self.automatic_optimization = False` and"
+                " return the loss from `training_step`."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise PipelineConfigError(
+                f"`precision={self.precision_plugin.precision!r}` needs a gradient scaler whose inf/NaN checks would"
+                " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
+                " 'bf16-true')."
+            )
+
+    def _build_runtime(self, split: builder.Split) -> None:
+        self._close_runtime()
+        book = CallBook()
+        pp_group = self.pipeline_group if self.pipeline_size > 1 else None
+        runtime = PipelineRuntime(
+            builder.stage_modules(split, book),
+            split.num_stages,
+            split.stage_ranks,
+            book,
+            pp_group,
+            collectives.group_ranks(self.pipeline_group),
+            self.root_device,
+        )
+        bind_metrics(self.lightning_module, self.data_parallel_group)
+        self._runtime = runtime
+        self._protocol = StepProtocol(
+            self.lightning_module,
+            runtime,
+            CallInterceptor(split.network),
+            MetricMirror(self.lightning_module),
+            self._rng,
+        )
+        self._train_executor = ScheduleExecutor(runtime, self.schedule_name, self._microbatches, self._microbatch_size)
+        self._eval_executor = ForwardOnlyExecutor(runtime, self._eval_microbatches, split.static_microbatch_size)
+
+    def _close_runtime(self) -> None:
+        if self._protocol is not None:
+            self._protocol.interceptor.remove()
+            self._protocol.mirror.close()
+        self._runtime = self._protocol = self._train_executor = self._eval_executor = None
 
     @override
     def model_to_device(self) -> None:
@@ -310,16 +376,18 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise PipelineUsageError(f"Unexpected keyword arguments for training_step: {sorted(kwargs)}.")
-        batch, extra = args[0], tuple(args[1:])
-        trainer = self.lightning_module.trainer
+        assert self._protocol is not None and self._train_executor is not None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         with self.precision_plugin.train_step_context(), self._grads.capture(params):
-            result = self.runtime.train_step(batch, extra, trainer.accumulate_grad_batches)
-        self.runtime.replay_logs(result)
-        return torch.tensor(result.loss, device=self.root_device)
+            outcome = self._protocol.run("training_step", args[0], tuple(args[1:]), self._train_executor, accumulate)
+        self._grads.scale = outcome.grad_scale
+        if outcome.output is not None and (outcome.output_shared or self.runtime.has_last):
+            return outcome.output
+        return outcome.loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -327,10 +395,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         ``zero_grad``, exactly where a single-device backward would put them."""
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        grads = self._grads.release()
-        if self._data_parallel_size > 1:
-            all_reduce_grads([g for _, g in grads], self._dp_group, self._data_parallel_size)
-        self._grads.apply(grads)
+        self._grads.apply(self.data_parallel_group if self._data_parallel_size > 1 else None)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -355,11 +420,29 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _eval_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kwargs:
             raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
-        return eval_step(self.runtime, hook, args[0], tuple(args[1:]), self._eval_microbatches)
+        assert self._protocol is not None and self._eval_executor is not None
+        outcome = self._protocol.run(hook, args[0], tuple(args[1:]), self._eval_executor)
+        if hook == "predict_step":
+            return self._predictions_to_first_rank(outcome.output)
+        return outcome.output if self.runtime.has_last or outcome.output_shared else None
+
+    def _predictions_to_first_rank(self, output: Any) -> Any:
+        """The last stage's predictions, moved once to pipeline rank 0 when the last stage lives elsewhere."""
+        runtime = self.runtime
+        source = runtime.stage_ranks[runtime.num_stages - 1]
+        me = runtime.pipeline_rank
+        if source == 0:
+            return output if me == 0 else None
+        if runtime.has_last:
+            transport.wait_all(transport.send_object(output, runtime.group_ranks[0], runtime.group, runtime.device))
+            return None
+        if me == 0:
+            return transport.recv_object(runtime.last_stage_global_rank, runtime.group, runtime.device)
+        return None
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_across(params, float(clip_val), self._pp_group if self.pipeline_size > 1 else None)
+        clip_grad_norm_across(params, float(clip_val), self.pipeline_group if self.pipeline_size > 1 else None)
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint)
     @property
@@ -452,7 +535,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             data_parallel_size=self._data_parallel_size,
             stages_per_rank=self.stages_per_rank,
             schedule=self.schedule_name,
-            pipeline_group=self._pp_group,
+            pipeline_group=self.pipeline_group if self.pipeline_size > 1 else None,
         )
 
     def _load_initial_weights(self, network_attr: str) -> None:
@@ -468,20 +551,11 @@ class PipelineParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        collectives.barrier(device=self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return collectives.broadcast_object(obj, src, device=self.root_device)
 
     @override
     def reduce(
@@ -492,20 +566,19 @@ class PipelineParallelStrategy(ParallelStrategy):
     ) -> Union[Tensor, Any]:
         """Reduce across data-parallel replicas (every stage of a pipeline already holds the same logged value)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op=reduce_op)
+            group = group if group is not None else self.data_parallel_group
+            return pl_compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, None, reduce_op=ReduceOp.SUM)
+        flag = pl_compat.sync_ddp_if_available(flag, None, reduce_op=ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag)
 
     @override
     def teardown(self) -> None:
-        if self._runtime is not None:
-            self._runtime.interceptor.remove()
-            self._runtime = None
+        self._close_runtime()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -520,33 +593,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         )
 
 
-# Groups by (pipeline size, data-parallel size, rank), kept for later Trainer entries in the same process group: every
-# `fit`/`validate`/`test` would otherwise add a full set of gloo/NCCL groups (and their threads and sockets).
-_GROUPS: dict[tuple[int, int, int], tuple[Any, Any, list[int]]] = {}
-
-
-def _new_groups(pp: int, dp: int, rank: int) -> tuple[Any, Any, list[int]]:
-    """Pipeline groups hold consecutive ranks; data-parallel groups hold the ranks of one stage position.
-
-    Every process must create every group, in the same order, even those it is not a member of. All processes
-    make the same cache decision: the cache is emptied together when the default process group is destroyed.
-    """
-    live = dist.distributed_c10d._world.pg_map
-    cached = _GROUPS.get((pp, dp, rank))
-    if cached is not None and all(g in live for g in cached[:2] if g is not None):
-        return cached
-    _GROUPS.clear()
-    pp_group = dp_group = None
-    pp_ranks: list[int] = []
-    for replica in range(dp):
-        ranks = list(range(replica * pp, (replica + 1) * pp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            pp_group, pp_ranks = group, ranks
-    for position in range(pp):
-        ranks = list(range(position, pp * dp, pp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = group
-    _GROUPS[(pp, dp, rank)] = (pp_group, dp_group, pp_ranks)
-    return pp_group, dp_group, pp_ranks
+def default_backend(device: torch.device) -> str:
+    """``"cpu:gloo,cuda:nccl"`` on CUDA: NCCL moves activations and gradients, gloo the CPU tensors a step sends
+    (a pure NCCL group raises on them); Lightning's default for any other device."""
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return pl_compat.default_process_group_backend_for_device(device)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_pipe import collectives
 from lightning_pipe.errors import PipelineUsageError
 
 
@@ -39,14 +39,15 @@ def map_structure(obj: Any, fn: Any) -> Any:
     return fn(obj)
 
 
-def pack(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``obj`` into a picklable skeleton (tensors replaced by slots) and its tensors in slot order."""
+def pack(obj: Any, detach: bool = True) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``obj`` into a picklable skeleton (tensors replaced by slots) and its tensors in slot order (detached
+    unless ``detach=False``: a last stage's output keeps its autograd graph for the loss)."""
     tensors: list[torch.Tensor] = []
 
     def to_slot(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        tensors.append(leaf.detach().contiguous())
+        tensors.append(leaf.detach().contiguous() if detach else leaf)
         return _Slot(len(tensors) - 1, tuple(leaf.shape), leaf.dtype)
 
     return map_structure(obj, to_slot), tensors
@@ -64,7 +65,7 @@ def slots(skeleton: Any) -> list[_Slot]:
     return sorted(found, key=lambda s: s.index)
 
 
-def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
+def send_object(obj: Any, dst: int, group: Any, device: torch.device) -> list[Any]:
     """Post non-blocking sends of ``obj`` to global rank ``dst``.
 
     Returns the pending works; the caller keeps them (they hold the buffers) and waits on them once the pass ends, so
@@ -81,27 +82,23 @@ def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None, device: tor
         ) from err
     payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    works = []
-    for t in (length, payload, *tensors):
-        works.append((dist.isend(t, dst, group=group), t))
-    return works
+    return [collectives.isend(t, dst, group) for t in (length, payload, *tensors)]
 
 
-def recv_object(src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+def recv_object(src: int, group: Any, device: torch.device) -> Any:
     """Receive one object sent by :func:`send_object` from global rank ``src``."""
     length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(length, src, group=group)
+    collectives.recv_(length, src, group)
     payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src, group=group)
+    collectives.recv_(payload, src, group)
     skeleton = pickle.loads(payload.cpu().numpy().tobytes())
     tensors = []
     for slot in slots(skeleton):
         t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        dist.recv(t, src, group=group)
+        collectives.recv_(t, src, group)
         tensors.append(t)
     return unpack(skeleton, tensors)
 
 
 def wait_all(works: list[Any]) -> None:
-    for work, _buffer in works:
-        work.wait()
+    collectives.wait(works)

@@ -1,9 +1,9 @@
-"""Single-process tests of the evaluation machinery: microbatching, ordering, merging, transport, metric replication."""
+"""Single-process tests of the step machinery: microbatching, ordering, merging, transport, metric step values and
+replication."""
 
 from __future__ import annotations
 
 import collections
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,14 +12,10 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_pipe import PipelineParallelStrategy
-from lightning_pipe.builder import _reuse
+from lightning_pipe.builder import check_same_split
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
-from lightning_pipe.evaluation import (
-    _replay,
-    eval_mode,
-    forward_only,
-    is_scalar_structure,
-    merge_outputs,
+from lightning_pipe.executors import ForwardOnlyExecutor
+from lightning_pipe.executors.forward_only import (
     microbatch_sizes,
     pad_rows,
     plan_microbatches,
@@ -27,10 +23,13 @@ from lightning_pipe.evaluation import (
     task_order,
     trim_rows,
 )
-from lightning_pipe.interception import LoggedValue, merge_microbatch_logs
-from lightning_pipe.metrics import MetricRef, apply_updates, bind_metrics, collect_updates, snapshot
+from lightning_pipe.interception import Call, LoggedValue
+from lightning_pipe.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
+from lightning_pipe.metrics import MetricMirror, MetricRef, bind_metrics
 from lightning_pipe.microbatch import split_batch
 from lightning_pipe.partition import stage_to_rank
+from lightning_pipe.runtime import PipelineRuntime
+from lightning_pipe.side_inputs import CallBook, StageModule, call_with_activation, eval_mode
 from lightning_pipe.transport import pack, send_object, unpack
 
 
@@ -174,19 +173,19 @@ def test_merge_microbatch_logs_weights_by_microbatch_size():
         [LoggedValue("loss", torch.tensor(1.0)), LoggedValue("peak", 5.0, {"reduce_fx": "max"})],
         [LoggedValue("loss", torch.tensor(4.0)), LoggedValue("peak", 7.0, {"reduce_fx": "max"})],
     ]
-    merged = {e.name: e.value for e in merge_microbatch_logs(logs, weights=[3, 1])}
+    merged = {e.name: float(e.value) for e in merge_microbatch_logs(logs, weights=[3, 1])}
     assert merged == {"loss": pytest.approx(1.75), "peak": 7.0}
     # Without weights (training: equal microbatches) the plain mean.
-    assert merge_microbatch_logs(logs)[0].value == pytest.approx(2.5)
+    assert float(merge_microbatch_logs(logs)[0].value) == pytest.approx(2.5)
 
 
 def test_merge_microbatch_logs_uses_logged_batch_size_and_skipped_microbatches():
     logs = [[LoggedValue("acc", 1.0, {"batch_size": 3})], [], [LoggedValue("acc", 0.0, {"batch_size": 1})]]
     (entry,) = merge_microbatch_logs(logs, weights=[3, 2, 1])
-    assert entry.value == pytest.approx(0.75)
+    assert float(entry.value) == pytest.approx(0.75)
     assert entry.kwargs["batch_size"] == 4
     (cond,) = merge_microbatch_logs([[], [LoggedValue("x", 2.0)], [LoggedValue("x", 5.0)]], weights=[4, 1, 3])
-    assert cond.value == pytest.approx((1 * 2.0 + 3 * 5.0) / 4)
+    assert float(cond.value) == pytest.approx((1 * 2.0 + 3 * 5.0) / 4)
 
 
 # ---------------------------------------------------------------------------------------------------- metrics
@@ -198,31 +197,30 @@ class _Holder(nn.Module):
         self.idle = MulticlassAccuracy(num_classes=3)
 
 
-def _metrics(holder: nn.Module) -> dict:
-    return {name: m for name, m in holder.named_modules() if name}
-
-
 def test_metric_updates_replicate_state_exactly():
     last, other = _Holder(), _Holder()
+    sender, receiver = MetricMirror(last), MetricMirror(other)
     for step in range(3):
-        before = snapshot(_metrics(last))
-        for _ in range(2):  # two microbatches
-            preds, target = torch.randint(0, 3, (4,)), torch.randint(0, 3, (4,))
-            last.acc(preds, target)
-            last.seen.update(preds.float())
-        updates = collect_updates(_metrics(last), before)
+        with sender.step(record_step_values=True) as metrics:
+            for _ in range(2):  # two microbatches
+                preds, target = torch.randint(0, 3, (4,)), torch.randint(0, 3, (4,))
+                last.acc(preds, target)
+                last.seen.update(preds.float())
+            metrics.settle()
+            updates = metrics.updates()
         assert {u.name for u in updates} == {"acc", "seen"}  # "idle" was not touched
         seen = next(u for u in updates if u.name == "seen")
         assert seen.list_start["value"] == 2 * step and len(seen.lists["value"]) == 2  # only the new entries travel
-        apply_updates(_metrics(other), updates, torch.device("cpu"))
+        receiver.apply(updates, torch.device("cpu"))
     assert other.acc.compute() == last.acc.compute()
     assert torch.equal(other.seen.compute(), last.seen.compute())
-    assert other.acc._update_count == last.acc._update_count == 6
+    assert other.acc.update_count == last.acc.update_count == 6
     # A reset on the last stage resets the replicas too.
-    before = snapshot(_metrics(last))
-    last.seen.reset()
-    apply_updates(_metrics(other), collect_updates(_metrics(last), before), torch.device("cpu"))
-    assert other.seen.value == [] and other.seen._update_count == 0
+    with sender.step(record_step_values=False) as metrics:
+        last.seen.reset()
+        updates = metrics.updates()
+    receiver.apply(updates, torch.device("cpu"))
+    assert other.seen.value == [] and other.seen.update_count == 0
 
 
 def test_bind_metrics_keeps_a_user_process_group():
@@ -235,9 +233,8 @@ def test_bind_metrics_keeps_a_user_process_group():
 
 
 def test_replay_refuses_a_metric_that_is_not_an_attribute():
-    runtime = SimpleNamespace(replay_logs=lambda result: None)
     with pytest.raises(PipelineUsageError, match="not an attribute of the LightningModule"):
-        _replay(runtime, [LoggedValue("val_acc", MetricRef(None))], {})
+        MetricMirror(nn.Module()).resolve(MetricRef(None), "val_acc")
 
 
 # ---------------------------------------------------------------------------------------------------- executor
@@ -252,18 +249,15 @@ def test_eval_mode_restores_each_flag():
 def test_forward_only_on_one_rank_runs_stages_in_eval_mode_without_grad():
     torch.manual_seed(0)
     first, second = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9)), nn.Sequential(nn.Linear(4, 2))
-    runtime = SimpleNamespace(
-        stage_modules=[(0, first), (1, second)],
-        stage_ranks=[0, 0],
-        num_stages=2,
-        group=None,
-        group_ranks=[0],
-        device=torch.device("cpu"),
-    )
+    book = CallBook()
+    stages = {i: StageModule(body, i, 2, book, call_with_activation) for i, body in enumerate([first, second])}
+    runtime = PipelineRuntime(stages, 2, [0, 0], book, None, [0], torch.device("cpu"))
     x = torch.randn(5, 4)
-    chunks = x.tensor_split(2)
+    executor = ForwardOnlyExecutor(runtime, 2, None)
+    sizes = executor.plan(x)
+    book.start(executor.prepare([Call((c,), {}) for c in x.split(sizes)], sizes))
     outputs = {}
-    forward_only(runtime, [((c,), {}) for c in chunks], 2, lambda m, out: outputs.__setitem__(m, out))
+    executor.run(("eval",), 2, lambda m, out: outputs.__setitem__(m, out))
     assert not outputs[0].requires_grad
     expected = second(first.eval()(x))
     torch.testing.assert_close(torch.cat([outputs[0], outputs[1]]), expected)
@@ -271,29 +265,36 @@ def test_forward_only_on_one_rank_runs_stages_in_eval_mode_without_grad():
 
 
 def test_reuse_refuses_another_layout():
-    runtime = SimpleNamespace(split=("auto", "modules", "auto", None, None, 2, 0, 1, "1F1B"))
     with pytest.raises(PipelineConfigError, match="already split for another pipeline"):
-        _reuse(runtime, ("auto", "modules", "auto", None, None, 4, 0, 1, "1F1B"), "auto", None, None, [0, 1, 2, 3])
+        check_same_split(
+            ("auto", "modules", "auto", None, None, 2, 0, 1, "1F1B"),
+            ("auto", "modules", "auto", None, None, 4, 0, 1, "1F1B"),
+        )
 
 
-def test_settle_step_values_gives_the_full_batch_forward_value():
+def test_step_values_are_the_full_batch_values():
     from torchmetrics import MaxMetric
     from torchmetrics.classification import MulticlassAccuracy
 
-    from lightning_pipe.metrics import settle_step_values
-
     g = torch.Generator().manual_seed(0)
     preds, target = torch.randn(12, 5, generator=g), torch.randint(0, 5, (12,), generator=g)
-    acc, reference, peak = MulticlassAccuracy(5, average="micro"), MulticlassAccuracy(5, average="micro"), MaxMetric()
-    acc(preds[:4], target[:4])  # an earlier step
-    metrics = {"acc": acc, "peak": peak}
-    before = snapshot(metrics)
-    for chunk in range(1, 3):
-        acc(preds[4 * chunk : 4 * chunk + 4], target[4 * chunk : 4 * chunk + 4])
-        peak(torch.tensor(float(chunk)))
-    last_microbatch = float(acc._forward_cache)
-    settle_step_values(metrics, before)
+    holder = nn.Module()
+    holder.acc, holder.peak = MulticlassAccuracy(5, average="micro"), MaxMetric()
+    reference = MulticlassAccuracy(5, average="micro")
+    holder.acc(preds[:4], target[:4])  # an earlier step
+    mirror = MetricMirror(holder)
+    with mirror.step(record_step_values=True) as metrics:
+        outputs = []
+        for chunk in range(1, 3):
+            outputs.append(holder.acc(preds[4 * chunk : 4 * chunk + 4], target[4 * chunk : 4 * chunk + 4]))
+            holder.peak(torch.tensor(float(3 - chunk)))
+        last_microbatch = float(holder.acc._forward_cache)
+        metrics.settle()
     whole = float(reference(preds[4:], target[4:]))
-    assert float(acc._forward_cache) == pytest.approx(whole) and whole != pytest.approx(last_microbatch)
-    assert float(acc.compute()) == pytest.approx(float(MulticlassAccuracy(5, average="micro")(preds, target)))
-    assert float(peak._forward_cache) == 2.0  # max-reduced state: the last microbatch's value is kept
+    assert float(holder.acc._forward_cache) == pytest.approx(whole) and whole != pytest.approx(last_microbatch)
+    assert float(holder.acc.compute()) == pytest.approx(float(MulticlassAccuracy(5, average="micro")(preds, target)))
+    # max-reduced state: the batch's max (2.0, the first microbatch's), not the last microbatch's (1.0)
+    assert float(holder.peak._forward_cache) == 2.0
+    # a logged forward output of the metric resolves to the batch value
+    found = [metrics.step_value_of(o) for o in outputs]
+    assert all(ok for ok, _ in found) and float(found[0][1]) == pytest.approx(whole)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.builder import build_pipeline, resolve_module
+from lightning_pipe.builder import resolve_module, split_module
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.partition import find_layout, stage_units
 from lightning_pipe.stages import check_ownership, materialize, merge, prune, stage_view
@@ -27,11 +27,9 @@ def _build(lm, **overrides):
         microbatches="auto",
         microbatch_size=None,
         device=torch.device("cpu"),
-        group=None,
-        group_ranks=[0, 1],
     )
     kwargs.update(overrides)
-    return build_pipeline(lm, **kwargs)
+    return split_module(lm, **kwargs)
 
 
 def test_prune_keeps_global_names_and_frees_other_units():
@@ -136,11 +134,12 @@ def test_build_refuses_more_stages_than_blocks():
 
 def test_build_rank_holds_only_its_stages():
     lm = LitLM(n_layers=4)
-    runtime = _build(lm, pipeline_rank=1)
+    split = _build(lm, pipeline_rank=1)
     names = {n for n, _ in lm.named_parameters()}
     assert "model.head.weight" in names and "model.embed.weight" not in names
     assert {n.split(".")[2] for n in names if ".layers." in n} == {"2", "3"}
-    assert runtime.has_last and not runtime.has_first and runtime.last_stage_global_rank == 1
+    assert list(split.bodies) == [1] and split.stage_ranks == [0, 1]
+    assert "model.embed" not in split.absent[1] and "embed" in split.absent[1]
 
 
 def test_trace_frontend_needs_example_input():

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
 #: Bytes read per DCP call while consolidating: bounds the progress bar's granularity, not memory (the whole model is
@@ -34,9 +35,7 @@ def inspect(path: Path) -> dict[str, Any]:
     path = Path(path)
     manifest = fmt.read_manifest(path)
     metadata = dcp.FileSystemReader(path).read_metadata() if (path / fmt.DCP_METADATA).is_file() else None
-    ends = [
-        (i.relative_path, i.offset + i.length) for i in ((metadata.storage_data or {}).values() if metadata else [])
-    ]
+    ends = torch_compat.storage_extents(metadata) if metadata else []
     problems = fmt.missing_files(path, manifest, ends)
     if problems:
         raise PipelineCheckpointError(f"Checkpoint {str(path)!r} is incomplete or corrupted: {'; '.join(problems)}.")

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe import collectives
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
 
@@ -41,11 +42,7 @@ class Topology:
 
 # ---------------------------------------------------------------------------------------------------- collectives
 def _gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj)
 
 
 def _agree(problems: Sequence[str], what: str) -> None:
@@ -84,9 +81,7 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def _shapes(prefix: str, state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict({prefix.rstrip("."): dict(state)})
+    flat = torch_compat.flatten_state_dict({prefix.rstrip("."): dict(state)})
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
 
 
@@ -101,7 +96,7 @@ def _stored(metadata: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype] | No
 
 
 def _storage_ends(metadata: Any) -> list[tuple[str, int]]:
-    return [(info.relative_path, info.offset + info.length) for info in (metadata.storage_data or {}).values()]
+    return torch_compat.storage_extents(metadata)
 
 
 # ---------------------------------------------------------------------------------------------------- save

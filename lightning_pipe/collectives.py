@@ -1,0 +1,176 @@
+"""Every ``torch.distributed`` communication call of lightning-pipe, with its tensors on a device the group serves.
+
+NCCL serves CUDA tensors only (a CPU tensor in an NCCL collective raises "No backend type associated with device type
+cpu"); gloo serves CPU tensors (and CUDA ones by copying). A group whose backend is a per-device mix
+(``"cpu:gloo,cuda:nccl"``, the strategy's default on CUDA) serves both. Each function here moves what it sends to a
+device the group serves and hands results back on the caller's device, so no other module needs to know the backend.
+``tests/test_architecture.py`` fails if a ``torch.distributed`` communication call appears anywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = Any  # a ``dist.ProcessGroup`` or ``None`` (the default group)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_group() -> Any:
+    """The default process group object (``None`` without one): a new one means every subgroup must be rebuilt."""
+    return dist.group.WORLD if is_initialized() else None
+
+
+def world_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def group_ranks(group: Group) -> list[int]:
+    """Global ranks of ``group`` in group-rank order."""
+    if not is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def served_device(group: Group, preferred: torch.device) -> torch.device:
+    """The device for tensors sent over ``group``: ``preferred`` if the group's backend serves its type, else one it
+    serves (NCCL: the current CUDA device; gloo: the CPU)."""
+    if not is_initialized():
+        return preferred
+    if preferred.type in served_device_types(str(dist.get_backend(group))):
+        return preferred
+    if "cuda" in served_device_types(str(dist.get_backend(group))) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def served_device_types(backend: str) -> set[str]:
+    """Device types a backend string serves: ``"cpu:gloo,cuda:nccl"`` both, ``"nccl"`` CUDA, ``"gloo"`` CPU."""
+    backend = backend.lower()
+    if ":" in backend:
+        return {part.split(":", 1)[0].strip() for part in backend.split(",")}
+    return {"nccl": {"cuda"}, "gloo": {"cpu"}, "mpi": {"cpu", "cuda"}}.get(backend, {"cpu", "cuda"})
+
+
+def _on(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    return tensor.to(served_device(group, tensor.device))
+
+
+# ---------------------------------------------------------------------------------------------------- collectives
+def all_reduce_(tensor: torch.Tensor, group: Group = None, op: Any = None) -> torch.Tensor:
+    """Sum (or ``op``) ``tensor`` over ``group`` in place."""
+    if group_size(group) == 1:
+        return tensor
+    moved = _on(tensor, group)
+    dist.all_reduce(moved, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_reduce_many_(tensors: list[torch.Tensor], group: Group = None, scale: float | None = None) -> None:
+    """Sum each tensor over ``group`` in place, one collective per dtype (``scale`` multiplies the result)."""
+    if group_size(group) == 1 or not tensors:
+        if scale is not None:
+            for t in tensors:
+                t.mul_(scale)
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        all_reduce_(flat, group)
+        if scale is not None:
+            flat.mul_(scale)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with global rank ``src``'s, in place."""
+    if group_size(group) == 1:
+        return tensor
+    moved = _on(tensor, group)
+    dist.broadcast(moved, src, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int, group: Group = None, device: torch.device | None = None) -> Any:
+    """``obj`` of global rank ``src``, on every rank of ``group`` (pickled)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group, device=served_device(group, device or torch.device("cpu")))
+    return box[0]
+
+
+def all_gather(tensor: torch.Tensor, group: Group = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on the caller's device."""
+    if group_size(group) == 1:
+        return [tensor]
+    moved = _on(tensor, group)
+    out = [torch.empty_like(moved) for _ in range(group_size(group))]
+    dist.all_gather(out, moved, group=group)
+    return [t.to(tensor.device) for t in out]
+
+
+def all_gather_object(obj: Any, group: Group = None, device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``obj``, in group-rank order (pickled)."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    if device is not None and device.type == "cuda":
+        # all_gather_object communicates on the current CUDA device under NCCL.
+        with torch.cuda.device(device):
+            dist.all_gather_object(out, obj, group=group)
+    else:
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Group = None, device: torch.device | None = None) -> None:
+    if not is_initialized():
+        return
+    if device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower():
+        dist.barrier(group=group, device_ids=[device.index if device.index is not None else 0])
+    else:
+        dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------------- point to point
+def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> tuple[Any, torch.Tensor]:
+    """Post a non-blocking send to global rank ``dst``; returns ``(work, buffer)``: keep both until :func:`wait`."""
+    moved = _on(tensor.contiguous(), group)
+    return dist.isend(moved, dst, group=group), moved
+
+
+def recv_(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
+    """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+    moved = _on(tensor, group)
+    dist.recv(moved, src, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def wait(pending: list[tuple[Any, torch.Tensor]]) -> None:
+    for work, _buffer in pending:
+        work.wait()

@@ -1,0 +1,235 @@
+"""Side inputs on every stage: each stage runs with its own microbatch's network call, captured on its own rank.
+
+Every rank captures the network call of every microbatch (:class:`~lightning_pipe.interception.CallInterceptor`) and
+keeps them in a :class:`CallBook`. A :class:`StageModule` is what torch's ``PipelineStage`` drives: it receives only
+the activation of the previous stage (nothing on the first stage), takes every other argument of the call (masks,
+position ids, a rope cache, ``None``, numbers, a ``BlockMask``) from the book for the microbatch being run, and calls
+the stage through a *stage call* that knows how the network takes an activation in place of its input. Only the
+activation crosses ranks; side inputs never enter backward, so the split-backward (zero-bubble) schedules work.
+
+On the last stage the network's output (a tensor, a tuple, a dict, a ``ModelOutput``) is flattened to its tensors for
+torch and rebuilt before the user's step sees it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+
+from lightning_pipe import collectives
+from lightning_pipe.errors import PipelineUsageError
+from lightning_pipe.interception import Call
+from lightning_pipe.transport import pack, unpack
+
+#: ``stage_call(body, args, kwargs, received, is_first, is_last) -> output``
+StageCall = Callable[[nn.Module, tuple, dict, Union[tuple, None], bool, bool], Any]
+DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"
+INFERENCE = "inference"
+
+
+class CallBook:
+    """This rank's network calls for the microbatches of the step in flight."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        #: output structure of the last stage per microbatch (its tensors travel through torch)
+        self.skeletons: dict[int, Any] = {}
+        #: the first exception raised inside a stage during the step, re-raised as is by the executor
+        self.failure: BaseException | None = None
+
+    def start(self, calls: Sequence[Call]) -> None:
+        self.calls, self.skeletons, self.failure = list(calls), {}, None
+
+    def __getitem__(self, microbatch: int) -> Call:
+        return self.calls[microbatch]
+
+
+@contextmanager
+def eval_mode(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Every module in eval mode (dropout off, BatchNorm on running statistics); each one's own flag restored after.
+
+    Stage views are shallow copies of the network, so their containers carry ``training`` flags of their own that
+    ``LightningModule.eval()`` does not reach.
+    """
+    flags = [(m, m.training) for root in modules for m in root.modules()]
+    for m, _ in flags:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _first_parameter(body: nn.Module) -> str | None:
+    params = [
+        p
+        for p in inspect.signature(type(body).forward).parameters.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    return params[0].name if params else None
+
+
+def activation_argument(body: nn.Module, call: Call, count: int) -> str:
+    """How the received activation enters the call, for messages: the argument(s) it replaces."""
+    if call.args:
+        names = [p.name for p in inspect.signature(type(body).forward).parameters.values() if p.name != "self"][:count]
+        return ", ".join(f"`{n}`" for n in names) or "the first argument"
+    return f"`{_first_parameter(body)}`"
+
+
+def call_with_activation(
+    body: nn.Module, args: tuple, kwargs: dict, received: tuple | None, is_first: bool, is_last: bool
+) -> Any:
+    """The stage call of ordinary networks (``frontend="modules"``): the network's own forward, on later stages with
+    the activation in place of the network's first input.
+
+    A stage that returned ``k`` tensors fills the first ``k`` positional arguments; a call made by keyword gets the
+    activation in the keyword of the forward's first parameter. Every other argument is the microbatch's own.
+    """
+    if received is not None:
+        if args:
+            args = tuple(received) + tuple(args[len(received) :])
+        else:
+            name = _first_parameter(body)
+            if name is None or name not in kwargs or len(received) != 1:
+                raise PipelineUsageError(
+                    f"{type(body).__name__} was called with keyword arguments {sorted(kwargs)} only, and the stage"
+                    f" received {len(received)} activation tensor(s) from the previous stage: the activation takes the"
+                    " place of the forward's first parameter, which must be one of them (and a single tensor). Pass"
+                    " the network's input positionally, or first."
+                )
+            kwargs = {**kwargs, name: received[0]}
+    return body(*args, **kwargs)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage as torch's ``PipelineStage`` drives it (see the module docstring).
+
+    ``chunk`` is the microbatch being run (set by :class:`ChunkAwareStage` and the forward-only executor); a forward
+    without one is torch's shape inference, which runs on the first microbatch's call in eval mode (on stages after
+    the first, torch feeds it uninitialised tensors that must not reach BatchNorm's running statistics).
+    """
+
+    def __init__(
+        self,
+        body: nn.Module,
+        index: int,
+        num_stages: int,
+        book: CallBook,
+        stage_call: StageCall,
+        absent_units: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.body = body
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.chunk: int | None = None
+        #: the microbatch of the latest forward, or INFERENCE for torch's shape inference
+        self.last_forward: int | str | None = None
+        self.absent_units = tuple(absent_units)
+        # Not submodules: shared per rank, and not part of any state dict.
+        self.__dict__["book"] = book
+        self.__dict__["stage_call"] = stage_call
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        microbatch = self.chunk
+        call = self.book[0 if microbatch is None else microbatch]
+        activation = None if self.is_first else tuple(received)
+        try:
+            if microbatch is None:
+                with eval_mode([self.body]):
+                    output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
+            else:
+                output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
+        except Exception as err:
+            self.book.failure = self.book.failure or err
+            add_note(err, self.describe_failure(call, activation, microbatch))
+            raise
+        self.last_forward = INFERENCE if microbatch is None else microbatch
+        if self.is_last:
+            skeleton, tensors = pack(output, detach=False)
+            self.book.skeletons[0 if microbatch is None else microbatch] = skeleton
+            return tuple(tensors)
+        return self._activation(output)
+
+    def final_output(self, microbatch: int, tensors: Any) -> Any:
+        """The network's output for ``microbatch`` rebuilt from the tensors this (last) stage returned."""
+        tensors = list(tensors) if isinstance(tensors, (tuple, list)) else [tensors]
+        return unpack(self.book.skeletons[microbatch], tensors)
+
+    def _activation(self, output: Any) -> Any:
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise PipelineUsageError(
+                f"Pipeline stage {self.index} returned {type(output).__name__}"
+                f"{'' if not isinstance(output, (tuple, list)) else ' of ' + _types(leaves)}; a stage before the last"
+                " must return its activation as a tensor or a tuple of tensors (only the activation travels to the"
+                " next stage; masks and other arguments reach every stage from the step's own call). Make the"
+                " network's forward return the hidden state when its head is absent (None)."
+            )
+        return tuple(leaves) if isinstance(output, (tuple, list)) else output
+
+    def describe_failure(self, call: Call, activation: tuple | None, microbatch: int | None) -> str:
+        where = (
+            f"lightning-pipe: raised on rank {collectives.world_rank()} in pipeline stage {self.index} of"
+            f" {self.num_stages}"
+            + (" during torch's shape inference" if microbatch is None else f" (microbatch {microbatch})")
+            + "."
+        )
+        parts = [where]
+        if self.absent_units:
+            shown = ", ".join(self.absent_units[:8]) + (" ..." if len(self.absent_units) > 8 else "")
+            parts.append(f"Units held by other stages are absent (None) here: {shown}.")
+        if activation is not None:
+            parts.append(
+                f"On this stage {activation_argument(self.body, call, len(activation))} holds the activation received"
+                f" from stage {self.index - 1} ({_types(activation)}), not the network's input."
+            )
+        parts.append(
+            "The network's forward must skip absent units and code that only applies to the network's input"
+            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}."
+        )
+        return " ".join(parts)
+
+
+def _types(values: Sequence[Any]) -> str:
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"tensor {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+        return type(v).__name__
+
+    return ", ".join(one(v) for v in values)
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """Attach ``note`` to ``err`` keeping its type and traceback (PEP 678; older Pythons get it in the message)."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    elif err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+
+
+def chunk_aware_stage_class() -> type:
+    """``PipelineStage`` that tells its :class:`StageModule` which microbatch each forward runs.
+
+    torch calls ``forward_one_chunk(fwd_chunk_id, ...)`` for every real forward, in every schedule; its shape
+    inference calls the module directly. Overriding this public method is how a stage knows which microbatch's side
+    inputs to use.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class ChunkAwareStage(PipelineStage):
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.submod.chunk = fwd_chunk_id
+            try:
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            finally:
+                self.submod.chunk = None
+
+    return ChunkAwareStage
