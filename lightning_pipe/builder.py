@@ -203,6 +203,11 @@ def build_pipeline(
 _RUNTIME_ATTR = "_lightning_pipe_runtime"
 
 
+def is_split(lightning_module: Any) -> bool:
+    """Whether ``build_pipeline`` already cut this LightningModule down to a rank's stages."""
+    return _RUNTIME_ATTR in lightning_module.__dict__
+
+
 def _reuse(
     runtime: PipelineRuntime,
     split: tuple,
