@@ -342,29 +342,33 @@ def converted(tmp_path_factory) -> Path:
     return out
 
 
-def test_one_device_to_pipeline_resumes_exactly(converted):
-    out = converted
+def _assert_resumed_one_device_run(out: Path, name: str, ranks: int = 2) -> None:
     straight = torch.load(out / "single-straight.pt")["losses"]
     saved = torch.load(out / "single-saved.pt", weights_only=False)
     assert len(straight) == 9
+    resumed = _load(out, name, ranks)
+    assert resumed[0]["global_step"] == 3, name
+    # Restored state is a copy: weights, Adam moments and steps, param-group hyperparameters exactly equal.
+    _assert_same(_merged(resumed, "state"), saved["state"])
+    _assert_same(_merged(resumed, "optim"), saved["optim"])
+    assert all(fmt.same_state(r["schedulers"], saved["schedulers"]) for r in resumed)
+    # Later steps: the pipeline reduces microbatch losses and gradients in another order than one device.
+    assert resumed[0]["losses"] == pytest.approx(straight[3:], abs=1e-6), name
+    assert all(r["losses"] == resumed[0]["losses"] for r in resumed)
+
+
+def test_one_device_to_pipeline_resumes_exactly(converted):
     for name in ("from-single-1f1b", "from-single-interleaved"):
-        resumed = _load(out, name)
-        assert resumed[0]["global_step"] == 3, name
-        # Restored state is a copy: weights, Adam moments and steps, param-group hyperparameters exactly equal.
-        _assert_same(_merged(resumed, "state"), saved["state"])
-        _assert_same(_merged(resumed, "optim"), saved["optim"])
-        assert all(fmt.same_state(r["schedulers"], saved["schedulers"]) for r in resumed)
-        # Later steps: the pipeline reduces microbatch losses and gradients in another order than one device.
-        assert resumed[0]["losses"] == pytest.approx(straight[3:], abs=1e-6), name
-        assert resumed[1]["losses"] == resumed[0]["losses"]
+        _assert_resumed_one_device_run(converted, name)
 
 
-def test_pipeline_to_one_device_resumes_exactly(converted, tmp_path):
+@pytest.mark.parametrize("name", ["pipe", "pipe4"])
+def test_pipeline_to_one_device_resumes_exactly(converted, four_ranks, tmp_path, name):
     out = converted
     straight = torch.load(out / "single-straight.pt")["losses"]
-    pipe = _load(out, "pipe-saved")
+    pipe = _load(out, f"{name}-saved", ranks=4 if name == "pipe4" else 2)
     dst = tmp_path / "model.ckpt"
-    assert cli(["consolidate", "--with-optimizer", "--no-progress", str(out / "pipe.ckpt"), str(dst)]) == 0
+    assert cli(["consolidate", "--with-optimizer", "--no-progress", str(out / f"{name}.ckpt"), str(dst)]) == 0
 
     # The file has a single-device run's layout: same param groups and numbering as Lightning's own .ckpt.
     single_file, own_file = torch.load(dst), torch.load(out / "single.ckpt")
@@ -384,6 +388,17 @@ def test_pipeline_to_one_device_resumes_exactly(converted, tmp_path):
     _assert_same(restored["optim"], _merged(pipe, "optim"))
     assert fmt.same_state(restored["schedulers"], pipe[0]["schedulers"])
     assert model.step_losses == pytest.approx(straight[3:], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(converted) -> Path:
+    """ckpt_convert.py on 4 ranks: the single-device run resumed on a pipeline of 4 stages, and a checkpoint of it."""
+    run_script("ckpt_convert.py", str(converted), "four", nprocs=4, launcher="torchrun")
+    return converted
+
+
+def test_one_device_to_four_stage_pipeline(four_ranks):
+    _assert_resumed_one_device_run(four_ranks, "from-single-4ranks", ranks=4)
 
 
 def test_single_file_resume_errors(converted):
