@@ -225,6 +225,11 @@ def _trace(
     return Split((), num_stages, [], bodies, {}, call_traced, holder, attr, static)
 
 
+def is_split(lightning_module: Any) -> bool:
+    """Whether :func:`split_module` already cut this LightningModule down to a rank's stages."""
+    return SPLIT_ATTR in lightning_module.__dict__
+
+
 def check_same_split(before: tuple, now: tuple) -> None:
     if before != now:
         raise PipelineConfigError(

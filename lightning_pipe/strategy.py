@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_pipe import builder, collectives, transport
 from lightning_pipe import mesh as meshes
 from lightning_pipe.checkpoint import io as ckpt_io
+from lightning_pipe.checkpoint import optim as ckpt_optim
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.config import (
     PositiveInt,
@@ -38,7 +39,7 @@ from lightning_pipe.config import (
     resolve_pipeline_size,
     resolve_schedule,
 )
-from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
+from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
 from lightning_pipe.executors import ForwardOnlyExecutor, ScheduleExecutor
 from lightning_pipe.executors.forward_only import check_eval_microbatches
 from lightning_pipe.grads import GradientStash, clip_grad_norm_across
@@ -292,6 +293,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         lightning_module = self.lightning_module
         assert lightning_module is not None
         self._check_supported(lightning_module)
+        # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
+        if trainer.state.fn == TrainerFn.FITTING and not builder.is_split(lightning_module):
+            ckpt_optim.record_param_groups(lightning_module)
         split = builder.split_module(
             lightning_module,
             module_name=self._module_name,
@@ -488,13 +492,21 @@ class PipelineParallelStrategy(ParallelStrategy):
                 " written with torch.distributed.checkpoint, not a CheckpointIO plugin. Remove `storage_options`."
             )
         path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))
-        cls = type(self.lightning_module)
-        ckpt_io.save(checkpoint, path, self._checkpoint_topology(), token, f"{cls.__module__}.{cls.__qualname__}")
+        module = self.lightning_module
+        cls = type(module)
+        ckpt_io.save(
+            checkpoint,
+            path,
+            self._checkpoint_topology(),
+            token,
+            f"{cls.__module__}.{cls.__qualname__}",
+            param_groups=ckpt_optim.recorded_param_groups(module),
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a directory checkpoint into this rank's stages (model, and optimizers when fitting), or, outside
-        ``fit``, the weights of a single-file ``.ckpt``; returns Lightning's remaining checkpoint state."""
+        """Load a directory checkpoint or a single-device ``.ckpt`` into this rank's stages (model, and optimizers
+        when fitting); returns Lightning's remaining checkpoint state."""
         path = Path(self.broadcast(checkpoint_path))
         module = self.lightning_module
         assert module is not None and self.model is not None
@@ -509,11 +521,14 @@ class PipelineParallelStrategy(ParallelStrategy):
                 weights_only=weights_only,
             )
         if fitting:
-            raise PipelineCheckpointError(
-                f"`ckpt_path={str(checkpoint_path)!r}` is a single-file checkpoint; resuming `fit` from one would need"
-                " its optimizer state, which a single file stores by position for one device's parameter order. To"
-                f" train from its weights, pass `PipelineParallelStrategy(init_weights={str(checkpoint_path)!r})`; to"
-                " resume a pipeline run, pass the checkpoint directory it saved."
+            return ckpt_io.resume_from_file(
+                path,
+                self._checkpoint_topology(),
+                self.model,
+                self.optimizers,
+                ckpt_optim.recorded_param_groups(module),
+                strict=module.strict_loading,
+                weights_only=weights_only,
             )
         return ckpt_io.load_weights(
             path, self._checkpoint_topology(), self.model, network_prefix="", strict=module.strict_loading

@@ -343,7 +343,7 @@ def test_resume_reshard_convert_and_errors(trained):
         "no-trainer-state": r"trainer\.pt is missing",
         "tmp-dir": r"temporary directory of an interrupted save",
         "weights-only": r"0 optimizer\(s\) .* saved with weights only.*init_weights=",
-        "single-file-fit": r"single-file checkpoint; .*init_weights=",
+        "single-file-fit": r"single-file checkpoint without optimizer state .*init_weights=",
         "init-other-model": r"pretrained\.pt' holds weights the model does not have: 'layers\.6\.",
         "init-missing": r"does-not-exist\.pt' does not exist",
     }

@@ -4,6 +4,7 @@ Examples::
 
     python -m lightning_pipe.checkpoint inspect checkpoints/last.ckpt
     python -m lightning_pipe.checkpoint consolidate checkpoints/last.ckpt model.ckpt
+    python -m lightning_pipe.checkpoint consolidate --with-optimizer checkpoints/last.ckpt model.ckpt
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "consolidate",
-        help="write a checkpoint directory as one ordinary Lightning .ckpt (weights, loops, hyperparameters)",
+        help="write a checkpoint directory as one ordinary Lightning .ckpt (weights, loops, hyperparameters; with"
+        " --with-optimizer also optimizer and LR scheduler states)",
     )
     c.add_argument("src", type=Path, help="checkpoint directory saved by PipelineParallelStrategy")
     c.add_argument("dst", type=Path, help="single-file checkpoint to write, e.g. model.ckpt")
+    c.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="also write optimizer and LR scheduler states in single-device form, so that"
+        " `Trainer(strategy='auto').fit(model, ckpt_path=dst)` resumes the run",
+    )
     c.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
     c.add_argument(
         "--trust-pickle",
@@ -46,7 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(convert.inspect(args.src), indent=2))
         else:
             dst = convert.consolidate(
-                args.src, args.dst, progress=not args.no_progress, weights_only=False if args.trust_pickle else None
+                args.src,
+                args.dst,
+                progress=not args.no_progress,
+                weights_only=False if args.trust_pickle else None,
+                with_optimizer=args.with_optimizer,
             )
             print(f"wrote {dst}", file=sys.stderr)
     except (PipelineCheckpointError, OSError) as err:

@@ -1,11 +1,14 @@
 """Conversion between lightning-pipe checkpoint directories and ordinary single-file Lightning checkpoints.
 
 ``consolidate``: a directory checkpoint (any pipeline layout) to one ``.ckpt`` that
-``LightningModule.load_from_checkpoint`` and ``Trainer(strategy="auto")`` read. It runs in one process without a
-process group and holds the full model in CPU memory (and nothing else: entries are read in chunks).
+``LightningModule.load_from_checkpoint`` and ``Trainer(strategy="auto")`` read; with ``with_optimizer``, also the
+optimizer and LR scheduler states in torch's native single-device form, so ``Trainer(strategy="auto").fit(model,
+ckpt_path=...)`` resumes the run. It runs in one process without a process group and holds the full model (and its
+optimizer state) in CPU memory (and nothing else: entries are read in chunks).
 
 The other direction needs no conversion step: ``PipelineParallelStrategy(init_weights=path)`` starts a pipeline run
-from a ``.ckpt`` or a plain ``state_dict`` file, each rank reading only its own stages.
+from a ``.ckpt`` or a plain ``state_dict`` file, and ``trainer.fit(ckpt_path=...)`` resumes one from a single-device
+``.ckpt``, each rank reading only its own stages.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.checkpoint import optim
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
@@ -42,6 +46,8 @@ def inspect(path: Path) -> dict[str, Any]:
     assert metadata is not None
     keys = list(metadata.state_dict_metadata)
     model = [k for k in keys if k.startswith(fmt.MODEL_PREFIX)]
+    if fmt.PARAM_GROUPS in manifest:  # names of every parameter: sizes are what a reader can check at a glance
+        manifest[fmt.PARAM_GROUPS] = [[len(g) for g in groups] for groups in manifest[fmt.PARAM_GROUPS]]
     return {**manifest, "model_entries": len(model), "optimizer_entries": len(keys) - len(model)}
 
 
@@ -66,60 +72,105 @@ def _chunks(metadata: Any, keys: list[str], limit: int) -> Iterator[tuple[list[s
 
 def load_model_weights(path: Path, progress: bool = False, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Read every model entry of the checkpoint directory ``path`` into one ``state_dict`` (full names, CPU)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from tqdm import tqdm
-
     info = inspect(path)
-    reader_meta = dcp.FileSystemReader(path).read_metadata()
-    keys = [k for k in reader_meta.state_dict_metadata if k.startswith(fmt.MODEL_PREFIX)]
-    chunks = list(_chunks(reader_meta, keys, chunk_bytes))
-    weights: dict[str, Any] = {}
-    total = sum(size for _, size in chunks)
-    with tqdm(
-        total=total, unit="B", unit_scale=True, desc="consolidating", disable=not progress, file=sys.stderr
-    ) as bar:
-        for chunk, size in chunks:
-            target: dict[str, Any] = {}
-            for key in chunk:
-                meta = reader_meta.state_dict_metadata[key]
-                name = key[len(fmt.MODEL_PREFIX) :]
-                if isinstance(meta, TensorStorageMetadata):
-                    target[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
-                else:
-                    target[name] = None  # DCP replaces a non-tensor entry by its stored value
-            state = {"state_dict": target}
-            with warnings.catch_warnings():
-                # "assuming the intent is to load in a single process": it is.
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-            weights.update(state["state_dict"])
-            bar.update(size)
+    weights = load_entries(path, fmt.MODEL_PREFIX, progress=progress, chunk_bytes=chunk_bytes)
     if len(weights) != info["model_entries"]:
         raise PipelineCheckpointError(f"Read {len(weights)} of {info['model_entries']} model entries from {path}.")
     return weights
 
 
-def consolidate(src: Path, dst: Path, progress: bool = False, weights_only: bool | None = None) -> Path:
+def load_entries(path: Path, prefix: str, progress: bool = False, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
+    """Every DCP entry of the checkpoint directory ``path`` whose key starts with ``prefix``, keyed without it (CPU)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from tqdm import tqdm
+
+    reader_meta = dcp.FileSystemReader(path).read_metadata()
+    keys = [k for k in reader_meta.state_dict_metadata if k.startswith(prefix)]
+    chunks = list(_chunks(reader_meta, keys, chunk_bytes))
+    entries: dict[str, Any] = {}
+    total = sum(size for _, size in chunks)
+    desc = "consolidating" if prefix == fmt.MODEL_PREFIX else f"consolidating {prefix.rstrip('.')}"
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, file=sys.stderr) as bar:
+        for chunk, size in chunks:
+            target: dict[str, Any] = {}
+            for key in chunk:
+                meta = reader_meta.state_dict_metadata[key]
+                name = key[len(prefix) :]
+                if isinstance(meta, TensorStorageMetadata):
+                    target[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                else:
+                    target[name] = None  # DCP replaces a non-tensor entry by its stored value
+            state = {prefix.rstrip("."): target}
+            with warnings.catch_warnings():
+                # "assuming the intent is to load in a single process": it is.
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            entries.update(state[prefix.rstrip(".")])
+            bar.update(size)
+    return entries
+
+
+def load_optimizer_states(path: Path, progress: bool = False, weights_only: bool | None = None) -> dict[str, Any]:
+    """The ``optimizer_states`` and ``lr_schedulers`` of a single-device Lightning checkpoint, from the checkpoint
+    directory ``path``: parameters numbered in one device's order, recorded in the manifest when it was saved."""
+    inspect(path)  # complete?
+    manifest = fmt.read_manifest(path)
+    if not manifest["optimizers"]:
+        raise PipelineCheckpointError(
+            f"{str(path)!r} holds no optimizer state (it was saved with weights only); consolidate it without"
+            " `--with-optimizer`."
+        )
+    groups = manifest.get(fmt.PARAM_GROUPS)
+    if groups is None or len(groups) != manifest["optimizers"]:
+        raise PipelineCheckpointError(
+            f"{str(path)!r} does not record its optimizers' parameter order on one device (saved by an earlier"
+            " lightning-pipe, or by a run that could not record it; see docs/troubleshooting.md), so"
+            " `--with-optimizer` cannot number its parameters. Resume it under the pipeline with"
+            " `trainer.fit(ckpt_path=...)` in a new process and save it again, or consolidate without"
+            " `--with-optimizer`."
+        )
+    states = []
+    for i, optimizer_groups in enumerate(groups):
+        flat = load_entries(path, f"optimizer_{i}.", progress=progress)
+        states.append(optim.to_native(flat, optimizer_groups, i))
+    files = manifest["lr_scheduler_files"]
+    schedulers = [torch.load(path / f, map_location="cpu", weights_only=weights_only) for f in files]
+    for name, other in zip(files[1:], schedulers[1:]):
+        if not fmt.same_state(schedulers[0], other):
+            raise PipelineCheckpointError(
+                f"The LR scheduler states of {str(path)!r} differ between pipeline ranks ({files[0]} vs {name}), so"
+                " no single-device scheduler state can be built. Consolidate without `--with-optimizer`, or give"
+                " every rank's `configure_optimizers` the same param groups."
+            )
+    return {"optimizer_states": states, "lr_schedulers": schedulers[0] if schedulers else []}
+
+
+def consolidate(
+    src: Path, dst: Path, progress: bool = False, weights_only: bool | None = None, with_optimizer: bool = False
+) -> Path:
     """Write the checkpoint directory ``src`` as the single-file Lightning checkpoint ``dst``.
 
-    ``dst`` holds the full ``state_dict`` and Lightning's loop, callback and hyperparameter state; it holds no optimizer
-    or LR scheduler state (a single file identifies parameters by their position in one device's optimizer, which the
-    directory does not record), like a ``save_weights_only`` checkpoint. ``weights_only`` is passed to ``torch.load``
-    for the directory's ``trainer.pt`` (``False`` for checkpoints whose hyperparameters hold arbitrary objects; only
-    for checkpoints you trust). The file appears complete or not at all.
+    ``dst`` holds the full ``state_dict`` and Lightning's loop, callback and hyperparameter state. With
+    ``with_optimizer``, it also holds the optimizer states (torch's native form: parameters numbered in the order
+    ``configure_optimizers`` gives them on one device) and LR scheduler states, so ``Trainer(strategy="auto")``
+    resumes the run from it; without, it holds neither, like a ``save_weights_only`` checkpoint. ``weights_only`` is
+    passed to ``torch.load`` for the directory's ``trainer.pt`` and scheduler files (``False`` for checkpoints whose
+    hyperparameters hold arbitrary objects; only for checkpoints you trust). The file appears complete or not at all.
     """
     src, dst = Path(src), Path(dst)
     if dst.exists() and dst.is_dir():
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give a file path such as 'model.ckpt'.")
+    optimizer_state = load_optimizer_states(src, progress, weights_only) if with_optimizer else {}
     weights = load_model_weights(src, progress=progress)
     trainer_state = torch.load(src / fmt.TRAINER_STATE, map_location="cpu", weights_only=weights_only)
     if not isinstance(trainer_state, Mapping):
         raise PipelineCheckpointError(f"{str(src / fmt.TRAINER_STATE)!r} is not a Lightning checkpoint dict.")
-    checkpoint = {**trainer_state, "state_dict": weights}
-    # A resume would find no optimizer state: drop what would be restored without it.
-    for key in ("optimizer_states", "lr_schedulers"):
-        checkpoint.pop(key, None)
+    checkpoint = {**trainer_state, "state_dict": weights, **optimizer_state}
+    if not with_optimizer:
+        # A resume would find no optimizer state: drop what would be restored without it.
+        for key in ("optimizer_states", "lr_schedulers"):
+            checkpoint.pop(key, None)
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid():x}")
     dst.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, tmp)

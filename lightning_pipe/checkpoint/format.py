@@ -26,6 +26,10 @@ TRAINER_STATE = "trainer.pt"
 SCHEDULER_DIR = "lr_schedulers"
 DCP_METADATA = ".metadata"
 MODEL_PREFIX = "state_dict."
+#: Manifest key: per optimizer, per param group, the parameter names in one device's order (``optim.ParamGroups``).
+#: Absent from checkpoints without optimizer state and from those written before it was recorded: readers of format
+#: version 1 ignore keys they do not know, so adding it needed no new version.
+PARAM_GROUPS = "optimizer_param_groups"
 #: Suffixes of the sibling directories a save or removal goes through; none of them is ever a checkpoint to load.
 _TRANSIENT = re.compile(r"\.(tmp|old|trash)-[0-9a-f]+$")
 
@@ -73,13 +77,15 @@ def build_manifest(
     optimizers: int,
     lr_schedulers: bool,
     module_class: str,
+    param_groups: Sequence[Sequence[Sequence[str | None]]] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a checkpoint saved by a pipeline of ``pipeline_size`` ranks.
 
     ``optimizers`` is how many optimizers' states are in it (0 for a weights-only checkpoint); ``lr_schedulers``
-    whether each pipeline rank wrote its scheduler file.
+    whether each pipeline rank wrote its scheduler file; ``param_groups`` the optimizers' parameter order on one
+    device, when known.
     """
-    return {
+    manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "pipeline_size": pipeline_size,
@@ -91,6 +97,9 @@ def build_manifest(
         "lr_scheduler_files": [scheduler_file(r) for r in range(pipeline_size)] if lr_schedulers else [],
         "module_class": module_class,
     }
+    if param_groups is not None:
+        manifest[PARAM_GROUPS] = [[list(group) for group in optimizer] for optimizer in param_groups]
+    return manifest
 
 
 def describe(manifest: Mapping[str, Any]) -> str:

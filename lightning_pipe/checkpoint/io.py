@@ -100,12 +100,21 @@ def _storage_ends(metadata: Any) -> list[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------------------------------------------- save
-def save(checkpoint: dict[str, Any], path: Path, topo: Topology, token: str, module_class: str) -> None:
+def save(
+    checkpoint: dict[str, Any],
+    path: Path,
+    topo: Topology,
+    token: str,
+    module_class: str,
+    param_groups: optim.ParamGroups | None = None,
+) -> None:
     """Write Lightning's ``checkpoint`` dict as the directory ``path``; atomic: the directory appears complete or not
     at all, and a previous checkpoint of the same name is replaced only once the new one is complete.
 
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` hold this rank's entries
-    (:func:`model_state`, :func:`optimizer_state`); ``token`` is the same on every rank.
+    (:func:`model_state`, :func:`optimizer_state`); ``token`` is the same on every rank. ``param_groups``
+    (:func:`optim.full_param_groups`) goes into the manifest with optimizer states, for ``consolidate
+    --with-optimizer``.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -138,6 +147,7 @@ def save(checkpoint: dict[str, Any], path: Path, topo: Topology, token: str, mod
             optimizers=len(optimizer_states or []),
             lr_schedulers=schedulers is not None,
             module_class=module_class,
+            param_groups=param_groups if optimizer_states else None,
         )
         _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
         # The manifest is written last: a directory without one was never completely written.
@@ -315,9 +325,15 @@ def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights
     return chosen
 
 
-# ---------------------------------------------------------------------------------------------------- initial weights
+# ---------------------------------------------------------------------------------------------------- single files
 def load_weights(
-    source: Path, topo: Topology, module: nn.Module, *, network_prefix: str, strict: bool
+    source: Path,
+    topo: Topology,
+    module: nn.Module,
+    *,
+    network_prefix: str,
+    strict: bool,
+    weights_only: bool | None = True,
 ) -> dict[str, Any]:
     """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, or a
     directory checkpoint. A file is memory-mapped: a rank reads only its own stages' tensors from it.
@@ -328,10 +344,50 @@ def load_weights(
     if source.is_dir():
         load(source, topo, module, [], strict=strict)
         return {}
+    weights, rest = _read_file(source, weights_only)
+    _copy_weights(source, weights, module, network_prefix=network_prefix, strict=strict)
+    return rest
+
+
+def resume_from_file(
+    source: Path,
+    topo: Topology,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    param_groups: optim.ParamGroups | None,
+    *,
+    strict: bool,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Resume ``fit`` from a single-file Lightning checkpoint written on one device (or by DDP): this rank's weights
+    and optimizer states, and Lightning's remaining checkpoint dict (LR schedulers, loops, callbacks, ...).
+
+    The file stores optimizer state by parameter position; ``param_groups`` (:func:`optim.full_param_groups` of the
+    full model, recorded before the split) names the positions. The file is memory-mapped: a rank reads only its own
+    stages' tensors.
+    """
+    source = Path(source)
+    weights, rest = _read_file(source, weights_only)
     problems: list[str] = []
-    found = _local(problems, lambda: _split_weights(_mmap(source)))
+    states = _local(problems, _local_optimizer_states, source, rest, module, optimizers, param_groups)
+    _agree(problems, f"Cannot resume `fit` from {str(source)!r}")
+    _copy_weights(source, weights, module, network_prefix="", strict=strict)
+    for optimizer, state in zip(optimizers, states):
+        optimizer.load_state_dict(state)
+    rest.pop("optimizer_states", None)
+    return rest
+
+
+def _read_file(source: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    problems: list[str] = []
+    found = _local(problems, lambda: _split_weights(_mmap(source, weights_only)))
     _agree(problems, f"Cannot read weights from {str(source)!r}")
-    weights, rest = found
+    return found
+
+
+def _copy_weights(
+    source: Path, weights: Mapping[str, Any], module: nn.Module, *, network_prefix: str, strict: bool
+) -> None:
     local = model_state(module)
     names = fmt.match_weight_keys(local, weights, network_prefix)
     expected = {names[k]: tuple(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)}
@@ -348,19 +404,51 @@ def load_weights(
     with torch.no_grad():
         for key, tensor in local.items():
             tensor.copy_(weights[names[key]])
-    return rest
 
 
-def _mmap(source: Path) -> Any:
+def _local_optimizer_states(
+    source: Path,
+    rest: Mapping[str, Any],
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    param_groups: optim.ParamGroups | None,
+) -> list[dict[str, Any]]:
+    """This rank's part of each optimizer state in a single-device checkpoint, in the form its optimizer loads."""
+    saved = rest.get("optimizer_states")
+    if saved is None or (optimizers and not saved):
+        raise PipelineCheckpointError(
+            f"`ckpt_path={str(source)!r}` is a single-file checkpoint without optimizer state (saved with weights"
+            " only, or consolidated without `--with-optimizer`), so `fit` cannot resume from it. To train from its"
+            f" weights, pass `PipelineParallelStrategy(init_weights={str(source)!r})` instead of `ckpt_path`."
+        )
+    if len(saved) != len(optimizers):
+        raise PipelineCheckpointError(
+            f"it holds the state of {len(saved)} optimizer(s) but `configure_optimizers` returned {len(optimizers)}"
+        )
+    if param_groups is None or len(param_groups) != len(optimizers):
+        raise PipelineCheckpointError(
+            "the single-device parameter order of this LightningModule's optimizers was not recorded. It is recorded"
+            " when `trainer.fit` splits the model, by calling `configure_optimizers` on the full model; this module"
+            " was split by an earlier `validate`, `test` or `predict`, or that call failed (see the warning). Resume"
+            " with a new LightningModule instance, passing `ckpt_path` to its first `trainer.fit`."
+        )
+    names = optim.param_names(module)
+    return [
+        optim.localize(state, groups, optim.ordered_names(optimizer, names), i)
+        for i, (state, groups, optimizer) in enumerate(zip(saved, param_groups, optimizers))
+    ]
+
+
+def _mmap(source: Path, weights_only: bool | None = True) -> Any:
     if not source.exists():
         raise FileNotFoundError(f"{str(source)!r} does not exist")
     try:
-        return torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+        return torch.load(source, map_location="cpu", mmap=True, weights_only=weights_only)
     except RuntimeError as err:
         if "mmap" not in str(err):
             raise
         # Files in torch's legacy (non-zip) format cannot be memory-mapped; they are small enough to read whole.
-        return torch.load(source, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=weights_only)
 
 
 def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:
