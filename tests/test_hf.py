@@ -137,6 +137,24 @@ def test_split_matches_unsplit_model(family, padding):
             torch.testing.assert_close(grads[name], param.grad, msg=f"{family}, {num_stages} stages: {name}")
 
 
+def test_gradient_checkpointing_matches():
+    # transformers' checkpointing recomputes blocks in backward, after the stage call's hooks are gone.
+    torch.manual_seed(0)
+    full = _qwen2()
+    full.gradient_checkpointing_enable()
+    kwargs = _batch("left")
+    expected = full(**kwargs)
+    expected.loss.backward()
+    stages = _stages(full, 3)
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+    out, _ = _run_pipeline(stages, (), kwargs)
+    torch.testing.assert_close(out.loss, expected.loss)
+    grads = _summed_grads(full, stages)
+    for name, param in full.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)
+
+
 def test_views_of_one_model_share_its_parameters_and_match():
     # The rank's module is pruned in place and each stage gets a view; here one module holds all stages.
     torch.manual_seed(0)
