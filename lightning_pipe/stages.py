@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -32,8 +32,15 @@ def _ancestors(names: Iterable[str]) -> set[str]:
     return out
 
 
-def _remove_child(parent: nn.Module, name: str) -> None:
-    if isinstance(parent, CONTAINERS):
+Placeholder = Callable[[str], "nn.Module | None"]
+"""Given a unit's name, the module that stands in for it on stages that do not hold it; ``None``: remove it."""
+
+
+def _remove_child(parent: nn.Module, name: str, stand_in: nn.Module | None = None) -> None:
+    if stand_in is not None:
+        # Replaced, not removed: a forward that calls every unit (or counts positions in a block list) still runs.
+        torch_compat.children(parent)[name] = stand_in
+    elif isinstance(parent, CONTAINERS):
         # Deleting the slot keeps the other entries' keys, so "layers.5" stays "layers.5" on the stage that owns it.
         del torch_compat.children(parent)[name]
     else:
@@ -69,23 +76,32 @@ def check_ownership(module: nn.Module, units: Sequence[str], stages: Sequence[Se
             )
 
 
-def prune(module: nn.Module, keep: Iterable[str], units: Sequence[str]) -> nn.Module:
-    """Remove, in place, every unit of ``units`` not in ``keep``; returns ``module``."""
+def prune(
+    module: nn.Module, keep: Iterable[str], units: Sequence[str], placeholder: Placeholder | None = None
+) -> nn.Module:
+    """Remove, in place, every unit of ``units`` not in ``keep``; returns ``module``.
+
+    ``placeholder(unit)``, where given and not ``None``, is put in place of a removed unit.
+    """
     keep = set(keep)
     for unit in units:
         if unit in keep:
             continue
         parent, child = _split_name(unit)
-        _remove_child(module.get_submodule(parent) if parent else module, child)
+        stand_in = placeholder(unit) if placeholder is not None else None
+        _remove_child(module.get_submodule(parent) if parent else module, child, stand_in)
     return module
 
 
-def stage_view(module: nn.Module, keep: Iterable[str], units: Sequence[str]) -> nn.Module:
+def stage_view(
+    module: nn.Module, keep: Iterable[str], units: Sequence[str], placeholder: Placeholder | None = None
+) -> nn.Module:
     """A shallow copy of ``module`` holding only the units in ``keep``.
 
     Kept units (and the parameters in them) are the same objects as in ``module``: the view shares storage and
     gradients with it. Used to give each of a rank's stages its own module while the rank's optimizer and
-    checkpoint see one module with global names.
+    checkpoint see one module with global names. Units not kept are dropped as by ``prune``, or replaced by
+    ``placeholder(unit)``.
     """
     keep = set(keep)
     unit_set = set(units)
@@ -98,7 +114,10 @@ def stage_view(module: nn.Module, keep: Iterable[str], units: Sequence[str]) -> 
             fqn = prefix + name
             if fqn in unit_set:
                 if fqn not in keep:
-                    if isinstance(mod, CONTAINERS):
+                    stand_in = placeholder(fqn) if placeholder is not None else None
+                    if stand_in is not None:
+                        children[name] = stand_in
+                    elif isinstance(mod, CONTAINERS):
                         del children[name]
                     else:
                         children[name] = None

@@ -163,3 +163,20 @@ def test_trace_frontend_reports_untraceable_networks():
     lm.model.forward = lambda idx: idx if idx.sum() > 0 else idx  # noqa: E731
     with pytest.raises(PipelineModelError, match="torch's tracer could not split TinyLM"):
         _build(lm, frontend="trace")
+
+
+def test_placeholder_stands_in_for_units_a_stage_does_not_hold():
+    model = TinyLM(n_layers=4)
+    layout = find_layout(model)
+    stages = stage_units(layout, [2, 2])
+
+    def placeholder(unit):  # blocks and the norm pass through; the embedding stays removed
+        return nn.Identity() if unit.startswith("layers.") or unit == "norm" else None
+
+    view = stage_view(model, stages[0], layout.units, placeholder)
+    assert isinstance(view.layers[2], nn.Identity) and len(view.layers) == 4  # positions kept
+    assert isinstance(view.norm, nn.Identity) and view.head is None
+    assert [n for n, _ in view.named_parameters()][-1].startswith("layers.1.")
+    prune(model, stages[1], layout.units, placeholder)
+    assert model.embed is None and isinstance(model.layers[0], nn.Identity)
+    assert list(model.layers._modules) == ["0", "1", "2", "3"] and model.layers[2] is not None
