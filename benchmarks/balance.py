@@ -13,8 +13,10 @@ Run from the repository root (about 3 minutes on one core)::
 
     python benchmarks/balance.py            # --stages 2 4 --microbatches 4 --batch 4 --seq 64 --repeats 5
 
-Single-threaded by default (``--threads``): with the two cores of the reference machine shared, one thread per
-process is both what a 2-process pipeline gets and far less noisy.
+Single-threaded by default (``--threads``), timed by this thread's CPU time (``--clock cpu``): on the shared
+2-core reference machine, wall-clock times of identical stages varied by 2-4x under other processes' load, CPU
+times by a few percent. One thread per process is also what a 2-process pipeline gets on 2 cores. On a quiet
+machine ``--clock wall`` gives the same figures.
 """
 
 from __future__ import annotations
@@ -67,21 +69,21 @@ def measure_stage(model: GPT2, layout: Layout, units: tuple[str, ...], first: bo
     samples = []
     for rep in range(args.repeats + 1):
         inputs = tokens if first else [h.clone().requires_grad_(True) for h in hidden]
-        t0 = time.perf_counter()
+        t0 = args.clock()
         outs = []
         for m, x in enumerate(inputs):
             y = view(x)
             if last:
                 y = F.cross_entropy(y.flatten(0, 1), tokens[m].flatten())
             outs.append(y)
-        t1 = time.perf_counter()
+        t1 = args.clock()
         for m, y in enumerate(outs):
             y.backward() if last else y.backward(hidden[m])
-        t2 = time.perf_counter()
+        t2 = args.clock()
         if params:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        t3 = args.clock()
         if rep:  # the first run is a warm-up (and creates the optimizer state)
             samples.append((t1 - t0, t2 - t1, t3 - t2))
         del outs, inputs
@@ -131,14 +133,15 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"GPT: vocab {args.vocab}, width {args.width}, {n} blocks, {sum(p.numel() for p in model.parameters()):,}"
         f" parameters; {args.microbatches} microbatches of {args.batch}x{args.seq} tokens; {args.threads} thread(s);"
+        f" clock: {'CPU time' if args.clock is time.thread_time else 'wall'};"
         f" torch {torch.__version__}\n"
     )
 
     # The auto split, as the strategy would compute it: profile one microbatch, then split.
     example = torch.randint(0, args.vocab, (args.batch, args.seq))
     start = time.perf_counter()
-    profiles = profile_units(model, layout, (example,), {}, torch.device("cpu"))
-    update = measure_update_time(torch.device("cpu"))
+    profiles = profile_units(model, layout, (example,), {}, torch.device("cpu"), clock=args.clock)
+    update = measure_update_time(torch.device("cpu"), clock=args.clock)
     profile_s = time.perf_counter() - start
     cost = CostModel(microbatches=args.microbatches, in_flight=args.microbatches, update_s_per_param=update)
     print(f"profiling pass: {profile_s:.2f} s")
@@ -200,7 +203,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    run(parser.parse_args())
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="cpu: this thread's CPU time")
+    args = parser.parse_args()
+    args.clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    run(args)
 
 
 if __name__ == "__main__":

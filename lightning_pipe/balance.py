@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,10 +139,17 @@ def _unit_copy(unit: nn.Module, device: torch.device) -> nn.Module:
 
 
 def time_forward_backward(
-    unit: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], device: torch.device, repeats: int, warmup: int
+    unit: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, int]:
     """Median seconds of ``unit``'s forward plus backward (gradients of its parameters and floating inputs), and
-    the bytes its forward saves for backward."""
+    the bytes its forward saves for backward. ``clock``: wall time by default; ``time.thread_time`` measures CPU
+    time instead, which other processes on a shared CPU disturb far less (with one torch thread)."""
     inputs = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for t in inputs:
         t.requires_grad_(True)
@@ -151,7 +158,7 @@ def time_forward_backward(
     times, saved = [], 0
     for i in range(warmup + repeats):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         if i == 0:
             # Counting saved tensors adds Python calls: done in the first (warm-up) run only.
             with torch.enable_grad(), SavedTensorBytes(exclude=own) as meter:
@@ -164,7 +171,7 @@ def time_forward_backward(
         if outs and wrt:
             torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         del out, outs
     return statistics.median(times[warmup:] or times), saved
 
@@ -191,6 +198,7 @@ def profile_units(
     *,
     repeats: int = 5,
     warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[UnitProfile]:
     """Profile the units of ``layout`` on ``device`` with one microbatch ``network(*args, **kwargs)``.
 
@@ -239,14 +247,16 @@ def profile_units(
             unit_args, unit_kwargs, calls = captured[name]
             unit = _unit_copy(network.get_submodule(name), device)
             seconds, saved = time_forward_backward(
-                unit, _map(unit_args, realise), _map(unit_kwargs, realise), device, repeats, warmup
+                unit, _map(unit_args, realise), _map(unit_kwargs, realise), device, repeats, warmup, clock
             )
             profiles[name] = UnitProfile(name, count, nbytes, saved * calls, seconds * calls, True)
             del unit
     return [profiles[name] for name in layout.units]
 
 
-def measure_update_time(device: torch.device, numel: int = 1 << 20, repeats: int = 3) -> float:
+def measure_update_time(
+    device: torch.device, numel: int = 1 << 20, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Seconds per parameter of an ``AdamW`` step on ``device`` (one tensor of ``numel`` parameters)."""
     param = torch.nn.Parameter(torch.zeros(numel, device=device))
     param.grad = torch.ones_like(param)
@@ -254,10 +264,10 @@ def measure_update_time(device: torch.device, numel: int = 1 << 20, repeats: int
     times = []
     for _ in range(repeats + 1):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         optimizer.step()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times[1:]) / numel
 
 
