@@ -1,8 +1,9 @@
 """Measured costs per unit, and the split they imply: ``balance="auto"``, ``"params"`` and ``"blocks"``.
 
-A pipeline step takes as long as its slowest stage (its bubble aside), so ``"auto"`` gives each unit (pre-units,
-each block, post-units) the time it adds to a training step and splits the blocks to minimise the slowest stage
-(:func:`lightning_pipe.partition.balance_by_cost`). The time comes from a short profiling pass: each unit alone, on
+A pipeline step with ``M`` microbatches takes about ``M - 1`` times its slowest stage's microbatch, plus one
+microbatch's pass through all stages and the first stage's optimizer step, so ``"auto"`` measures each unit's
+(pre-units, each block, post-units) forward+backward time and parameters and splits the blocks to minimise that
+(:func:`lightning_pipe.partition.balance_step_time`). The time comes from a short profiling pass: each unit alone, on
 the process's own device, forward and backward on its input from one example microbatch, a few times after a
 warm-up (median). Parameters add the optimizer step's time per parameter; parameter bytes and activation bytes per
 microbatch give each stage's memory, which the split can be held under (``memory_limit``) and which the split table
@@ -28,7 +29,14 @@ import torch
 from torch import nn
 
 from lightning_pipe.memory import SavedTensorBytes, format_bytes
-from lightning_pipe.partition import Layout, UnitCosts, balance_blocks, balance_by_cost, unit_params
+from lightning_pipe.partition import (
+    Layout,
+    UnitCosts,
+    balance_blocks,
+    balance_by_cost,
+    balance_step_time,
+    unit_params,
+)
 
 
 @dataclass(frozen=True)
@@ -62,23 +70,33 @@ class CostModel:
     """Memory per byte of parameters: the parameter, its gradient and two optimizer moments (Adam)."""
 
     def time(self, unit: UnitProfile) -> float:
-        return self.microbatches * unit.time_s + self.update_s_per_param * unit.params
+        """Seconds the unit keeps its stage busy per step: its microbatches, then its optimizer step."""
+        return self.microbatches * unit.time_s + self.update(unit)
+
+    def update(self, unit: UnitProfile) -> float:
+        return self.update_s_per_param * unit.params
 
     def memory(self, unit: UnitProfile) -> float:
         return self.state_bytes_per_param_byte * unit.param_bytes + self.in_flight * unit.activation_bytes
 
-    def costs(self, profiles: Sequence[UnitProfile], layout: Layout) -> tuple[UnitCosts, UnitCosts]:
-        """Per-unit step time and memory, folded into :class:`UnitCosts` for the splitter."""
+    def costs(
+        self, profiles: Sequence[UnitProfile], layout: Layout, measure: Callable[[UnitProfile], float]
+    ) -> UnitCosts:
+        """``measure`` of each unit (e.g. ``lambda u: u.time_s``, :meth:`update`, :meth:`memory`), folded into
+        :class:`UnitCosts` for the splitter."""
         by_name = {p.name: p for p in profiles}
+        return UnitCosts(
+            pre=sum(measure(by_name[u]) for u in layout.pre),
+            blocks=tuple(measure(by_name[b]) for b in layout.blocks),
+            post=sum(measure(by_name[u]) for u in layout.post),
+        )
 
-        def fold(measure: Any) -> UnitCosts:
-            return UnitCosts(
-                pre=sum(measure(by_name[u]) for u in layout.pre),
-                blocks=tuple(measure(by_name[b]) for b in layout.blocks),
-                post=sum(measure(by_name[u]) for u in layout.post),
-            )
-
-        return fold(self.time), fold(self.memory)
+    def step_time(self, profiles: Sequence[UnitProfile], layout: Layout, counts: Sequence[int]) -> float:
+        """Estimated step of a flush schedule (GPipe, 1F1B): one microbatch's pass through all stages, ``M - 1``
+        times the slowest stage's microbatch, and the first stage's optimizer step."""
+        per_microbatch = self.costs(profiles, layout, lambda u: u.time_s).stages(counts)
+        first_update = self.costs(profiles, layout, self.update).stages(counts)[0]
+        return sum(per_microbatch) + (self.microbatches - 1) * max(per_microbatch) + first_update
 
 
 # -------------------------------------------------------------------------------------------------- profiling
@@ -281,9 +299,17 @@ def auto_balance(
     memory_limit: float | None = None,
     empty_ends: bool = True,
 ) -> list[int]:
-    """Blocks per stage minimising the slowest stage's time per step, within ``memory_limit`` bytes per stage."""
-    times, memory = model.costs(profiles, layout)
-    return balance_by_cost(times, num_stages, memory=memory, memory_limit=memory_limit, empty_ends=empty_ends)
+    """Blocks per stage minimising the estimated step time (:meth:`CostModel.step_time`), within ``memory_limit``
+    bytes per stage (:meth:`CostModel.memory`)."""
+    return balance_step_time(
+        model.costs(profiles, layout, lambda u: u.time_s),
+        model.costs(profiles, layout, model.update),
+        num_stages,
+        model.microbatches,
+        memory=model.costs(profiles, layout, model.memory),
+        memory_limit=memory_limit,
+        empty_ends=empty_ends,
+    )
 
 
 def params_balance(network: nn.Module, layout: Layout, num_stages: int, *, empty_ends: bool = True) -> list[int]:
@@ -328,4 +354,6 @@ def split_table(
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
+    if model is not None and profiles:
+        lines.append(f"estimated step time (GPipe, 1F1B): {model.step_time(profiles, layout, counts) * 1e3:.1f} ms")
     return "\n".join(lines)

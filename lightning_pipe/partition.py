@@ -267,6 +267,61 @@ def balance_by_cost(
     return _split_dp(n, fewest, stage, lambda total, c: total + c * c if c <= cap else float("inf"))[1]
 
 
+def balance_step_time(
+    per_microbatch: UnitCosts,
+    update: UnitCosts,
+    num_stages: int,
+    microbatches: int,
+    *,
+    memory: UnitCosts | None = None,
+    memory_limit: float | None = None,
+    empty_ends: bool = True,
+) -> list[int]:
+    """Blocks per stage minimising the step time of a flush schedule (GPipe, 1F1B), exactly.
+
+    With ``M`` microbatches such a step takes one pass of a microbatch through every stage (the same for every
+    split), plus ``M - 1`` times the slowest stage's forward+backward of a microbatch (``per_microbatch``), plus the
+    first stage's optimizer step (``update``): it finishes the last backward, so nothing hides its step, while the
+    other stages' steps overlap the backwards still running before them. Among the splits with the smallest step
+    time, the later stages are balanced as in :func:`balance_by_cost`. Blocks per stage, ``empty_ends`` and
+    ``memory_limit`` as in :func:`balance_by_cost`.
+    """
+    n = len(per_microbatch.blocks)
+    fewest = _fewest_blocks(per_microbatch, num_stages, empty_ends)
+    if n < sum(fewest):
+        return balance_by_cost(per_microbatch, num_stages, empty_ends=empty_ends)  # raises the usual error
+    if num_stages == 1:
+        return [n]
+    stage = _stage_cost(per_microbatch, num_stages, memory, memory_limit)
+    first_update = list(itertools.accumulate(update.blocks, initial=update.pre))
+    inf = float("inf")
+    # rest[s][i]: the smallest bottleneck of stages s..K-1 holding blocks i..n-1.
+    rest = [[inf] * (n + 1) for _ in range(num_stages)]
+    for i in range(n - fewest[-1] + 1):
+        rest[-1][i] = stage(num_stages - 1, i, n)
+    for s in range(num_stages - 2, 0, -1):
+        for i in range(n + 1):
+            for j in range(i + fewest[s], n + 1):
+                rest[s][i] = min(rest[s][i], max(stage(s, i, j), rest[s + 1][j]))
+    best, first = inf, 0
+    for j in range(n, fewest[0] - 1, -1):  # later cuts first: on a tie the first stage holds more blocks
+        step = (microbatches - 1) * max(stage(0, 0, j), rest[1][j]) + first_update[j]
+        if step < best:
+            best, first = step, j
+    if best == inf:
+        raise PipelineConfigError(
+            f"No split of the {n} blocks into {num_stages} stages fits `memory_limit={memory_limit}` bytes per"
+            " stage. Use more stages, activation checkpointing, fewer microbatches in flight, or a larger limit."
+        )
+    cap = max(stage(0, 0, first), rest[1][first]) * (1 + 1e-9)
+
+    def tail(s: int, i: int, j: int) -> float:
+        return stage(s + 1, first + i, first + j)
+
+    squares = _split_dp(n - first, fewest[1:], tail, lambda total, c: total + c * c if c <= cap else inf)[1]
+    return [first, *squares]
+
+
 def _split_dp(
     n: int, fewest: list[int], stage: Callable[[int, int, int], float], combine: Callable[[float, float], float]
 ) -> tuple[float, list[int]]:

@@ -20,7 +20,14 @@ from lightning_pipe.balance import (
     split_table,
 )
 from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.partition import UnitCosts, all_splits, balance_by_cost, find_layout, unit_params
+from lightning_pipe.partition import (
+    UnitCosts,
+    all_splits,
+    balance_by_cost,
+    balance_step_time,
+    find_layout,
+    unit_params,
+)
 from tests.gpt2 import GPT2
 
 CPU = torch.device("cpu")
@@ -57,6 +64,36 @@ def test_splitter_is_exact_against_exhaustive_search(seed):
     strict = balance_by_cost(costs, k, empty_ends=False)
     assert min(strict) >= 1
     assert _bottleneck(costs, strict) == pytest.approx(min(_bottleneck(costs, c) for c in all_splits(n, k)))
+
+
+def _step(fb: UnitCosts, update: UnitCosts, counts: list[int], m: int) -> float:
+    per = fb.stages(counts)
+    return sum(per) + (m - 1) * max(per) + update.stages(counts)[0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_time_splitter_is_exact_against_exhaustive_search(seed):
+    rng = random.Random(seed)
+    n, k, m = rng.randint(3, 9), rng.randint(1, 4), rng.randint(1, 8)
+    fb = UnitCosts(rng.uniform(0, 2), tuple(rng.uniform(0.1, 3) for _ in range(n)), rng.uniform(0, 8))
+    update = UnitCosts(rng.uniform(0, 3), tuple(rng.uniform(0, 1) for _ in range(n)), rng.uniform(0, 3))
+    if n < k:
+        return
+    counts = balance_step_time(fb, update, k, m)
+    assert sum(counts) == n and len(counts) == k
+    ends = 0 if k > 1 else 1
+    best = min(_step(fb, update, c, m) for c in all_splits(n, k, first_min=ends, last_min=ends))
+    assert _step(fb, update, counts, m) == pytest.approx(best)
+
+
+def test_step_time_keeps_the_first_stage_light_when_its_update_is_exposed():
+    fb = UnitCosts(0.0, (1.0,) * 4, 4.0)
+    update = UnitCosts(0.0, (0.5,) * 4, 0.0)
+    # The head stage (4.0) is the bottleneck whatever the split: blocks go where no optimizer step is exposed.
+    assert balance_by_cost(fb, 3) == [2, 2, 0]
+    assert balance_step_time(fb, update, 3, microbatches=4) == [1, 3, 0]
+    with pytest.raises(PipelineConfigError, match="every stage needs at least one block"):
+        balance_step_time(fb, update, 6, microbatches=4)
 
 
 def test_a_heavy_head_gets_a_stage_of_its_own_only_with_empty_ends():
@@ -114,6 +151,8 @@ def test_cost_model_and_auto_balance():
     assert model.memory(profiles[2]) == 4.0 * 400 + 2 * 1000
     assert auto_balance(profiles, layout, 2, model) == [4, 0]
     assert auto_balance(profiles, layout, 2, model, empty_ends=False) == [3, 1]
+    # Per microbatch: stages 0.041 and 0.05; three more microbatches behind the slowest; stage 0 updates 600 params.
+    assert model.step_time(profiles, layout, [4, 0]) == pytest.approx(0.091 + 3 * 0.05 + 600 * 1e-5)
 
 
 def test_split_table():
@@ -124,6 +163,7 @@ def test_split_table():
     assert rows[0] == ["stage", "units", "parameters", "est. time/step", "est. memory"]
     assert rows[2] == ["0", "wte, wpe, h.0..h.2 (3)", "5,000", "100.0 ms", "10.08 MiB"]
     assert rows[3] == ["1", "h.3, ln_f, lm_head", "3,000", "60.0 ms", "6.05 MiB"]
+    assert rows[4] == ["estimated step time (GPipe, 1F1B): 130.0 ms"]
     assert "-" in split_table(layout, [2, 2], None, None).splitlines()[2]
 
 
