@@ -21,14 +21,14 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_pipe.memory import SavedTensorBytes, format_bytes
+from lightning_pipe.memory import SavedTensorBytes, format_bytes, tensors_in
 from lightning_pipe.partition import (
     Layout,
     UnitCosts,
@@ -100,16 +100,18 @@ class CostModel:
 
 
 # -------------------------------------------------------------------------------------------------- profiling
-def _leaves(tree: Any) -> list[Any]:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(tree)
-
-
-def _map(tree: Any, fn: Any) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (through tuples, lists, namedtuples and mappings)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        mapped = {k: _map(v, fn) for k, v in obj.items()}
+        return mapped if type(obj) is dict else type(obj)(mapped)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
 
 
 def capture_unit_inputs(
@@ -168,7 +170,7 @@ def time_forward_backward(
     """Median seconds of ``unit``'s forward plus backward (gradients of its parameters and floating inputs), and
     the bytes its forward saves for backward. ``clock``: wall time by default; ``time.thread_time`` measures CPU
     time instead, which other processes on a shared CPU disturb far less (with one torch thread)."""
-    inputs = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    inputs = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     for t in inputs:
         t.requires_grad_(True)
     wrt = [p for p in unit.parameters() if p.requires_grad] + inputs
@@ -185,7 +187,7 @@ def time_forward_backward(
         else:
             with torch.enable_grad():
                 out = unit(*args, **kwargs)
-        outs = [o for o in _leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        outs = [o for o in tensors_in(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs and wrt:
             torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
         _sync(device)

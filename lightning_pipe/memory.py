@@ -19,7 +19,7 @@ not the Python heap or the allocator's slack; the process's peak resident set (L
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +35,17 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj``, through tuples, lists and mappings (a Hugging Face ``ModelOutput`` is one)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v)]
+    return []
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -210,6 +221,8 @@ class _CPUTensorTracker:
     """Live and peak bytes of the CPU tensors created while it is active (see the module docstring)."""
 
     def __init__(self) -> None:
+        # Private in torch 2.13 but the documented way to see every operator call (the `__torch_dispatch__` docs);
+        # a public CPU allocator statistic (there is none yet) would replace it.
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
@@ -226,12 +239,10 @@ class _CPUTensorTracker:
         self.mode = _Mode()
 
     def _track(self, out: Any, inputs: Any) -> None:
-        from torch.utils._pytree import tree_leaves
-
         # Views and in-place results share an input's storage: not an allocation (the input may predate us).
-        shared = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        shared = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+        for t in tensors_in(out):
+            if t.device.type != "cpu":
                 continue
             storage = t.untyped_storage()
             if id(storage) in self._ids or storage.data_ptr() in shared:
