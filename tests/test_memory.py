@@ -133,3 +133,30 @@ def test_peak_memory_on_cuda():
         a = torch.empty(2**20, device="cuda")
         del a
     assert peak.bytes == 4 * 2**20
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_each_stage_holds_a_kth_of_parameters_and_adam_state(k):
+    from lightning_pipe.balance import params_balance
+
+    def trained_state(model: nn.Module) -> int:
+        optimizer = torch.optim.AdamW(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        state = state_bytes(model, [optimizer])
+        return state.parameters + state.optimizer_state
+
+    def build() -> GPT2:
+        with torch.device("meta"):
+            return GPT2(vocab=64, n_layer=8, n_embd=32)
+
+    whole = build()
+    layout = find_layout(whole)
+    initialize(whole, torch.device("cpu"), seed=0)
+    single = trained_state(whole)
+    for units in stage_units(layout, params_balance(whole, layout, k)):
+        stage = build()
+        prune(stage, units, layout.units)
+        initialize(stage, torch.device("cpu"), seed=0)
+        assert trained_state(stage) <= single / k * 1.1, units
