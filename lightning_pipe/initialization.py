@@ -70,9 +70,12 @@ def _unset(t: torch.Tensor) -> bool:
     """Whether ``t`` still holds the marker anywhere (booleans cannot be marked and count as set)."""
     if t.numel() == 0 or t.dtype == torch.bool:
         return False
-    if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(t).any())
-    return bool((t == torch.iinfo(t.dtype).min).any())
+    marker = torch.iinfo(t.dtype).min if not (t.is_floating_point() or t.is_complex()) else None
+    # In chunks: a check of the whole tensor would allocate a mask a quarter of its size (fp32) on top of the stage.
+    for chunk in t.reshape(-1).split(1 << 20):
+        if bool(torch.isnan(chunk).any() if marker is None else (chunk == marker).any()):
+            return True
+    return False
 
 
 def _no_required_args(fn: Callable[..., Any]) -> bool:
