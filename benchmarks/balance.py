@@ -9,7 +9,7 @@ of a GPipe schedule over those measured stage times (forward and backward per mi
 optimizer step), and its bottleneck is its slowest stage's time per step. The exhaustive search takes the best
 split over all of them; the auto split comes from :func:`lightning_pipe.balance.profile_units` on one microbatch.
 
-Run from the repository root (about 3 minutes on one core)::
+Run from the repository root (about 8 minutes on one core)::
 
     python benchmarks/balance.py            # --stages 2 4 --microbatches 4 --batch 4 --seq 64 --repeats 5
 

@@ -87,3 +87,22 @@ def test_wrapped_model_copies_and_pickles():
     x = torch.randint(0, 64, (2, 16))
     assert torch.equal(clone(x), model(x))
     assert copy.deepcopy(model).h[1].forward.args[0] is not model.h[1]
+
+
+def test_split_backward_of_zero_bubble_schedules_gives_the_same_gradients():
+    # The zero-bubble schedules run input gradients and weight gradients as two passes (torch's private helpers).
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    plain, blocks = _stage(1, [2, 2])
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, blocks, 1)
+    results = []
+    for model in (plain, wrapped):
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = model(x)
+        dinputs, groups = stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+        stage_backward_weight(model.parameters(), groups)
+        results.append((dinputs[0], [p.grad for p in model.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
