@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.memory import SavedTensorBytes, format_bytes, tensors_in
 from lightning_pipe.partition import (
     Layout,
@@ -359,3 +360,40 @@ def split_table(
     if model is not None and profiles:
         lines.append(f"estimated step time (GPipe, 1F1B): {model.step_time(profiles, layout, counts) * 1e3:.1f} ms")
     return "\n".join(lines)
+
+
+def resolve_balance(
+    balance: str | Sequence[int],
+    network: nn.Module,
+    layout: Layout,
+    num_stages: int,
+    *,
+    example: tuple[Sequence[Any], dict[str, Any]] | None,
+    device: torch.device,
+    model: CostModel,
+    memory_limit: float | None = None,
+) -> tuple[list[int], list[UnitProfile] | None]:
+    """Blocks per stage for a ``balance`` setting, and the unit profiles when ``"auto"`` measured them.
+
+    ``example``: the network call ``(args, kwargs)`` of one microbatch, needed by ``"auto"``. Every process
+    measures its own times, so the caller must make all processes use one result (e.g. rank 0's, broadcast).
+    """
+    from lightning_pipe.partition import check_balance
+
+    if not isinstance(balance, str):
+        return check_balance(balance, len(layout.blocks), num_stages), None
+    if balance == "blocks":
+        return blocks_balance(layout, num_stages), None
+    if balance == "params":
+        return params_balance(network, layout, num_stages), None
+    if balance != "auto":
+        raise PipelineConfigError(
+            f"`balance={balance!r}` is not one of 'auto', 'params', 'blocks' or a list of blocks per stage."
+        )
+    if example is None:
+        raise PipelineConfigError(
+            "`balance='auto'` profiles the network on one microbatch: set `self.example_input_array` in the"
+            " LightningModule to one batch of network inputs, or use `balance='params'` or 'blocks'."
+        )
+    profiles = profile_units(network, layout, example[0], example[1], device)
+    return auto_balance(profiles, layout, num_stages, model, memory_limit=memory_limit), profiles

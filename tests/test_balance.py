@@ -207,3 +207,22 @@ def test_block_signature_separates_different_blocks():
 
 def test_update_time_is_positive():
     assert 0 < measure_update_time(CPU, numel=1 << 12, repeats=1) < 1e-3
+
+
+def test_resolve_balance_settings():
+    from lightning_pipe.balance import resolve_balance
+
+    model = GPT2(vocab=4096, n_layer=8, n_embd=32)
+    layout = find_layout(model)
+    cost = CostModel(microbatches=2, in_flight=2)
+    kwargs = dict(example=None, device=CPU, model=cost)
+    assert resolve_balance("blocks", model, layout, 4, **kwargs) == ([2, 2, 2, 2], None)
+    assert resolve_balance("params", model, layout, 4, **kwargs) == ([0, 4, 4, 0], None)
+    assert resolve_balance([1, 7], model, layout, 2, **kwargs) == ([1, 7], None)
+    with pytest.raises(PipelineConfigError, match="is not one of 'auto', 'params', 'blocks'"):
+        resolve_balance("even", model, layout, 2, **kwargs)
+    with pytest.raises(PipelineConfigError, match="set `self.example_input_array`"):
+        resolve_balance("auto", model, layout, 2, **kwargs)
+    x = torch.randint(0, 4096, (2, 16))
+    counts, profiles = resolve_balance("auto", model, layout, 2, example=((x,), {}), device=CPU, model=cost)
+    assert sum(counts) == 8 and [p.name for p in profiles] == list(layout.units)
