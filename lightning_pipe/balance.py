@@ -338,16 +338,29 @@ def _describe(units: Sequence[str], layout: Layout) -> str:
 
 
 def split_table(
-    layout: Layout, counts: Sequence[int], profiles: Sequence[UnitProfile] | None, model: CostModel | None
+    layout: Layout,
+    counts: Sequence[int],
+    profiles: Sequence[UnitProfile] | None,
+    model: CostModel | None,
+    network: nn.Module | None = None,
 ) -> str:
-    """The split as a text table: stage, units, parameters, estimated time per step, estimated memory."""
+    """The split as a text table: stage, units, parameters, estimated time per step, estimated memory.
+
+    Without ``profiles`` (``balance`` other than ``"auto"``) the times and memory are ``-`` and the parameters are
+    counted from ``network`` if given.
+    """
     from lightning_pipe.partition import stage_units
 
     by_name = {p.name: p for p in profiles or ()}
     rows = [("stage", "units", "parameters", "est. time/step", "est. memory")]
     for s, units in enumerate(stage_units(layout, counts)):
         known = [by_name[u] for u in units if u in by_name]
-        params = f"{sum(p.params for p in known):,}" if profiles else "-"
+        if profiles:
+            params = f"{sum(p.params for p in known):,}"
+        elif network is not None:
+            params = f"{sum(_params(network.get_submodule(u))[0] for u in units):,}"
+        else:
+            params = "-"
         if model is not None and profiles:
             seconds = f"{sum(model.time(p) for p in known) * 1e3:.1f} ms"
             memory = format_bytes(sum(model.memory(p) for p in known))

@@ -165,6 +165,11 @@ def test_split_table():
     assert rows[3] == ["1", "h.3, ln_f, lm_head", "3,000", "60.0 ms", "6.05 MiB"]
     assert rows[4] == ["estimated step time (GPipe, 1F1B): 130.0 ms"]
     assert "-" in split_table(layout, [2, 2], None, None).splitlines()[2]
+    model = GPT2(n_layer=4)
+    plain = split_table(layout, [2, 2], None, None, network=model).splitlines()
+    block = sum(p.numel() for p in model.h[0].parameters())
+    embed = sum(p.numel() for p in (*model.wte.parameters(), *model.wpe.parameters()))
+    assert [c.strip() for c in plain[2].split(" | ")] == ["0", "wte, wpe, h.0, h.1", f"{embed + 2 * block:,}", "-", "-"]
 
 
 def test_profiler_on_a_real_network_leaves_it_untouched():
