@@ -106,3 +106,30 @@ def test_split_backward_of_zero_bubble_schedules_gives_the_same_gradients():
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.equal(a, b)
+
+
+def test_dropout_draws_the_same_masks_when_recomputed():
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    plain = Net()
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, ["blocks.0", "blocks.1", "blocks.2"], 1)
+    x = torch.randn(4, 16)
+    results = []
+    for model in (plain, wrapped):
+        torch.manual_seed(5)
+        results.append(_loss_and_grads(model, x))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, grad in results[0][1].items():
+        assert torch.equal(grad, results[1][1][name]), name
