@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
@@ -325,3 +326,22 @@ def _boundary_checks(view: nn.Module, entry: Tensor | None, record_exit: bool) -
     finally:
         for handle in handles:
             handle.remove()
+
+
+def restore_rotary_buffers(module: nn.Module) -> bool:
+    """Recompute a Hugging Face rotary embedding's ``inv_freq`` from its config; ``True`` if ``module`` is one.
+
+    ``inv_freq`` is a non-persistent buffer computed in ``__init__``: built on the meta device it has no values, and
+    transformers 4.x's ``_init_weights`` does not set it (5.x does).
+    """
+    init = getattr(module, "rope_init_fn", None)
+    config = getattr(module, "config", None)
+    inv_freq = getattr(module, "inv_freq", None)
+    if not callable(init) or config is None or not isinstance(inv_freq, torch.Tensor):
+        return False
+    values, _scaling = init(config, inv_freq.device)
+    with torch.no_grad():
+        inv_freq.copy_(values.to(inv_freq.dtype))
+    if hasattr(module, "original_inv_freq"):
+        module.original_inv_freq = inv_freq
+    return True

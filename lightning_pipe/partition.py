@@ -6,7 +6,8 @@ configuration values, so the splitting logic is unit-tested on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -204,3 +205,189 @@ def stage_to_rank(num_stages: int, pipeline_size: int, style: str) -> list[int]:
 def _preview(names: Sequence[str], limit: int = 6) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """One cost per unit: the pre-units' total (pinned to the first stage), each block's, the post-units' total."""
+
+    pre: float
+    blocks: tuple[float, ...]
+    post: float
+
+    def stages(self, counts: Sequence[int]) -> list[float]:
+        """The cost of each stage of a split into ``counts`` blocks per stage."""
+        sums = [0.0]
+        for cost in self.blocks:
+            sums.append(sums[-1] + cost)
+        out, start = [], 0
+        for i, n in enumerate(counts):
+            cost = sums[start + n] - sums[start]
+            cost += self.pre if i == 0 else 0.0
+            cost += self.post if i == len(counts) - 1 else 0.0
+            out.append(cost)
+            start += n
+        return out
+
+
+def balance_by_cost(
+    costs: UnitCosts,
+    num_stages: int,
+    *,
+    memory: UnitCosts | None = None,
+    memory_limit: float | None = None,
+    empty_ends: bool = True,
+) -> list[int]:
+    """Blocks per stage minimising the largest stage cost, exactly (dynamic programming over contiguous splits).
+
+    Every stage holds at least one block, except that with ``empty_ends`` the first stage may hold none when there
+    are pre-units and the last none when there are post-units (a heavy head can be a stage on its own): such a
+    stage still runs real work. With ``memory`` and ``memory_limit``, splits with a stage whose memory exceeds the
+    limit are excluded. Among the splits with the smallest largest cost, the one with the smallest sum of squared
+    stage costs is taken (the other stages are balanced too); on a tie there, earlier stages hold more blocks.
+    """
+    n = len(costs.blocks)
+    fewest = _fewest_blocks(costs, num_stages, empty_ends)
+    if n < sum(fewest):
+        raise PipelineConfigError(
+            f"The model has {n} blocks but the pipeline needs {num_stages} stages: every stage needs at"
+            " least one block. Use fewer stages (`pipeline_size`/`stages_per_rank`) or a model with more blocks."
+        )
+    stage = _stage_cost(costs, num_stages, memory, memory_limit)
+    bottleneck, _ = _split_dp(n, fewest, stage, max)
+    if bottleneck == float("inf"):
+        raise PipelineConfigError(
+            f"No split of the {n} blocks into {num_stages} stages fits `memory_limit={memory_limit}` bytes per"
+            " stage. Use more stages, activation checkpointing, fewer microbatches in flight, or a larger limit."
+        )
+    cap = bottleneck * (1 + 1e-9)
+    return _split_dp(n, fewest, stage, lambda total, c: total + c * c if c <= cap else float("inf"))[1]
+
+
+def balance_step_time(
+    per_microbatch: UnitCosts,
+    update: UnitCosts,
+    num_stages: int,
+    microbatches: int,
+    *,
+    memory: UnitCosts | None = None,
+    memory_limit: float | None = None,
+    empty_ends: bool = True,
+) -> list[int]:
+    """Blocks per stage minimising the step time of a flush schedule (GPipe, 1F1B), exactly.
+
+    With ``M`` microbatches such a step takes one pass of a microbatch through every stage (the same for every
+    split), plus ``M - 1`` times the slowest stage's forward+backward of a microbatch (``per_microbatch``), plus the
+    first stage's optimizer step (``update``): it finishes the last backward, so nothing hides its step, while the
+    other stages' steps overlap the backwards still running before them. Among the splits with the smallest step
+    time, the later stages are balanced as in :func:`balance_by_cost`. Blocks per stage, ``empty_ends`` and
+    ``memory_limit`` as in :func:`balance_by_cost`.
+    """
+    n = len(per_microbatch.blocks)
+    fewest = _fewest_blocks(per_microbatch, num_stages, empty_ends)
+    if n < sum(fewest):
+        return balance_by_cost(per_microbatch, num_stages, empty_ends=empty_ends)  # raises the usual error
+    if num_stages == 1:
+        return [n]
+    stage = _stage_cost(per_microbatch, num_stages, memory, memory_limit)
+    first_update = list(itertools.accumulate(update.blocks, initial=update.pre))
+    inf = float("inf")
+    # rest[s][i]: the smallest bottleneck of stages s..K-1 holding blocks i..n-1.
+    rest = [[inf] * (n + 1) for _ in range(num_stages)]
+    for i in range(n - fewest[-1] + 1):
+        rest[-1][i] = stage(num_stages - 1, i, n)
+    for s in range(num_stages - 2, 0, -1):
+        for i in range(n + 1):
+            for j in range(i + fewest[s], n + 1):
+                rest[s][i] = min(rest[s][i], max(stage(s, i, j), rest[s + 1][j]))
+    best, first = inf, 0
+    for j in range(n, fewest[0] - 1, -1):  # later cuts first: on a tie the first stage holds more blocks
+        step = (microbatches - 1) * max(stage(0, 0, j), rest[1][j]) + first_update[j]
+        if step < best:
+            best, first = step, j
+    if best == inf:
+        raise PipelineConfigError(
+            f"No split of the {n} blocks into {num_stages} stages fits `memory_limit={memory_limit}` bytes per"
+            " stage. Use more stages, activation checkpointing, fewer microbatches in flight, or a larger limit."
+        )
+    cap = max(stage(0, 0, first), rest[1][first]) * (1 + 1e-9)
+
+    def tail(s: int, i: int, j: int) -> float:
+        return stage(s + 1, first + i, first + j)
+
+    squares = _split_dp(n - first, fewest[1:], tail, lambda total, c: total + c * c if c <= cap else inf)[1]
+    return [first, *squares]
+
+
+def _split_dp(
+    n: int, fewest: list[int], stage: Callable[[int, int, int], float], combine: Callable[[float, float], float]
+) -> tuple[float, list[int]]:
+    """Minimise ``combine`` folded over the stages' costs (``max``: the bottleneck; a sum: a total) over contiguous
+    splits of ``n`` blocks; return the minimum and its blocks per stage."""
+    k = len(fewest)
+    inf = float("inf")
+    # best[s][j]: the minimum over stages 0..s holding blocks 0..j; cut[s][j]: where stage s then begins.
+    best = [[inf] * (n + 1) for _ in range(k)]
+    cut = [[0] * (n + 1) for _ in range(k)]
+    for j in range(fewest[0], n + 1):
+        best[0][j] = combine(0.0, stage(0, 0, j))
+    for s in range(1, k):
+        for j in range(n + 1):
+            # Scanning later cuts first and keeping only strict improvements favours longer earlier stages on ties.
+            for i in range(j - fewest[s], -1, -1):
+                value = combine(best[s - 1][i], stage(s, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    counts, j = [], n
+    for s in range(k - 1, 0, -1):
+        counts.append(j - cut[s][j])
+        j = cut[s][j]
+    return best[-1][n], [j, *counts[::-1]]
+
+
+def _fewest_blocks(costs: UnitCosts, num_stages: int, empty_ends: bool) -> list[int]:
+    if num_stages < 1:
+        raise PipelineConfigError(f"The number of stages must be at least 1, got {num_stages}.")
+    fewest = [1] * num_stages
+    if empty_ends and num_stages > 1:
+        fewest[0] = 0 if costs.pre > 0 else 1
+        fewest[-1] = 0 if costs.post > 0 else 1
+    return fewest
+
+
+def _stage_cost(
+    costs: UnitCosts, num_stages: int, memory: UnitCosts | None, memory_limit: float | None
+) -> Callable[[int, int, int], float]:
+    """``stage(s, i, j)``: the cost of stage ``s`` holding blocks ``i:j``, infinite when over the memory limit."""
+    prefix = list(itertools.accumulate(costs.blocks, initial=0.0))
+    mem_prefix = list(itertools.accumulate(memory.blocks, initial=0.0)) if memory is not None else []
+
+    def stage(s: int, i: int, j: int) -> float:
+        first, last = s == 0, s == num_stages - 1
+        if memory is not None and memory_limit is not None:
+            used = mem_prefix[j] - mem_prefix[i] + (memory.pre if first else 0) + (memory.post if last else 0)
+            if used > memory_limit:
+                return float("inf")
+        return prefix[j] - prefix[i] + (costs.pre if first else 0.0) + (costs.post if last else 0.0)
+
+    return stage
+
+
+def all_splits(num_blocks: int, num_stages: int, *, first_min: int = 1, last_min: int = 1) -> list[list[int]]:
+    """Every blocks-per-stage split (for exhaustive search in tests and benchmarks), in lexicographic order."""
+    if num_stages == 1:
+        return [[num_blocks]] if num_blocks >= max(first_min, last_min) else []
+    out = []
+    rest_min = last_min + max(num_stages - 2, 0)
+    for head in range(first_min, num_blocks - rest_min + 1):
+        for tail in all_splits(
+            num_blocks - head, num_stages - 1, first_min=1 if num_stages > 2 else last_min, last_min=last_min
+        ):
+            out.append([head, *tail])
+    return out
+
+
+def unit_params(module: nn.Module, layout: Layout) -> UnitCosts:
+    """Parameter counts per unit (works on the meta device): the cost behind ``balance="params"``."""
+    count = lambda names: float(sum(_param_count(module.get_submodule(u)) for u in names))  # noqa: E731
+    return UnitCosts(pre=count(layout.pre), blocks=tuple(count([b]) for b in layout.blocks), post=count(layout.post))

@@ -66,3 +66,13 @@ def storage_extents(metadata: Any) -> list[tuple[str, int]]:
     filesystem writer; torch 2.13 has no public reader of it. Used to detect truncated shards before loading.
     """
     return [(info.relative_path, info.offset + info.length) for info in (metadata.storage_data or {}).values()]
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def dispatch_mode_class() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: sees every operator call, which is how CPU tensor bytes are
+    counted (torch 2.13 has no CPU allocator statistic; ``torch.cuda.max_memory_allocated`` serves CUDA). Private
+    module, but the mode is the documented ``__torch_dispatch__`` extension point."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -1,0 +1,162 @@
+"""Memory measurement: model state, saved-for-backward bytes, peak during a block of code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.initialization import initialize
+from lightning_pipe.memory import (
+    MemoryReport,
+    PeakMemory,
+    SavedBytesRecorder,
+    SavedTensorBytes,
+    format_bytes,
+    saved_bytes,
+    state_bytes,
+)
+from lightning_pipe.partition import find_layout, stage_units
+from lightning_pipe.stages import prune
+from tests.gpt2 import GPT2
+
+KIB = 1024
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * KIB) == "3.00 KiB"
+    assert format_bytes(1.5 * 2**30) == "1.50 GiB"
+
+
+def test_state_bytes_counts_parameters_gradients_and_adam_state():
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 5))  # 110 + 55 floats
+    optimizer = torch.optim.Adam(model.parameters())
+    empty = state_bytes(model, [optimizer])
+    assert (empty.parameters, empty.gradients, empty.optimizer_state) == (165 * 4, 0, 0)
+    model(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    after = state_bytes(model, [optimizer])
+    # Adam: exp_avg and exp_avg_sq per parameter, plus a 4-byte `step` per parameter tensor.
+    assert (after.gradients, after.optimizer_state) == (165 * 4, 2 * 165 * 4 + 4 * 4)
+    assert after.total == after.parameters + after.gradients + after.optimizer_state
+    line = after.report(rank=1, stages=[1, 3])
+    assert line.startswith("rank 1 stages [1, 3]: parameters 660 B, gradients 660 B, optimizer state")
+
+
+def test_tied_parameters_are_counted_once():
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    assert state_bytes(model).parameters == 8 * 4 * 4
+
+
+def test_saved_bytes_of_a_linear_is_its_input():
+    layer = nn.Linear(256, 256, bias=False)
+    x = torch.randn(8, 256, requires_grad=True)
+    assert saved_bytes(layer, (x,)) == 8 * 256 * 4  # the weight is excluded, the input is saved
+
+
+def test_saved_bytes_counts_each_storage_once():
+    x = torch.randn(64, 64, requires_grad=True)
+    with SavedTensorBytes() as meter:
+        (x * x).sum()  # saves x twice
+    assert meter.bytes == 64 * 64 * 4
+
+
+def test_recorder_records_the_first_grad_forward_only():
+    model = GPT2(n_layer=2)
+    recorder = SavedBytesRecorder(model)
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        model(x)
+    assert recorder.bytes is None
+    model(x)
+    expected = saved_bytes(model, (x,))
+    assert recorder.bytes == expected and expected > 0
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_peak_memory_on_cpu_counts_temporaries():
+    with PeakMemory("cpu") as peak:
+        a = torch.empty(256, KIB)  # 1 MiB
+        b = torch.empty(512, KIB)  # 2 MiB
+        del a, b
+        c = torch.empty(256, KIB)
+        del c
+    assert peak.bytes == 3 * 2**20
+
+
+def test_peak_memory_ignores_tensors_from_before():
+    before = torch.ones(1024, KIB)
+    with PeakMemory("cpu") as peak:
+        view = before[:10]
+        view.add_(1)
+    assert peak.bytes == 0
+
+
+def test_meta_construction_allocates_only_the_own_stage():
+    def build() -> GPT2:
+        with torch.device("meta"):
+            return GPT2(vocab=512, block_size=32, n_layer=4, n_embd=128)
+
+    full = sum(p.numel() * 4 for p in build().parameters()) + sum(b.numel() * 4 for b in build().buffers())
+    layout = find_layout(build())
+    for counts in ([2, 2], [1, 1, 1, 1]):
+        for units in stage_units(layout, counts):
+            with PeakMemory("cpu") as peak:
+                model = build()
+                prune(model, units, layout.units)
+                initialize(model, torch.device("cpu"), seed=0, units=layout.units)
+            own = state_bytes(model).parameters
+            # Initialisation allocates small temporaries (markers' checks); never another stage's parameters.
+            assert own <= peak.bytes <= own + max(own // 4, 64 * KIB), (counts, units)
+            assert peak.bytes < own + min(own, full - own)
+
+
+def test_memory_report_lines():
+    state = state_bytes(nn.Linear(4, 4))
+    report = MemoryReport(
+        rank=0, stages=(0, 2), state=state, saved_per_microbatch={2: 2048, 0: 1024}, construction_peak=4096
+    )
+    lines = report.lines()
+    assert lines[0].startswith("rank 0 stages [0, 2]: parameters 80 B")
+    assert lines[1:] == [
+        "rank 0 stage 0: 1.00 KiB saved for backward per microbatch",
+        "rank 0 stage 2: 2.00 KiB saved for backward per microbatch",
+        "rank 0: peak 4.00 KiB allocated during construction",
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_memory_on_cuda():
+    with PeakMemory("cuda") as peak:
+        a = torch.empty(2**20, device="cuda")
+        del a
+    assert peak.bytes == 4 * 2**20
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_each_stage_holds_a_kth_of_parameters_and_adam_state(k):
+    from lightning_pipe.balance import params_balance
+
+    def trained_state(model: nn.Module) -> int:
+        optimizer = torch.optim.AdamW(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        state = state_bytes(model, [optimizer])
+        return state.parameters + state.optimizer_state
+
+    def build() -> GPT2:
+        with torch.device("meta"):
+            return GPT2(vocab=64, n_layer=8, n_embd=32)
+
+    whole = build()
+    layout = find_layout(whole)
+    initialize(whole, torch.device("cpu"), seed=0)
+    single = trained_state(whole)
+    for units in stage_units(layout, params_balance(whole, layout, k)):
+        stage = build()
+        prune(stage, units, layout.units)
+        initialize(stage, torch.device("cpu"), seed=0)
+        assert trained_state(stage) <= single / k * 1.1, units
