@@ -37,22 +37,39 @@ class GradientStash:
             for p, g in zip(params, previous):
                 p.grad = g
 
-    def apply(self, data_parallel_group: Any | None = None) -> None:
-        """Add the pending gradients to ``.grad``, scaled, averaged over ``data_parallel_group`` when given."""
+    def apply(self) -> None:
+        """Add the pending gradients (scaled) to ``.grad``."""
         pending, self._pending = self._pending, []
         scale, self.scale = self.scale, None
-        grads = [g for _, g in pending]
-        if data_parallel_group is not None:
-            replicas = collectives.group_size(data_parallel_group)
-            collectives.all_reduce_many_(grads, data_parallel_group, scale=(scale or 1.0) / replicas)
-        elif scale is not None:
-            for g in grads:
-                g.mul_(scale)
         for p, g in pending:
+            if scale is not None:
+                g.mul_(scale)
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad.add_(g)
+
+
+class GradientSync:
+    """What happens to gradients once per optimizer step, after the last backward of the accumulation window and
+    before clipping: the mean over data-parallel replicas (one collective per dtype).
+
+    Running it once per optimizer step (not per accumulated batch) is what ``Strategy.optimizer_step`` allows: the
+    closure it receives runs the window's last ``training_step`` and ``backward``; clipping and the step follow.
+    """
+
+    def __init__(self, data_parallel_group: Any | None) -> None:
+        self.data_parallel_group = data_parallel_group
+        #: synchronisations so far (tests count them)
+        self.count = 0
+
+    def synchronize(self, params: Sequence[nn.Parameter]) -> None:
+        self.count += 1
+        group = self.data_parallel_group
+        if group is None or collectives.group_size(group) == 1:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        collectives.all_reduce_many_(grads, group, scale=1.0 / collectives.group_size(group))
 
 
 def clip_grad_norm_across(params: Sequence[nn.Parameter], max_norm: float, group: Any | None) -> torch.Tensor:

@@ -42,7 +42,7 @@ from lightning_pipe.config import (
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
 from lightning_pipe.executors import ForwardOnlyExecutor, ScheduleExecutor
 from lightning_pipe.executors.forward_only import check_eval_microbatches
-from lightning_pipe.grads import GradientStash, clip_grad_norm_across
+from lightning_pipe.grads import GradientStash, GradientSync, clip_grad_norm_across
 from lightning_pipe.interception import CallInterceptor
 from lightning_pipe.metrics import MetricMirror, bind_metrics
 from lightning_pipe.protocol import RngStreams, StepProtocol
@@ -155,6 +155,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._train_executor: Optional[ScheduleExecutor] = None
         self._eval_executor: Optional[ForwardOnlyExecutor] = None
         self._grads = GradientStash()
+        self._grad_sync = GradientSync(None)
         self._rng = RngStreams()
         self.num_nodes = 1
 
@@ -356,6 +357,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             self.root_device,
         )
         bind_metrics(self.lightning_module, self.data_parallel_group)
+        self._grad_sync = GradientSync(self.data_parallel_group if self._data_parallel_size > 1 else None)
         self._runtime = runtime
         self._protocol = StepProtocol(
             self.lightning_module,
@@ -399,10 +401,22 @@ class PipelineParallelStrategy(ParallelStrategy):
         ``zero_grad``, exactly where a single-device backward would put them."""
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._grads.apply(self.data_parallel_group if self._data_parallel_size > 1 else None)
+        self._grads.apply()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Synchronise gradients once per optimizer step: after the closure (the accumulation window's last
+        ``training_step`` and ``backward``), before Lightning clips them and steps."""
+
+        def closure_then_sync() -> Any:
+            result = closure()
+            self._grad_sync.synchronize([p for g in optimizer.param_groups for p in g["params"]])
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
