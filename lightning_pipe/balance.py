@@ -383,7 +383,7 @@ def resolve_balance(
     *,
     example: tuple[Sequence[Any], dict[str, Any]] | None,
     device: torch.device,
-    model: CostModel,
+    model: CostModel | None,
     memory_limit: float | None = None,
 ) -> tuple[list[int], list[UnitProfile] | None]:
     """Blocks per stage for a ``balance`` setting, and the unit profiles when ``"auto"`` measured them.
@@ -408,5 +408,6 @@ def resolve_balance(
             "`balance='auto'` profiles the network on one microbatch: set `self.example_input_array` in the"
             " LightningModule to one batch of network inputs, or use `balance='params'` or 'blocks'."
         )
+    assert model is not None, "balance='auto' needs a cost model"
     profiles = profile_units(network, layout, example[0], example[1], device)
     return auto_balance(profiles, layout, num_stages, model, memory_limit=memory_limit), profiles

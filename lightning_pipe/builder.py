@@ -7,20 +7,21 @@ again. The strategy turns a split into runnable stages (:func:`stage_modules`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_pipe.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.config import V_SHAPED, resolve_microbatches
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.hf import hf_layout, hf_placeholder, hf_stage_call, is_hf_model
+from lightning_pipe.initialization import initialize, warn_whole_model
 from lightning_pipe.microbatch import batch_size, split_batch
 from lightning_pipe.partition import (
     Layout,
-    balance_blocks,
-    check_balance,
     counts_from_split_points,
     find_layout,
     stage_to_rank,
@@ -28,9 +29,9 @@ from lightning_pipe.partition import (
 )
 from lightning_pipe.side_inputs import CallBook, StageCall, StageModule, call_with_activation
 from lightning_pipe.stages import (
+    Placeholder,
     check_ownership,
     has_meta_tensors,
-    materialize,
     merge,
     prune,
     retarget_meta_constants,
@@ -61,6 +62,9 @@ class Split:
     network_attr: str
     #: traced stages may bake the example microbatch's size into reshapes (evaluation pads to it)
     static_microbatch_size: int | None = None
+    #: the network's units in execution order, and each stage's
+    layout: Layout | None = None
+    units_per_stage: list[tuple[str, ...]] | None = None
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -89,17 +93,6 @@ def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, 
     return "", lightning_module
 
 
-def stage_counts(
-    layout: Layout, num_stages: int, split_points: Sequence[str] | None, balance: Sequence[int] | None
-) -> list[int]:
-    """Blocks per stage from ``split_points``, ``balance`` or an even split."""
-    if split_points is not None:
-        return counts_from_split_points(layout.blocks, split_points, num_stages)
-    if balance is not None:
-        return check_balance(balance, len(layout.blocks), num_stages)
-    return balance_blocks(len(layout.blocks), num_stages)
-
-
 def _example_microbatch(
     lightning_module: Any, microbatches: Any, microbatch_size: int | None, num_stages: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -126,6 +119,57 @@ def call_traced(
     return body(*args, **kwargs) if received is None else body(*received)
 
 
+@dataclass(frozen=True)
+class _Frontend:
+    """How the modules frontend treats a network: its units, what stands in for absent ones, how a stage is called."""
+
+    layout: Layout
+    placeholder: Placeholder | None
+    stage_call: StageCall
+
+
+def _frontend(network: nn.Module, blocks: str) -> _Frontend:
+    if is_hf_model(network):
+        # Hugging Face models carry their own pipeline plan and need their own stage call.
+        return _Frontend(hf_layout(network), hf_placeholder(network), hf_stage_call)
+    return _Frontend(find_layout(network, blocks), None, call_with_activation)
+
+
+def _counts(
+    lightning_module: Any,
+    network: nn.Module,
+    layout: Layout,
+    num_stages: int,
+    split_points: Sequence[str] | None,
+    balance: str | Sequence[int],
+    microbatches: Any,
+    microbatch_size: int | None,
+    device: torch.device,
+    agree: Callable[[Any], Any],
+    announce: Callable[[str], None],
+) -> list[int]:
+    """Blocks per stage: ``split_points``, an explicit ``balance`` list, or ``"auto"``/``"params"``/``"blocks"``.
+
+    ``"auto"`` profiles the network on one microbatch of ``example_input_array`` when the LightningModule has one,
+    and balances parameters otherwise. Measured times differ between processes, so rank 0's result is used by all
+    (``agree``).
+    """
+    if split_points is not None:
+        return counts_from_split_points(layout.blocks, split_points, num_stages)
+    example = None
+    if balance == "auto" and getattr(lightning_module, "example_input_array", None) is not None:
+        example = _example_microbatch(lightning_module, microbatches, microbatch_size, num_stages)
+    mode = "params" if balance == "auto" and example is None else balance
+    model = None
+    if mode == "auto":
+        m = int(microbatches) if isinstance(microbatches, int) else num_stages
+        model = CostModel(m, min(m, num_stages), measure_update_time(device))
+    counts, profiles = resolve_balance(mode, network, layout, num_stages, example=example, device=device, model=model)
+    counts = list(agree(counts))
+    announce(split_table(layout, counts, profiles, model if profiles else None, network))
+    return counts
+
+
 def split_module(
     lightning_module: Any,
     *,
@@ -133,7 +177,7 @@ def split_module(
     frontend: str,
     blocks: str,
     split_points: Sequence[str] | None,
-    balance: Sequence[int] | None,
+    balance: str | Sequence[int],
     pipeline_size: int,
     pipeline_rank: int,
     stages_per_rank: int,
@@ -141,14 +185,19 @@ def split_module(
     microbatches: Any,
     microbatch_size: int | None,
     device: torch.device,
+    agree: Callable[[Any], Any] = lambda value: value,
+    announce: Callable[[str], None] = lambda text: None,
 ) -> Split:
-    """Cut the LightningModule's network down to this rank's stages (in place), or return the cut made before."""
+    """Cut the LightningModule's network down to this rank's stages (in place), or return the cut made before.
+
+    ``agree(value)`` returns global rank 0's ``value`` on every rank; ``announce(text)`` prints on rank 0.
+    """
     settings = (
         module_name,
         frontend,
         blocks,
         split_points,
-        balance,
+        balance if isinstance(balance, str) else tuple(balance),
         pipeline_size,
         pipeline_rank,
         stages_per_rank,
@@ -160,14 +209,34 @@ def split_module(
         return existing
     attr, network = resolve_module(lightning_module, module_name)
     num_stages = pipeline_size * stages_per_rank
-    layout = find_layout(network, blocks)
+    plan = (
+        _frontend(network, blocks)
+        if frontend != "trace"
+        else _Frontend(find_layout(network, blocks), None, call_traced)
+    )
+    layout = plan.layout
     if len(layout.blocks) < num_stages:
         raise PipelineConfigError(
             f"The pipeline needs {num_stages} stages ({pipeline_size} ranks x {stages_per_rank} stages per rank) but"
             f" the network has only {len(layout.blocks)} blocks; every stage needs at least one. Use fewer processes"
             " per pipeline (`pipeline_size`), fewer `stages_per_rank`, or a deeper model."
         )
-    counts = stage_counts(layout, num_stages, split_points, balance)
+    if frontend == "trace" and isinstance(balance, str):
+        # Traced stages are cut at block boundaries, so every stage needs a block of its own; the even split does.
+        balance = "blocks"
+    counts = _counts(
+        lightning_module,
+        network,
+        layout,
+        num_stages,
+        split_points,
+        balance,
+        microbatches,
+        microbatch_size,
+        device,
+        agree,
+        announce,
+    )
     units_per_stage = stage_units(layout, counts)
     ranks = stage_to_rank(num_stages, pipeline_size, "v" if schedule in V_SHAPED else "loop")
     local = [s for s in range(num_stages) if ranks[s] == pipeline_rank]
@@ -177,19 +246,28 @@ def split_module(
         split = _trace(lightning_module, attr, network, layout, counts, local, microbatches, microbatch_size, device)
         split.settings, split.stage_ranks, split.absent = settings, ranks, absent
         if has_meta_tensors(split.network):
-            materialize(split.network, device, seed)
+            initialize(split.network, device, seed, units=(), owner=lightning_module)
     else:
         check_ownership(network, layout.units, units_per_stage)
+        full_bytes = _tensor_bytes(network)
+        meta = has_meta_tensors(network)
         keep = [u for s in local for u in units_per_stage[s]]
-        prune(network, keep, layout.units)
-        if has_meta_tensors(network):
-            materialize(network, device, seed)
+        prune(network, keep, layout.units, placeholder=plan.placeholder)
+        if meta:
+            initialize(network, device, seed, units=layout.units, owner=lightning_module)
+        elif num_stages > 1:
+            warn_whole_model(full_bytes, _tensor_bytes(network))
         # Views share the kept units (and their parameters) with `network`; made before the interceptor is installed
         # so that they keep the network's own forward.
-        bodies = {s: stage_view(network, units_per_stage[s], layout.units) for s in local}
-        split = Split(settings, num_stages, ranks, bodies, absent, call_with_activation, network, attr)
+        bodies = {s: stage_view(network, units_per_stage[s], layout.units, placeholder=plan.placeholder) for s in local}
+        split = Split(settings, num_stages, ranks, bodies, absent, plan.stage_call, network, attr)
+    split.layout, split.units_per_stage = layout, units_per_stage
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split
+
+
+def _tensor_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _trace(

@@ -5,6 +5,7 @@ Pure functions over ints and names: the strategy calls them in ``setup_environme
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, Union
 
 # An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
@@ -131,3 +132,22 @@ def resolve_microbatches(
             " or pass `drop_last=True` to the DataLoader if only the last batch is short."
         )
     return n
+
+
+BALANCE_MODES = ("auto", "params", "blocks")
+
+
+def check_balance_setting(balance: Union[str, Sequence[int]]) -> None:
+    """Validate ``balance`` on its own (its length and sum are checked against the model in the builder)."""
+    if isinstance(balance, str):
+        if balance not in BALANCE_MODES:
+            raise PipelineConfigError(
+                f"`balance={balance!r}` is not one of 'auto', 'params', 'blocks' or a list of blocks per stage."
+            )
+        return
+    if not isinstance(balance, (list, tuple)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) for n in balance
+    ):
+        raise PipelineConfigError(
+            f"`balance` must be 'auto', 'params', 'blocks' or a list of ints (blocks per stage), got {balance!r}."
+        )

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -34,6 +34,7 @@ from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.config import (
     PositiveInt,
     ScheduleName,
+    check_balance_setting,
     check_microbatch_settings,
     check_pipeline_size,
     resolve_pipeline_size,
@@ -81,8 +82,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         blocks: Name (inside ``module``) of the ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` of repeated
             blocks. ``"auto"``: the largest such container by parameter count.
         split_points: Names of the blocks that begin stages 1..N-1 (e.g. ``["layers.4"]``). Default: even split.
-        balance: Blocks per stage instead of ``split_points`` (e.g. ``[3, 5]``). Default: even split, the first
-            stages taking one more when the blocks do not divide evenly.
+        balance: How blocks are shared out when ``split_points`` is not given. ``"auto"``: by measured cost when the
+            LightningModule has ``example_input_array`` (each unit's forward and backward time on one microbatch, its
+            parameters and activations; the embedding and head count with their stages, which may then hold no
+            block), else as ``"params"``. ``"params"``: the fewest parameters on the largest stage. ``"blocks"``: an
+            even split by block count. A list gives the blocks per stage (e.g. ``[3, 5]``). Rank 0 prints the split.
         process_group_backend: ``torch.distributed`` backend. ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
             activations and gradients, gloo for the few CPU tensors a step sends: a pure ``nccl`` group rejects CPU
             tensors), ``gloo`` on CPU.
@@ -117,7 +121,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         frontend: Literal["auto", "modules", "trace"] = "auto",
         blocks: str = "auto",
         split_points: Optional[list[str]] = None,
-        balance: Optional[list[PositiveInt]] = None,
+        balance: Union[Literal["auto", "params", "blocks"], list[PositiveInt]] = "auto",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         init_weights: Optional[Union[str, Path]] = None,
@@ -129,7 +133,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         resolve_schedule(schedule, stages_per_rank)
         check_microbatch_settings(microbatches, microbatch_size)
         check_eval_microbatches(eval_microbatches)
-        if split_points is not None and balance is not None:
+        check_balance_setting(balance)
+        if split_points is not None and not isinstance(balance, str):
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if frontend not in ("auto", "modules", "trace"):
             raise PipelineConfigError(f"`frontend={frontend!r}` is not one of 'auto', 'modules', 'trace'.")
@@ -311,6 +316,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             microbatches=self._microbatches,
             microbatch_size=self._microbatch_size,
             device=self.root_device,
+            agree=lambda value: collectives.broadcast_object(value, 0, device=self.root_device),
+            announce=rank_zero_info,
         )
         self._build_runtime(split)
         assert self.model is not None

@@ -54,6 +54,12 @@ def test_constructor_rejects_both_split_settings():
         PipelineParallelStrategy(split_points=["layers.4"], balance=[4, 4])
 
 
+@pytest.mark.parametrize("bad", ["even", 3, [1.5, 2], [True, 1]])
+def test_constructor_rejects_bad_balance(bad):
+    with pytest.raises(PipelineConfigError, match="`balance"):
+        PipelineParallelStrategy(balance=bad)
+
+
 def test_constructor_rejects_both_microbatch_settings():
     with pytest.raises(PipelineConfigError, match=r"Set either `microbatches` \(4\) or `microbatch_size` \(2\)"):
         PipelineParallelStrategy(microbatches=4, microbatch_size=2)

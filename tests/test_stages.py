@@ -19,7 +19,7 @@ def _build(lm, **overrides):
         frontend="modules",
         blocks="auto",
         split_points=None,
-        balance=None,
+        balance="blocks",
         pipeline_size=2,
         pipeline_rank=0,
         stages_per_rank=1,
