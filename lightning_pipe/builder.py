@@ -8,7 +8,7 @@ again. The strategy turns a split into runnable stages (:func:`stage_modules`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from lightning_pipe.stages import (
     stage_view,
     trace_stages,
 )
+from lightning_pipe.tied import Tie, plan_ties
 
 SPLIT_ATTR = "_lightning_pipe_split"
 
@@ -65,6 +66,8 @@ class Split:
     #: the network's units in execution order, and each stage's
     layout: Layout | None = None
     units_per_stage: list[tuple[str, ...]] | None = None
+    #: parameters shared by units of several stages (names relative to the network)
+    ties: list[Tie] = field(default_factory=list)
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -243,12 +246,15 @@ def split_module(
     seed = torch.initial_seed()
     absent = {s: tuple(u for u in layout.units if u not in units_per_stage[s]) for s in local}
     if frontend == "trace":
+        ties = plan_ties(network, layout.units, units_per_stage)
         split = _trace(lightning_module, attr, network, layout, counts, local, microbatches, microbatch_size, device)
-        split.settings, split.stage_ranks, split.absent = settings, ranks, absent
+        split.settings, split.stage_ranks, split.absent, split.ties = settings, ranks, absent, ties
+        _retie_traced(split.bodies, ties)
         if has_meta_tensors(split.network):
             initialize(split.network, device, seed, units=(), owner=lightning_module)
     else:
-        check_ownership(network, layout.units, units_per_stage)
+        check_ownership(network, layout.units)
+        ties = plan_ties(network, layout.units, units_per_stage)
         full_bytes = _tensor_bytes(network)
         meta = has_meta_tensors(network)
         keep = [u for s in local for u in units_per_stage[s]]
@@ -260,7 +266,7 @@ def split_module(
         # Views share the kept units (and their parameters) with `network`; made before the interceptor is installed
         # so that they keep the network's own forward.
         bodies = {s: stage_view(network, units_per_stage[s], layout.units, placeholder=plan.placeholder) for s in local}
-        split = Split(settings, num_stages, ranks, bodies, absent, plan.stage_call, network, attr)
+        split = Split(settings, num_stages, ranks, bodies, absent, plan.stage_call, network, attr, ties=ties)
     split.layout, split.units_per_stage = layout, units_per_stage
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split
@@ -306,6 +312,27 @@ def _trace(
 def is_split(lightning_module: Any) -> bool:
     """Whether :func:`split_module` already cut this LightningModule down to a rank's stages."""
     return SPLIT_ATTR in lightning_module.__dict__
+
+
+def _retie_traced(bodies: dict[int, nn.Module], ties: list[Tie]) -> None:
+    """torch's tracer gives every stage its own copy of a shared parameter: a rank holding several of the stages
+    sharing it gets one Parameter again (the copies on other ranks are kept equal by the strategy)."""
+    for tie in ties:
+        shared: nn.Parameter | None = None
+        for body in bodies.values():
+            for name in tie.names:
+                parent, _, leaf = name.rpartition(".")
+                try:
+                    owner = body.get_submodule(parent) if parent else body
+                except AttributeError:
+                    continue
+                param = getattr(owner, leaf, None)
+                if not isinstance(param, nn.Parameter):
+                    continue
+                if shared is None:
+                    shared = param
+                elif param is not shared:
+                    setattr(owner, leaf, shared)
 
 
 def check_same_split(before: tuple, now: tuple) -> None:

@@ -69,6 +69,11 @@ def _on(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     return tensor.to(served_device(group, tensor.device))
 
 
+def new_group(ranks: list[int]) -> Group:
+    """A process group of global ``ranks`` (collective: every rank calls it, for every group, in the same order)."""
+    return dist.new_group(ranks)
+
+
 # ---------------------------------------------------------------------------------------------------- collectives
 def all_reduce_(tensor: torch.Tensor, group: Group = None, op: Any = None) -> torch.Tensor:
     """Sum (or ``op``) ``tensor`` over ``group`` in place."""

@@ -52,27 +52,17 @@ def _split_name(fqn: str) -> tuple[str, str]:
     return parent, child
 
 
-def check_ownership(module: nn.Module, units: Sequence[str], stages: Sequence[Sequence[str]]) -> None:
-    """Refuse networks whose parameters some stage would hold twice, or no stage would hold."""
-    stage_of_unit = {u: i for i, us in enumerate(stages) for u in us}
-    owners: dict[int, set[int]] = {}
-    names: dict[int, str] = {}
+def check_ownership(module: nn.Module, units: Sequence[str]) -> None:
+    """Refuse networks with parameters that no stage would hold. (A parameter several stages hold is a tie:
+    :mod:`lightning_pipe.tied`.)"""
+    owners: set[int] = set()
     for unit in units:
-        for pname, param in module.get_submodule(unit).named_parameters(prefix=unit, remove_duplicate=False):
-            owners.setdefault(id(param), set()).add(stage_of_unit[unit])
-            names.setdefault(id(param), pname)
+        owners.update(id(p) for p in module.get_submodule(unit).parameters())
     for pname, param in module.named_parameters(remove_duplicate=False):
         if id(param) not in owners:
             raise PipelineModelError(
                 f"Parameter {pname!r} lies outside every pipeline unit ({', '.join(units[:4])}, ...), so no stage"
                 " would own it. Move it into a submodule that runs before, inside or after the block stack."
-            )
-    for pid, stage_ids in owners.items():
-        if len(stage_ids) > 1:
-            raise PipelineModelError(
-                f"Parameter {names[pid]!r} is shared by units on stages {sorted(stage_ids)} (tied weights). Tied"
-                " weights across stages are not supported yet: untie them, or choose `split_points`/`balance` so"
-                " that all units sharing it are on one stage."
             )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,7 +27,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import builder, collectives, transport
+from lightning_pipe import builder, collectives, tied, transport
 from lightning_pipe import mesh as meshes
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
@@ -43,7 +44,7 @@ from lightning_pipe.config import (
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
 from lightning_pipe.executors import ForwardOnlyExecutor, ScheduleExecutor
 from lightning_pipe.executors.forward_only import check_eval_microbatches
-from lightning_pipe.grads import GradientStash, GradientSync, clip_grad_norm_across
+from lightning_pipe.grads import GradientStash, GradientSync, TiedCopy, clip_grad_norm_across
 from lightning_pipe.interception import CallInterceptor
 from lightning_pipe.metrics import MetricMirror, bind_metrics
 from lightning_pipe.protocol import RngStreams, StepProtocol
@@ -161,6 +162,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._eval_executor: Optional[ForwardOnlyExecutor] = None
         self._grads = GradientStash()
         self._grad_sync = GradientSync(None)
+        self._ties: list[TiedCopy] = []
+        self._aliases: dict[str, str] = {}
+        self._tie_groups: Optional[tuple[Any, dict]] = None
+        self._mesh_layout = meshes.MeshLayout(1, 1)
         self._rng = RngStreams()
         self.num_nodes = 1
 
@@ -266,7 +271,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         pp, dp = resolve_pipeline_size(self._pipeline_size, self.world_size)
         self._pipeline_size, self._data_parallel_size = pp, dp
         self._schedule_name, self._stages_per_rank = resolve_schedule(self._schedule_name, self._stages_per_rank)
-        self._build_mesh(meshes.MeshLayout(pp, dp))
+        self._mesh_layout = meshes.MeshLayout(pp, dp)
+        self._build_mesh(self._mesh_layout)
         if self.lightning_module is not None:
             pl_compat.set_device_mesh(self.lightning_module, self._mesh)
 
@@ -325,6 +331,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.model_to_device()
         if self._init_weights is not None:
             self._load_initial_weights(split.network_attr)
+        for tie in self._ties:
+            tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -364,7 +372,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             self.root_device,
         )
         bind_metrics(self.lightning_module, self.data_parallel_group)
-        self._grad_sync = GradientSync(self.data_parallel_group if self._data_parallel_size > 1 else None)
+        self._ties = self._tied_copies(split)
+        self._aliases = tied.aliases(split.ties, f"{split.network_attr}." if split.network_attr else "")
+        self._grad_sync = GradientSync(self.data_parallel_group if self._data_parallel_size > 1 else None, self._ties)
         self._runtime = runtime
         self._protocol = StepProtocol(
             self.lightning_module,
@@ -375,6 +385,35 @@ class PipelineParallelStrategy(ParallelStrategy):
         )
         self._train_executor = ScheduleExecutor(runtime, self.schedule_name, self._microbatches, self._microbatch_size)
         self._eval_executor = ForwardOnlyExecutor(runtime, self._eval_microbatches, split.static_microbatch_size)
+
+    def _tied_copies(self, split: builder.Split) -> list[TiedCopy]:
+        """This rank's copies of parameters shared across stages, each with the group of the ranks holding one.
+
+        Groups are made once per mesh (every rank creates every group, in one order) and reused by later entries.
+        """
+        if self._tie_groups is None or self._tie_groups[0] is not self._mesh:
+            layout, groups = self._mesh_layout, {}
+            for tie in split.ties:
+                owners = sorted({split.stage_ranks[s] for s in tie.stages})
+                if len(owners) < 2:
+                    continue  # every stage sharing it lives on one rank: one Parameter object, nothing to sum
+                for replica in range(layout.data_parallel_size):
+                    ranks = [layout.rank(replica, p) for p in owners]
+                    group = collectives.new_group(ranks)
+                    if self.global_rank in ranks:
+                        source = layout.rank(replica, split.stage_ranks[tie.stages[0]])
+                        groups[tie.names] = (group, source)
+            self._tie_groups = (self._mesh, groups)
+        prefix = f"{split.network_attr}." if split.network_attr else ""
+        local = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+        copies = []
+        for tie in split.ties:
+            if tie.names not in self._tie_groups[1]:
+                continue
+            param = next(local[prefix + n] for n in tie.names if prefix + n in local)
+            group, source = self._tie_groups[1][tie.names]
+            copies.append(TiedCopy(param, group, source))
+        return copies
 
     def _close_runtime(self) -> None:
         if self._protocol is not None:
@@ -467,7 +506,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_across(params, float(clip_val), self.pipeline_group if self.pipeline_size > 1 else None)
+        group = self.pipeline_group if self.pipeline_size > 1 else None
+        copies = [t.param for t in self._ties if t.source != self.global_rank]
+        clip_grad_norm_across(params, float(clip_val), group, not_counted=copies)
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint)
     @property
@@ -486,13 +527,15 @@ class PipelineParallelStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's stages' entries, under the full model's names."""
         assert self.model is not None
-        return ckpt_io.model_state(self.model)
+        return ckpt_io.model_state(self.model, self._aliases)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state, flattened and keyed by parameter name."""
         assert self.model is not None
-        return ckpt_io.optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
+        return ckpt_io.optimizer_state(
+            self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer, self._aliases
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -572,6 +615,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             stages_per_rank=self.stages_per_rank,
             schedule=self.schedule_name,
             pipeline_group=self.pipeline_group if self.pipeline_size > 1 else None,
+            aliases=self._aliases,
         )
 
     def _load_initial_weights(self, network_attr: str) -> None:

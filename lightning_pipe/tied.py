@@ -7,6 +7,7 @@ stages before the optimizer step. This module only finds the groups; it needs no
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -28,3 +29,33 @@ def tied_groups(network: nn.Module, units: Sequence[str] | None = None) -> list[
 
 def _unit_of(name: str, units: Sequence[str]) -> str | None:
     return next((unit for unit in units if name.startswith(unit + ".")), None)
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter shared by units of several stages."""
+
+    #: every name of the parameter in the network, in definition order; the first is the one checkpoints use
+    names: tuple[str, ...]
+    #: the stages holding one of the names, ascending
+    stages: tuple[int, ...]
+
+    @property
+    def canonical(self) -> str:
+        return self.names[0]
+
+
+def plan_ties(network: nn.Module, units: Sequence[str], units_per_stage: Sequence[Sequence[str]]) -> list[Tie]:
+    """The parameters that units of different stages share (pure: names and stage lists only)."""
+    stage_of_unit = {u: s for s, us in enumerate(units_per_stage) for u in us}
+    ties = []
+    for group in tied_groups(network, units):
+        stages = sorted({stage_of_unit[u] for u in (_unit_of(n, units) for n in group) if u in stage_of_unit})
+        if len(stages) > 1:
+            ties.append(Tie(tuple(group), tuple(stages)))
+    return ties
+
+
+def aliases(ties: Sequence[Tie], prefix: str = "") -> dict[str, str]:
+    """``{other name: first name}`` of every tie, with ``prefix`` (the network's attribute) on both."""
+    return {prefix + name: prefix + tie.canonical for tie in ties for name in tie.names[1:]}

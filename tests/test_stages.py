@@ -82,13 +82,17 @@ def test_materialize_refuses_modules_without_reset_parameters():
         materialize(model, torch.device("cpu"), 0)
 
 
-def test_tied_weights_across_stages_are_refused():
+def test_ties_across_stages_are_planned():
+    from lightning_pipe.tied import aliases, plan_ties
+
     model = TinyLM(n_layers=2)
     model.head.weight = model.embed.weight  # tie (shapes are vocab x dim for both)
     layout = find_layout(model)
-    with pytest.raises(PipelineModelError, match=r"'embed.weight' is shared by units on stages \[0, 1\]"):
-        check_ownership(model, layout.units, stage_units(layout, [1, 1]))
-    check_ownership(model, layout.units, stage_units(layout, [2]))  # one stage: fine
+    check_ownership(model, layout.units)  # a tie is not refused
+    (tie,) = plan_ties(model, layout.units, stage_units(layout, [1, 1]))
+    assert tie.names == ("embed.weight", "head.weight") and tie.stages == (0, 1) and tie.canonical == "embed.weight"
+    assert aliases([tie], "model.") == {"model.head.weight": "model.embed.weight"}
+    assert plan_ties(model, layout.units, stage_units(layout, [2])) == []  # one stage: a plain shared parameter
 
 
 def test_parameters_outside_units_are_refused():
@@ -96,7 +100,7 @@ def test_parameters_outside_units_are_refused():
     model.scale = nn.Parameter(torch.ones(1))
     layout = find_layout(model)
     with pytest.raises(PipelineModelError, match=r"Parameter 'scale' lies outside every pipeline unit"):
-        check_ownership(model, layout.units, stage_units(layout, [1, 1]))
+        check_ownership(model, layout.units)
 
 
 def test_merge_preserves_names_and_persistence():

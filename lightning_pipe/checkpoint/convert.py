@@ -76,6 +76,10 @@ def load_model_weights(path: Path, progress: bool = False, chunk_bytes: int = CH
     weights = load_entries(path, fmt.MODEL_PREFIX, progress=progress, chunk_bytes=chunk_bytes)
     if len(weights) != info["model_entries"]:
         raise PipelineCheckpointError(f"Read {len(weights)} of {info['model_entries']} model entries from {path}.")
+    # A tied parameter is stored once; a single-device state dict names it under every name, sharing one tensor.
+    for name, first in info.get(fmt.ALIASES, {}).items():
+        if first in weights:
+            weights[name] = weights[first]
     return weights
 
 

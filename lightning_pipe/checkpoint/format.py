@@ -26,6 +26,8 @@ TRAINER_STATE = "trainer.pt"
 SCHEDULER_DIR = "lr_schedulers"
 DCP_METADATA = ".metadata"
 MODEL_PREFIX = "state_dict."
+#: manifest key: ``{other name: first name}`` of parameters shared by several stages (stored under the first name)
+ALIASES = "tied_aliases"
 #: Manifest key: per optimizer, per param group, the parameter names in one device's order (``optim.ParamGroups``).
 #: Absent from checkpoints without optimizer state and from those written before it was recorded: readers of format
 #: version 1 ignore keys they do not know, so adding it needed no new version.
@@ -78,12 +80,13 @@ def build_manifest(
     lr_schedulers: bool,
     module_class: str,
     param_groups: Sequence[Sequence[Sequence[str | None]]] | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a checkpoint saved by a pipeline of ``pipeline_size`` ranks.
 
     ``optimizers`` is how many optimizers' states are in it (0 for a weights-only checkpoint); ``lr_schedulers``
     whether each pipeline rank wrote its scheduler file; ``param_groups`` the optimizers' parameter order on one
-    device, when known.
+    device, when known; ``aliases`` the other names of tied parameters (``{name: first name}``), stored once.
     """
     manifest = {
         "format": FORMAT_NAME,
@@ -99,6 +102,8 @@ def build_manifest(
     }
     if param_groups is not None:
         manifest[PARAM_GROUPS] = [[list(group) for group in optimizer] for optimizer in param_groups]
+    if aliases:
+        manifest[ALIASES] = dict(sorted(aliases.items()))
     return manifest
 
 

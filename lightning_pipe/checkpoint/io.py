@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ class Topology:
     schedule: str
     #: this rank's pipeline process group (``None`` without a process group)
     pipeline_group: Any | None = None
+    #: ``{name: first name}`` of tied parameters (held by several stages, stored once under their first name)
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -67,17 +69,29 @@ def _local(problems: list[str], fn: Any, *args: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- state dicts
-def model_state(module: nn.Module) -> dict[str, Any]:
-    """This rank's model entries under the full model's names."""
+def model_state(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """This rank's model entries under the full model's names; a tied parameter under its first name only."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module)
+    state = get_model_state_dict(module)
+    for name, first in (aliases or {}).items():
+        if name in state:
+            value = state.pop(name)
+            state.setdefault(first, value)
+    return state
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """This rank's optimizer state keyed by parameter name, flattened so every entry (hyperparameters included) has a
     key of its own: DCP keeps one copy of a key that several ranks hold, which would lose other stages' entries."""
-    return optim.flatten(optimizer, optim.param_names(module))
+    return optim.flatten(optimizer, optim.param_names(module, aliases))
+
+
+def _as_local(module: nn.Module, loaded: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """``loaded`` (first names) under the module's own state-dict names."""
+    return {name: loaded[aliases.get(name, name)] for name in model_state(module) if aliases.get(name, name) in loaded}
 
 
 def _shapes(prefix: str, state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
@@ -148,6 +162,7 @@ def save(
             lr_schedulers=schedulers is not None,
             module_class=module_class,
             param_groups=param_groups if optimizer_states else None,
+            aliases=topo.aliases,
         )
         _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
         # The manifest is written last: a directory without one was never completely written.
@@ -232,9 +247,9 @@ def load(
 
     path = Path(path)
     problems: list[str] = []
-    weights = model_state(module)
+    weights = model_state(module, topo.aliases)
     expected = _shapes("state_dict", weights)
-    names = optim.param_names(module)
+    names = optim.param_names(module, topo.aliases)
     found = _local(problems, _validate, path, expected, optimizers, names, topo, weights_only)
     _agree(problems, f"Cannot load checkpoint {str(path)!r}")
     manifest, stored, schedulers, rest = found
@@ -255,7 +270,8 @@ def load(
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
         raise PipelineCheckpointError(f"Reading checkpoint {str(path)!r} failed (corrupted shard?): {err}") from err
-    set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
+    loaded = _as_local(module, state["state_dict"], topo.aliases)
+    set_model_state_dict(module, loaded, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
     if optimizers and schedulers is not None:
@@ -369,7 +385,7 @@ def resume_from_file(
     source = Path(source)
     weights, rest = _read_file(source, weights_only)
     problems: list[str] = []
-    states = _local(problems, _local_optimizer_states, source, rest, module, optimizers, param_groups)
+    states = _local(problems, _local_optimizer_states, source, rest, module, optimizers, param_groups, topo.aliases)
     _agree(problems, f"Cannot resume `fit` from {str(source)!r}")
     _copy_weights(source, weights, module, network_prefix="", strict=strict)
     for optimizer, state in zip(optimizers, states):
@@ -412,6 +428,7 @@ def _local_optimizer_states(
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     param_groups: optim.ParamGroups | None,
+    aliases: Mapping[str, str],
 ) -> list[dict[str, Any]]:
     """This rank's part of each optimizer state in a single-device checkpoint, in the form its optimizer loads."""
     saved = rest.get("optimizer_states")
@@ -432,7 +449,7 @@ def _local_optimizer_states(
             " was split by an earlier `validate`, `test` or `predict`, or that call failed (see the warning). Resume"
             " with a new LightningModule instance, passing `ckpt_path` to its first `trainer.fit`."
         )
-    names = optim.param_names(module)
+    names = optim.param_names(module, aliases)
     return [
         optim.localize(state, groups, optim.ordered_names(optimizer, names), i)
         for i, (state, groups, optimizer) in enumerate(zip(saved, param_groups, optimizers))

@@ -31,9 +31,11 @@ ParamGroups = list[list[list[str | None]]]
 _RECORD_ATTR = "_lightning_pipe_param_groups"
 
 
-def param_names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter)`` to its name in ``module`` (the first name of a parameter registered twice)."""
-    return {id(p): name for name, p in module.named_parameters()}
+def param_names(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[int, str]:
+    """``id(parameter)`` to its name in ``module`` (the first name of a parameter registered twice; for a tied
+    parameter whose first name here is another stage's alias, the name ``aliases`` maps it to)."""
+    aliases = aliases or {}
+    return {id(p): aliases.get(name, name) for name, p in module.named_parameters()}
 
 
 def ordered_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[list[str]]:
