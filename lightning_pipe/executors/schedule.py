@@ -58,7 +58,8 @@ class ScheduleExecutor:
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
-                schedule.step(target=torch.arange(n), losses=[])
+                # Outputs are consumed by the loss function; torch need not keep or merge them.
+                schedule.step(target=torch.arange(n), losses=[], return_outputs=False)
             else:
                 schedule.step()
         except Exception as err:
