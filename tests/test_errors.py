@@ -156,3 +156,25 @@ def test_one_process_pipeline_trains_in_process():
     trainer = _fit(LitLM())
     assert trainer.strategy.pipeline_size == 1 and trainer.strategy.schedule_name == "1F1B"
     assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize(
+    "kind, original",
+    [
+        ("none-unit", "TypeError: 'NoneType' object is not callable"),
+        ("input-shape", "ValueError: too many values to unpack"),
+    ],
+)
+def test_error_inside_a_stage_names_rank_stage_and_the_activation(kind, original):
+    from tests.launch import run_script
+
+    proc = run_script("stage_errors.py", kind, nprocs=2, expect_failure=True, timeout=300)
+    err = " ".join(proc.stderr.split())
+    assert original in err  # the user's own exception, with its traceback
+    assert "stage_errors.py" in err and "forward" in err
+    # torch runs each stage once for its shape inference before the first microbatch: that is where it fails.
+    note = "lightning-pipe: raised on rank 1 in pipeline stage 1 of 2 during torch's shape inference."
+    assert note in err
+    assert "Units held by other stages are absent (None) here: embed, layers.0, layers.1." in err
+    assert "On this stage `idx` holds the activation received from stage 0 (tensor (4, 6, 16) float32)" in err
+    assert "errors-raised-inside-a-stage" in err
