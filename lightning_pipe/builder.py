@@ -19,6 +19,7 @@ from lightning_pipe.config import V_SHAPED, resolve_microbatches
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.hf import hf_layout, hf_placeholder, hf_stage_call, is_hf_model
 from lightning_pipe.initialization import initialize, warn_whole_model
+from lightning_pipe.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, split_batch
 from lightning_pipe.partition import (
     Layout,
@@ -68,6 +69,8 @@ class Split:
     units_per_stage: list[tuple[str, ...]] | None = None
     #: parameters shared by units of several stages (names relative to the network)
     ties: list[Tie] = field(default_factory=list)
+    #: bytes allocated at most while this rank's stages were allocated and initialised (meta construction), or None
+    construction_peak: int | None = None
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -257,16 +260,20 @@ def split_module(
         ties = plan_ties(network, layout.units, units_per_stage)
         full_bytes = _tensor_bytes(network)
         meta = has_meta_tensors(network)
+        construction_peak = None
         keep = [u for s in local for u in units_per_stage[s]]
         prune(network, keep, layout.units, placeholder=plan.placeholder)
         if meta:
-            initialize(network, device, seed, units=layout.units, owner=lightning_module)
+            with PeakMemory(device) as peak:
+                initialize(network, device, seed, units=layout.units, owner=lightning_module)
+            construction_peak = peak.bytes
         elif num_stages > 1:
             warn_whole_model(full_bytes, _tensor_bytes(network))
         # Views share the kept units (and their parameters) with `network`; made before the interceptor is installed
         # so that they keep the network's own forward.
         bodies = {s: stage_view(network, units_per_stage[s], layout.units, placeholder=plan.placeholder) for s in local}
         split = Split(settings, num_stages, ranks, bodies, absent, plan.stage_call, network, attr, ties=ties)
+        split.construction_peak = construction_peak
     split.layout, split.units_per_stage = layout, units_per_stage
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split

@@ -8,6 +8,7 @@ pipeline runtime; nothing is stored on the LightningModule but the split itself.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -46,6 +47,7 @@ from lightning_pipe.executors import ForwardOnlyExecutor, ScheduleExecutor
 from lightning_pipe.executors.forward_only import check_eval_microbatches
 from lightning_pipe.grads import GradientStash, GradientSync, TiedCopy, clip_grad_norm_across
 from lightning_pipe.interception import CallInterceptor
+from lightning_pipe.memory import MemoryReport, SavedBytesRecorder, state_bytes
 from lightning_pipe.metrics import MetricMirror, bind_metrics
 from lightning_pipe.protocol import RngStreams, StepProtocol
 from lightning_pipe.runtime import PipelineRuntime
@@ -54,6 +56,10 @@ from lightning_pipe.side_inputs import CallBook
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
+
+
+# A child of Lightning's logger: its lines appear wherever Lightning's own INFO lines do.
+log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -164,6 +170,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._grad_sync = GradientSync(None)
         self._ties: list[TiedCopy] = []
         self._aliases: dict[str, str] = {}
+        self._split: Optional[builder.Split] = None
+        self._saved: dict[int, SavedBytesRecorder] = {}
+        self._memory_logged = False
         self._tie_groups: Optional[tuple[Any, dict]] = None
         self._mesh_layout = meshes.MeshLayout(1, 1)
         self._rng = RngStreams()
@@ -325,7 +334,10 @@ class PipelineParallelStrategy(ParallelStrategy):
             agree=lambda value: collectives.broadcast_object(value, 0, device=self.root_device),
             announce=rank_zero_info,
         )
+        self._split = split
         self._build_runtime(split)
+        if trainer.state.fn == TrainerFn.FITTING and not self._saved:
+            self._saved = {s: SavedBytesRecorder(m) for s, m in self.runtime.stages.items()}
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -462,7 +474,27 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._grad_sync.synchronize([p for g in optimizer.param_groups for p in g["params"]])
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        stepped = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if not self._memory_logged:
+            # After the first step: optimizers such as Adam create their state then.
+            self._memory_logged = True
+            for line in self.memory_report.lines():
+                log.info(line)
+        return stepped
+
+    @property
+    def memory_report(self) -> MemoryReport:
+        """What this rank holds: parameter, gradient and optimizer-state bytes now, bytes saved for backward per
+        microbatch by each local stage (measured on the first training forward), and the peak allocated while its
+        stages were built (``configure_model`` construction). Logged once, after the first optimizer step."""
+        assert self._split is not None
+        return MemoryReport(
+            rank=self.global_rank,
+            stages=tuple(self._split.bodies),
+            state=state_bytes(self.model, self.optimizers),
+            saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
+            construction_peak=self._split.construction_peak,
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

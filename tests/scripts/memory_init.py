@@ -1,0 +1,21 @@
+"""Meta-device construction under the pipeline: each rank's initial weights and memory report.
+Usage: memory_init.py OUT_DIR CONFIGS_JSON  (a list of {"name", "family", "devices"})."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.memory_models import run_meta
+
+
+def main() -> None:
+    out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    for cfg in configs:
+        result = run_meta(cfg["family"], cfg["devices"], schedule=cfg.get("schedule", "1F1B"))
+        torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()

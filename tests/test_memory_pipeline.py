@@ -1,0 +1,73 @@
+"""Meta-device construction under the pipeline: the model's own init whatever the layout (2 and 4 processes, and one
+process with ``pipeline_size=1``), and each rank holding about 1/K of the model and its optimizer state, having
+allocated only its own stages."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import pytest
+import torch
+
+from tests.launch import run_script
+from tests.memory_models import run_meta
+from tests.reference import load_ranks, merged_state
+
+FAMILIES = ["gpt2", "llama"]
+CONFIGS = {
+    2: [{"name": f"{f}-2", "family": f, "devices": 2} for f in FAMILIES],
+    4: [{"name": f"{f}-4", "family": f, "devices": 4} for f in FAMILIES],
+}
+
+
+@functools.cache
+def one_process(family: str) -> dict:
+    if family == "llama":
+        pytest.importorskip("transformers")
+    return run_meta(family, devices=1)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("meta")
+    run_script("memory_init.py", str(out), json.dumps(CONFIGS[2]), nprocs=2, launcher="lightning")
+    run_script("memory_init.py", str(out), json.dumps(CONFIGS[4]), nprocs=4, launcher="torchrun")
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("k", [2, 4])
+def test_initial_weights_do_not_depend_on_the_layout(launched, family, k):
+    ranks = load_ranks(launched, f"{family}-{k}")
+    whole = one_process(family)["state"]
+    state = merged_state(ranks)
+    assert state.keys() == whole.keys()
+    for key in whole:
+        # The same per-module seeds and the same init ops on the same machine: bitwise equal.
+        assert torch.equal(state[key], whole[key]), key
+
+
+def test_the_model_s_own_init_is_used():
+    """GPT-2's `_init_weights`: N(0, 0.02), residual projections N(0, 0.02/sqrt(2 n_layer)) (PyTorch's default init
+    for these Linear layers would have std ~0.07-0.1)."""
+    state = one_process("gpt2")["state"]
+    assert abs(state["model.h.0.attn.c_attn.weight"].std().item() - 0.02) < 0.002
+    assert abs(state["model.wte.weight"].std().item() - 0.02) < 0.002
+    assert abs(state["model.h.3.mlp.c_proj.weight"].std().item() - 0.02 / math.sqrt(16)) < 0.0008
+    assert torch.all(state["model.h.0.attn.c_attn.bias"] == 0) and torch.all(state["model.ln_f.weight"] == 1)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_each_rank_holds_its_share(launched, k):
+    whole = one_process("gpt2")
+    total = whole["parameters"] + whole["optimizer_state"]
+    for rank in load_ranks(launched, f"gpt2-{k}"):
+        held = rank["parameters"] + rank["optimizer_state"]
+        assert held <= total / k * 1.10, (held, total / k)
+        # Construction allocated this rank's stages and little else: never another stage's parameters.
+        assert rank["construction_peak"] is not None
+        assert rank["parameters"] <= rank["construction_peak"] <= rank["parameters"] * 1.10 + 2**20
+        assert rank["saved"] and all(v > 0 for v in rank["saved"].values())
