@@ -179,10 +179,13 @@ def run_decoder(strategy=None, devices: int = 1, **model_kwargs) -> dict:
         **kwargs,
     )
     trainer.fit(model)
+    groups = [_group_count()]
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     tested = trainer.test(model, verbose=False)
+    groups.append(_group_count())
     predictions = trainer.predict(model)
+    groups.append(_group_count())
     return {
         "losses": model.step_losses,
         "val_losses": model.val_losses,
@@ -191,5 +194,12 @@ def run_decoder(strategy=None, devices: int = 1, **model_kwargs) -> dict:
         "test": tested[0] if tested else None,
         "predictions": torch.cat(predictions) if predictions and predictions[0] is not None else None,
         "pipeline_rank": getattr(trainer.strategy, "pipeline_rank", 0),
+        "process_groups": groups,
         "dp_rank": getattr(trainer.strategy, "data_parallel_rank", 0),
     }
+
+
+def _group_count() -> int:
+    import torch.distributed as dist
+
+    return dist.get_pg_count() if dist.is_initialized() else 0

@@ -62,6 +62,8 @@ def _check(ranks: list[dict], ref: dict) -> None:
     first = [r for r in ranks if r["pipeline_rank"] == 0]
     assert all(torch.equal(r["predictions"], ref["predictions"]) for r in first)
     assert all(r["predictions"] is None for r in ranks if r["pipeline_rank"] != 0)
+    # fit -> test -> predict with one Trainer: the strategy's mesh (and tie groups) serve every entry.
+    assert all(len(set(r["process_groups"])) == 1 for r in ranks), [r["process_groups"] for r in ranks]
     # The tied embedding and head: copies on different ranks stay bitwise equal.
     copies = [r["state"][k] for r in ranks for k in ("model.embed.weight", "model.head.weight") if k in r["state"]]
     assert len(copies) >= 2 and all(torch.equal(c, copies[0]) for c in copies)
