@@ -1,0 +1,106 @@
+"""Single-process tests of the step protocol's pieces: token weighting, stage calls, the outcome channel's encoding,
+the mesh layout and their error messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineParallelStrategy
+from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.interception import Call, LoggedValue
+from lightning_pipe.mesh import MeshLayout
+from lightning_pipe.metrics import MetricRef, MetricUpdate
+from lightning_pipe.protocol import Outcome, _check_items, _loss_and_items
+from lightning_pipe.sharing import flatten, rebuild
+from lightning_pipe.side_inputs import CallBook, StageModule, call_with_activation
+
+
+# ---------------------------------------------------------------------------------------------------- num_items
+def test_num_items_is_read_and_checked():
+    loss, items = _loss_and_items("training_step", {"loss": torch.tensor(2.0), "num_items": torch.tensor(7)})
+    assert float(loss) == 2.0 and int(items) == 7
+    assert _loss_and_items("training_step", torch.tensor(1.0))[1] is None
+    with pytest.raises(PipelineUsageError, match=r"returned `num_items=\[1, 2\]`; it must be the number of items"):
+        _loss_and_items("training_step", {"loss": torch.tensor(1.0), "num_items": torch.tensor([1, 2])})
+    with pytest.raises(PipelineUsageError, match="returned `num_items=2.5`"):
+        _loss_and_items("training_step", {"loss": torch.tensor(1.0), "num_items": 2.5})
+
+
+def test_num_items_from_all_microbatches_or_none():
+    assert _check_items("training_step", [torch.tensor(3), torch.tensor(4)])
+    assert not _check_items("training_step", [None, None])
+    with pytest.raises(PipelineUsageError, match="returned `num_items` for some microbatches of a batch but not"):
+        _check_items("training_step", [torch.tensor(3), None])
+    with pytest.raises(PipelineUsageError, match="returned `num_items` that sum to 0 over the batch"):
+        _check_items("validation_step", [torch.tensor(0), torch.tensor(0)])
+
+
+# ---------------------------------------------------------------------------------------------------- stage calls
+class _Net(nn.Module):
+    def forward(self, idx, mask=None, scale=1.0):
+        return (idx if mask is None else idx * mask) * scale
+
+
+def test_activation_takes_the_place_of_the_first_input():
+    net, h, mask = _Net(), torch.ones(2, 3), torch.tensor([[1.0, 0.0, 1.0]] * 2)
+    # positional call: the received activation replaces `idx`, the mask and scale stay the microbatch's own
+    out = call_with_activation(net, (torch.zeros(2, 3, dtype=torch.long), mask), {"scale": 2.0}, (h,), False, True)
+    assert torch.equal(out, h * mask * 2)
+    # keyword call: the activation goes into the keyword of forward's first parameter
+    out = call_with_activation(net, (), {"idx": torch.zeros(2), "mask": mask}, (h,), False, True)
+    assert torch.equal(out, h * mask)
+    with pytest.raises(PipelineUsageError, match="was called with keyword arguments \\['mask'\\] only"):
+        call_with_activation(net, (), {"mask": mask}, (h,), False, True)
+
+
+def test_a_stage_before_the_last_must_return_tensors():
+    book = CallBook()
+    book.start([Call((torch.ones(2),), {})])
+    stage = StageModule(nn.Identity(), 0, 2, book, lambda *a: {"hidden": torch.ones(2)})
+    stage.chunk = 0
+    with pytest.raises(PipelineUsageError, match="Pipeline stage 0 returned dict; a stage before the last must"):
+        stage()
+
+
+def test_the_last_stage_packs_and_rebuilds_any_output():
+    book = CallBook()
+    book.start([Call((torch.ones(2, 3),), {})])
+    stage = StageModule(nn.Linear(3, 3), 1, 2, book, lambda body, a, k, r, f, last: {"y": body(r[0]), "tag": "x"})
+    stage.chunk = 0
+    tensors = stage(torch.ones(2, 3))
+    assert isinstance(tensors, tuple) and tensors[0].requires_grad  # autograd graph kept for the loss
+    assert stage.final_output(0, tensors)["tag"] == "x"
+
+
+# ---------------------------------------------------------------------------------------------------- sharing
+def test_outcome_encoding_round_trips_and_keeps_the_schema_when_only_values_change():
+    def outcome(loss: float, count: int) -> Outcome:
+        update = MetricUpdate("acc", count, tensors={"tp": torch.tensor([count, 2])}, forward_value=torch.tensor(0.5))
+        logs = [LoggedValue("loss", torch.tensor(loss), {"prog_bar": True}), LoggedValue("acc", MetricRef("acc"))]
+        return Outcome(loss=torch.tensor(loss), logs=logs, metric_updates=[update], output={"n": count})
+
+    schema, values = flatten(outcome(1.5, 3))
+    again, _ = flatten(outcome(2.5, 4))
+    assert schema == again  # steady state: only the values tensor travels
+    flat = torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in values])
+    back = rebuild(schema, flat, torch.device("cpu"))
+    assert float(back.loss) == 1.5 and back.logs[0].kwargs == {"prog_bar": True} and back.logs[1].value.name == "acc"
+    assert back.metric_updates[0].tensors["tp"].dtype == torch.int64 and back.output == {"n": 3}
+    assert flatten({"big": torch.tensor([2**60])})[0] is None  # not exact in float64: sent as an object
+
+
+# ---------------------------------------------------------------------------------------------------- mesh
+def test_mesh_layout_places_ranks():
+    inner_pp, inner_dp = MeshLayout(2, 3, "pp"), MeshLayout(2, 3, "dp")
+    assert inner_pp.pipeline_ranks(1) == [2, 3] and inner_pp.replica_ranks(0) == [0, 2, 4]
+    assert inner_dp.pipeline_ranks(1) == [1, 4] and inner_dp.replica_ranks(0) == [0, 1, 2]
+    assert all(inner_pp.rank(*inner_pp.coordinates(r)) == r for r in range(6))
+    with pytest.raises(PipelineConfigError, match="`inner='x'` must be 'pp' or 'dp'"):
+        MeshLayout(2, 2, "x")  # type: ignore[arg-type]
+
+
+def test_device_mesh_exists_only_once_processes_start():
+    with pytest.raises(PipelineUsageError, match="The device mesh is built when the processes start"):
+        _ = PipelineParallelStrategy().device_mesh
