@@ -252,8 +252,19 @@ def _insert(root: nn.Module, name: str, module: nn.Module) -> None:
         if torch_compat.children(parent).get(part) is None:
             parent.add_module(part, nn.Module())
         parent = torch_compat.children(parent)[part]
-    if parts[-1] not in torch_compat.children(parent):
+    existing = torch_compat.children(parent).get(parts[-1])
+    if existing is None:
         parent.add_module(parts[-1], module)
+    elif existing is not module:
+        # Two traced stages of one rank both hold a module of this name: the tracer puts a parameter shared by two
+        # stages into both (e.g. `head.weight` tied to the embedding also lands in the first stage). Keep one
+        # module and give it what only the other holds (the head's bias), so nothing escapes the optimizer.
+        for pname, param in torch_compat.own_parameters(module).items():
+            if torch_compat.own_parameters(existing).get(pname) is None and param is not None:
+                existing.register_parameter(pname, param)
+        for bname, buffer in torch_compat.own_buffers(module).items():
+            if bname not in torch_compat.own_buffers(existing) and buffer is not None:
+                existing.register_buffer(bname, buffer)
 
 
 def merge(modules: Sequence[nn.Module], state_keys: set[str] | None = None) -> nn.Module:

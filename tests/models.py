@@ -210,6 +210,15 @@ class LitLMWithMetric(LitLM):
         self.step_acc.append(float(self.trainer.callback_metrics["train_acc_step"]))
 
 
+class LitTiedLM(LitLM):
+    """TinyLM whose head shares the embedding's weight, with an example input for the tracer."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layers=4)
+        self.model.head.weight = self.model.embed.weight
+        self.example_input_array = torch.zeros(8, SEQ, dtype=torch.long)
+
+
 def build_model(name: str) -> L.LightningModule:
     return {
         "lm": lambda: LitLM(),
@@ -220,4 +229,5 @@ def build_model(name: str) -> L.LightningModule:
         "mlp": lambda: LitMLP(),
         "flat": lambda: FlatLM(),
         "litgpt": lambda: LitGPTModule(),
+        "tied": lambda: LitTiedLM(),
     }[name]()

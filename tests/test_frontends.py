@@ -27,6 +27,9 @@ TWO_PROC_CONFIGS = [
     {"name": "short-last-batch", "model": "lm-short-last", "devices": 2, "schedule": "ZBVZeroBubble", "max_steps": 10},
     {"name": "bf16-mixed", "model": "lm", "devices": 2, "precision": "bf16-mixed"},
     {"name": "bf16-true", "model": "lm", "devices": 2, "precision": "bf16-true"},
+    {"name": "tied-modules", "model": "tied", "devices": 2},
+    {"name": "tied-trace", "model": "tied", "devices": 2, "frontend": "trace"},
+    {"name": "tied-trace-v", "model": "tied", "devices": 2, "frontend": "trace", "schedule": "ZBVZeroBubble"},
 ]
 ONE_PROC_CONFIGS = [
     {"name": "single-lm", "model": "lm", "devices": 1},
@@ -52,7 +55,16 @@ def one_proc(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "name, model",
-    [("mlp", "mlp"), ("flat", "flat"), ("litgpt", "litgpt"), ("litgpt-4stages", "litgpt"), ("microbatch-size", "lm")],
+    [
+        ("mlp", "mlp"),
+        ("flat", "flat"),
+        ("litgpt", "litgpt"),
+        ("litgpt-4stages", "litgpt"),
+        ("microbatch-size", "lm"),
+        ("tied-modules", "tied"),
+        ("tied-trace", "tied"),
+        ("tied-trace-v", "tied"),
+    ],
 )
 def test_frontend_parity(two_procs, name, model):
     ranks = load_ranks(two_procs, name)
