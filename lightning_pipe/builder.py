@@ -61,6 +61,10 @@ class Split:
     network_attr: str
     #: traced stages may bake the example microbatch's size into reshapes (evaluation pads to it)
     static_microbatch_size: int | None = None
+    #: every block of the network's block stack (``Layout.blocks``), relative to the network
+    block_names: tuple[str, ...] = ()
+    #: the runnable stages, made once: per-stage wrappers (FSDP) stay on them for later Trainer entries
+    stages: dict[int, StageModule] | None = None
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -188,6 +192,7 @@ def split_module(
         # so that they keep the network's own forward.
         bodies = {s: stage_view(network, units_per_stage[s], layout.units) for s in local}
         split = Split(settings, num_stages, ranks, bodies, absent, call_with_activation, network, attr)
+    split.block_names = layout.blocks
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split
 
@@ -241,8 +246,13 @@ def check_same_split(before: tuple, now: tuple) -> None:
 
 
 def stage_modules(split: Split, book: CallBook) -> dict[int, StageModule]:
-    """Runnable stages for ``split``, reading their side inputs from ``book``."""
-    return {
-        s: StageModule(body, s, split.num_stages, book, split.stage_call, split.absent.get(s, ()))
-        for s, body in split.bodies.items()
-    }
+    """Runnable stages for ``split``, reading their side inputs from ``book`` (made on the first call, rebound to
+    ``book`` on later ones)."""
+    if split.stages is None:
+        split.stages = {
+            s: StageModule(body, s, split.num_stages, book, split.stage_call, split.absent.get(s, ()))
+            for s, body in split.bodies.items()
+        }
+    for stage in split.stages.values():
+        stage.bind(book)
+    return dict(split.stages)

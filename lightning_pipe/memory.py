@@ -61,6 +61,8 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[tuple[Any, ...], int] = {}
     for t in tensors:
+        # A DTensor (FSDP) counts what this rank holds: its local shard.
+        t = t.to_local() if hasattr(t, "to_local") else t
         seen[_storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 

@@ -21,6 +21,14 @@ DP, PP = "dp", "pp"
 InnerAxis = Literal["pp", "dp"]
 
 
+def check_inner_axis(inner_axis: str) -> None:
+    if inner_axis not in (PP, DP):
+        raise PipelineConfigError(
+            f"`inner_axis={inner_axis!r}` is not one of 'dp', 'pp'. Use 'dp' to keep each stage's data-parallel"
+            " replicas on consecutive ranks (one node), or 'pp' to keep each pipeline's stages there."
+        )
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """How ``world_size`` processes form ``data_parallel_size`` pipelines of ``pipeline_size`` processes.
@@ -32,11 +40,10 @@ class MeshLayout:
 
     pipeline_size: int
     data_parallel_size: int
-    inner: InnerAxis = "pp"
+    inner: InnerAxis = DP
 
     def __post_init__(self) -> None:
-        if self.inner not in (PP, DP):
-            raise PipelineConfigError(f"`inner={self.inner!r}` must be 'pp' or 'dp'.")
+        check_inner_axis(self.inner)
 
     @property
     def world_size(self) -> int:

@@ -38,6 +38,8 @@ class Topology:
     schedule: str
     #: this rank's pipeline process group (``None`` without a process group)
     pipeline_group: Any | None = None
+    #: whether parameters and optimizer state are sharded over the data-parallel ranks (FSDP DTensors)
+    sharded: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -130,14 +132,16 @@ def save(
     schedulers = checkpoint.pop("lr_schedulers", None)
     for i, osd in enumerate(optimizer_states or []):
         state[f"optimizer_{i}"] = osd
-    # Data-parallel replicas hold identical states: only the first replica's pipeline writes.
-    if topo.data_parallel_rank == 0:
-        _local(
-            problems,
-            lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=topo.pipeline_group),
-        )
-        if schedulers is not None:
-            _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
+    # Replicated stages hold identical states: only the first replica's pipeline writes. Sharded ones: every rank
+    # writes its shards (an entry several ranks hold whole, such as a step count, is written once).
+    if topo.sharded or topo.data_parallel_rank == 0:
+        group = None if topo.sharded else topo.pipeline_group
+        # A one-rank pipeline of replicated stages writes alone (its group would be the whole world otherwise).
+        alone = not topo.sharded and group is None
+        writer = dcp.FileSystemWriter(tmp)
+        _local(problems, lambda: dcp.save(state, storage_writer=writer, process_group=group, no_dist=alone))
+    if schedulers is not None and topo.data_parallel_rank == 0:
+        _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
     if topo.global_rank == 0:
         manifest = fmt.build_manifest(
             pipeline_size=topo.pipeline_size,
@@ -250,7 +254,7 @@ def load(
     for i, optimizer in enumerate(optimizers):
         prefix = f"optimizer_{i}."
         own = {k[len(prefix) :]: v for k, v in stored.items() if k.startswith(prefix)}
-        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)
+        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)  # DTensor placeholders for sharded state
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
