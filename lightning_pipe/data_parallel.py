@@ -4,13 +4,14 @@
 ``"ddp"`` keeps every stage's parameters, gradients and optimizer state whole on each replica; gradients are averaged
 once per optimizer step by :class:`~lightning_pipe.grads.GradientSync` (buckets of at most ``bucket_bytes``).
 
-``"fsdp"`` shards each stage over its replicas: every block of the stage is one ``fully_shard`` unit (all-gathered
-for its forward and backward, resharded after each), and the stage module is the root unit holding the rest (the
-embedding on the first stage, norm and head on the last). Parameters, gradients and optimizer state are DTensors
-sharded on dim 0 over ``"dp"``; names do not change. torch's ``PipelineStage`` recognises the FSDP root and runs
-the reduce-scatter itself once all microbatches of a schedule step went backward (one per unit: the units are the
-buckets); :meth:`~lightning_pipe.strategy.PipelineParallelStrategy.block_backward_sync` defers it, with the
-unsharded gradients, to the last batch of an accumulation window.
+``"fsdp"`` shards each stage over its replicas: every block of the stage is one ``fully_shard`` unit, and the stage
+module is the root unit holding the rest (the embedding on the first stage, norm and head on the last). Parameters,
+gradients and optimizer state are DTensors sharded on dim 0 over ``"dp"``; names do not change. A unit's parameters
+are gathered (all-gather) at its first forward of a schedule step and stay whole until the step's end. torch's
+``PipelineStage`` recognises the FSDP root and runs the reduce-scatter itself once all microbatches of a schedule step
+went backward (one per unit: the units are the buckets);
+:meth:`~lightning_pipe.strategy.PipelineParallelStrategy.block_backward_sync` defers it, with the unsharded gradients,
+to the last batch of an accumulation window.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def shard_stage(stage_module: nn.Module, block_names: Sequence[str], mesh: Devic
     """``fully_shard`` the blocks of ``block_names`` that ``stage_module`` holds, then ``stage_module`` as the root
     unit; return the sharded blocks' names.
 
-    ``mesh`` is the one-axis ``"dp"`` mesh. Every unit reshards after its forward (parameters are whole only while a
-    unit computes), the root included, so evaluation, checkpoints and the optimizer always find sharded parameters.
+    ``mesh`` is the one-axis ``"dp"`` mesh. No unit reshards after its forward: a schedule step keeps the stage's
+    parameters gathered from its first forward to the reduce-scatter after its last backward (as torchtitan does with
+    pipelining). The split-backward schedules need it: their weight gradients of a microbatch are computed after later
+    microbatches' forwards, against the gathered parameters. :func:`reshard` frees them after an evaluation step.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -56,10 +59,21 @@ def shard_stage(stage_module: nn.Module, block_names: Sequence[str], mesh: Devic
     for name in block_names:
         block = find_block(stage_module, name)
         if block is not None:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
             sharded.append(name)
-    fully_shard(stage_module, mesh=mesh, reshard_after_forward=True)
+    fully_shard(stage_module, mesh=mesh, reshard_after_forward=False)
     return sharded
+
+
+def reshard(stages: Iterable[nn.Module]) -> None:
+    """Free the gathered parameters of every FSDP unit of ``stages`` (after a forward-only step, which has no backward
+    to do it), so that the optimizer, checkpoints and the next step find the sharded parameters registered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for stage in stages:
+        for module in stage.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -233,6 +233,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         return self._grad_sync
 
     @property
+    def checkpointed_blocks(self) -> list[str]:
+        """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
+        return list(self._wrapped.checkpointed)
+
+    @property
     def runtime(self) -> PipelineRuntime:
         if self._runtime is None:
             raise PipelineUsageError(
@@ -506,6 +511,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
         assert self._protocol is not None and self._eval_executor is not None
         outcome = self._protocol.run(hook, args[0], tuple(args[1:]), self._eval_executor)
+        if self._wrapped.sharded:
+            dp_modes.reshard(self.runtime.stages.values())
         if hook == "predict_step":
             return self._predictions_to_first_rank(outcome.output)
         return outcome.output if self.runtime.has_last or outcome.output_shared else None

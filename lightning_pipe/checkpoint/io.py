@@ -152,6 +152,7 @@ def save(
             lr_schedulers=schedulers is not None,
             module_class=module_class,
             param_groups=param_groups if optimizer_states else None,
+            sharded=topo.sharded,
         )
         _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
         # The manifest is written last: a directory without one was never completely written.

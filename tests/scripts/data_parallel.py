@@ -3,7 +3,7 @@ several per launch; each rank saves what it saw per scenario.
 
 Usage: data_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "data_parallel", "schedule",
 "accumulate", "clip", "inner_axis", "num_nodes", "activation_checkpointing", "bucket_bytes", "max_steps", "precision",
-"model": "lm"|"scheduled", "save": dir name, "resume": dir name, "validate": bool}.
+"model": "lm"|"scheduled"|"eval"|"weighted", "save": dir name, "resume": dir name, "validate": bool}.
 
 Per rank: losses, the full parameters and optimizer state (DTensor shards gathered), the gradient collectives over the
 data-parallel group per optimizer step, optimizer-state bytes, the mesh groups.
@@ -21,11 +21,13 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import lightning_pipe
 from lightning_pipe import memory
 from lightning_pipe.checkpoint import io as ckpt_io
-from tests.models import LitLM
+from tests.eval_models import LitEvalLM
+from tests.models import VOCAB, LitLM
 from tests.scripts.ckpt_common import LitLMScheduled
 
 #: torch.distributed calls that move gradients (DDP buckets: all_reduce; FSDP: reduce_scatter_single) or gather
@@ -125,9 +127,23 @@ def fsdp_units(strategy: Any) -> int:
     return units
 
 
+class WeightedLM(LitLM):
+    """Token-weighted steps: ``training_step`` returns ``num_items``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        return {"loss": loss, "num_items": torch.tensor(y.numel())}
+
+
 def build(cfg: dict) -> L.LightningModule:
-    if cfg.get("model") == "scheduled":
+    kind = cfg.get("model", "lm")
+    if kind == "scheduled":
         return LitLMScheduled()
+    if kind == "eval":
+        return LitEvalLM(sync_dist=True, val_samples=16)
+    if kind == "weighted":
+        return WeightedLM()
     return LitLM(optimizer=cfg.get("optimizer", "sgd"))
 
 
@@ -162,12 +178,15 @@ def run(out: Path, cfg: dict) -> None:
         enable_model_summary=False,
     )
     ckpt = str(out / cfg["resume"]) if cfg.get("resume") else None
-    trainer.fit(model, ckpt_path=ckpt)
+    error = None
+    try:
+        trainer.fit(model, ckpt_path=ckpt)
+    except lightning_pipe.PipelineConfigError as err:  # an expected error ends the launch: it is its last config
+        error = str(err)
     if cfg.get("save"):
         trainer.save_checkpoint(out / cfg["save"])
-    final = full_snapshot(trainer, model)
-    if cfg.get("validate"):
-        trainer.validate(model, dataloaders=model.train_dataloader(), verbose=False)
+    final = full_snapshot(trainer, model) if error is None else {"state": {}, "optim": {}}
+    validated = trainer.validate(model, verbose=False)[0] if cfg.get("validate") else None
     torch.save(
         {
             "losses": model.step_losses,
@@ -177,6 +196,7 @@ def run(out: Path, cfg: dict) -> None:
             "per_step": record.per_step,
             "buckets": record.buckets,
             "units": record.units,
+            "checkpointed": strategy.checkpointed_blocks,
             "optimizer_bytes": record.optimizer_bytes,
             "pipeline_rank": strategy.pipeline_rank,
             "dp_rank": strategy.data_parallel_rank,
@@ -185,6 +205,8 @@ def run(out: Path, cfg: dict) -> None:
             "dp_group": collective_ranks(strategy.data_parallel_group),
             "pp_group": collective_ranks(strategy.pipeline_group),
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "validated": validated,
+            "error": error,
         },
         out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
     )
