@@ -382,7 +382,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _build_runtime(self, split: builder.Split) -> None:
         self._close_runtime()
         book = CallBook()
-        pp_group = self.pipeline_group if self.pipeline_size > 1 else None
+        # A one-rank pipeline beside replicas still needs its own group: torch would otherwise pipeline over the world.
+        pp_group = self.pipeline_group if self.pipeline_size > 1 or self._data_parallel_size > 1 else None
         runtime = PipelineRuntime(
             builder.stage_modules(split, book),
             split.num_stages,

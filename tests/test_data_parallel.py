@@ -129,6 +129,10 @@ def _configs_two() -> list[dict]:
     configs.append(
         {"name": "ddp-save", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 3, "save": "ddp.ckpt"}
     )
+    # One-stage pipelines, two replicas: plain data parallelism through the strategy.
+    one = {"devices": 2, "pipeline_size": 1, "accumulate": 2, "clip": CLIP}
+    configs.append({**one, "name": "pp1-ddp", "data_parallel": "ddp", "save": "pp1.ckpt"})
+    configs.append({**one, "name": "pp1-fsdp", "data_parallel": "fsdp"})
     return configs
 
 
@@ -263,6 +267,15 @@ def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
     assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert ranks[0]["losses"] != [r for r in ranks if r["dp_rank"] == 1][0]["losses"]  # replicas saw other data
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
+    ranks = load_ranks(two, f"pp1-{mode}")
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and {r["pipeline_rank"] for r in ranks} == {0}
+    assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
+    if mode == "ddp":
+        assert (two / "pp1.ckpt" / "lightning_pipe.json").is_file()  # the one-rank pipeline saved alone
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
