@@ -15,7 +15,7 @@ configuration runs ``--runs`` times; the table reports medians over runs.
 
 Run from the repository root::
 
-    python benchmarks/data_parallel.py      # --layers 8 --width 256 --seq 128 --global-batch 32 --steps 12 --runs 3
+    python benchmarks/data_parallel.py      # --layers 8 --width 128 --seq 64 --global-batch 16 --steps 12 --runs 3
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ def launch(args: argparse.Namespace, config: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step, all replicas")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all replicas")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)

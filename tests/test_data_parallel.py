@@ -156,6 +156,8 @@ def _configs_four() -> list[dict]:
         {**dp, "name": "fsdp-zbv", "data_parallel": "fsdp", "schedule": "ZBVZeroBubble", "accumulate": 2, "clip": CLIP},
         {**dp, "name": "ddp-bf16", "data_parallel": "ddp", "precision": "bf16-mixed", "max_steps": 3},
         {**dp, "name": "fsdp-bf16", "data_parallel": "fsdp", "precision": "bf16-mixed", "max_steps": 3},
+        {**dp, "name": "ddp-bf16-true", "data_parallel": "ddp", "precision": "bf16-true", "max_steps": 3},
+        {**dp, "name": "fsdp-bf16-true", "data_parallel": "fsdp", "precision": "bf16-true", "max_steps": 3},
         {**dp, "name": "ddp-eval", "model": "eval", "data_parallel": "ddp", "max_steps": 2, "validate": True},
         {**dp, "name": "fsdp-eval", "model": "eval", "data_parallel": "fsdp", "max_steps": 2, "validate": True},
         {**dp, "name": "fsdp-save", "model": "scheduled", "data_parallel": "fsdp", "max_steps": 3, "save": "fsdp.ckpt"},
@@ -303,12 +305,15 @@ def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
 
 
 # ---------------------------------------------------------------------------------------------- precision, evaluation
-def test_bf16_fsdp_trains_as_ddp(four):
-    ddp, fsdp = (load_ranks(four, n) for n in ("ddp-bf16", "fsdp-bf16"))
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+def test_bf16_fsdp_trains_as_ddp(four, precision):
+    ddp, fsdp = (load_ranks(four, f"{mode}-{precision}") for mode in ("ddp", "fsdp"))
     for a, b in zip(sorted(ddp, key=lambda r: r["global_rank"]), sorted(fsdp, key=lambda r: r["global_rank"])):
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-3, atol=1e-4)
+    # bf16 weights: the two reductions (all-reduce, reduce-scatter) may round a sum 1 bf16 ulp apart (2 of 512).
+    tol = {"rtol": 1e-3, "atol": 1e-4} if precision == "bf16" else {"rtol": 1.6e-2, "atol": 1e-3}
     for key, value in merged_state(ddp).items():
-        torch.testing.assert_close(merged_state(fsdp)[key], value, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(merged_state(fsdp)[key], value, **tol)
 
 
 def test_fsdp_evaluation_and_metrics_equal_ddp(four):
