@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 DP, PP = "dp", "pp"
 #: Which axis holds consecutive ranks (ranks on one node when the launcher fills nodes in order).
-InnerAxis = Literal["pp", "dp"]
+InnerAxis = Literal["dp", "pp"]
 
 
 def check_inner_axis(inner_axis: str) -> None:
@@ -33,9 +33,10 @@ def check_inner_axis(inner_axis: str) -> None:
 class MeshLayout:
     """How ``world_size`` processes form ``data_parallel_size`` pipelines of ``pipeline_size`` processes.
 
-    ``inner="pp"``: the ranks of one pipeline are consecutive (``rank = dp_rank * pipeline_size + pp_rank``);
-    ``inner="dp"``: the replicas of one stage position are consecutive (``rank = pp_rank * data_parallel_size +
-    dp_rank``).
+    ``inner="dp"`` (default): the replicas of one stage position are consecutive (``rank = pp_rank *
+    data_parallel_size + dp_rank``), so data-parallel traffic (every gradient; FSDP's gathers) stays inside a node and
+    pipelines span nodes ("pp outermost", as torchtitan lays out its mesh); ``inner="pp"``: the ranks of one pipeline
+    are consecutive (``rank = dp_rank * pipeline_size + pp_rank``). See docs/data-parallel.md for the argument.
     """
 
     pipeline_size: int

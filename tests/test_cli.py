@@ -121,7 +121,7 @@ def test_help_shows_every_argument_with_type_default_and_text(capsys) -> None:
         ({"split_points": "layers.4"}, "split_points", "Expected a <class 'list'>"),
         ({"timeout": 600}, "timeout", 'Expected a string with form "h:m:s"'),
         ({"data_parallel": "zero"}, "data_parallel", "Expected a typing.Literal['ddp', 'fsdp']. Got value: zero"),
-        ({"inner_axis": "tp"}, "inner_axis", "Expected a typing.Literal['pp', 'dp']. Got value: tp"),
+        ({"inner_axis": "tp"}, "inner_axis", "Expected a typing.Literal['dp', 'pp']. Got value: tp"),
         ({"activation_checkpointing": -1}, "activation_checkpointing", "Not of type NonNegativeInt"),
         ({"no_such_argument": 1}, "no_such_argument", "Option 'no_such_argument' is not accepted"),
     ],
