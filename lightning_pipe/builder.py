@@ -71,6 +71,10 @@ class Split:
     ties: list[Tie] = field(default_factory=list)
     #: bytes allocated at most while this rank's stages were allocated and initialised (meta construction), or None
     construction_peak: int | None = None
+    #: every block of the network's block stack (``Layout.blocks``), relative to the network
+    block_names: tuple[str, ...] = ()
+    #: the runnable stages, made once: per-stage wrappers (FSDP) stay on them for later Trainer entries
+    stages: dict[int, StageModule] | None = None
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -275,6 +279,7 @@ def split_module(
         split = Split(settings, num_stages, ranks, bodies, absent, plan.stage_call, network, attr, ties=ties)
         split.construction_peak = construction_peak
     split.layout, split.units_per_stage = layout, units_per_stage
+    split.block_names = layout.blocks
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split
 
@@ -353,8 +358,13 @@ def check_same_split(before: tuple, now: tuple) -> None:
 
 
 def stage_modules(split: Split, book: CallBook) -> dict[int, StageModule]:
-    """Runnable stages for ``split``, reading their side inputs from ``book``."""
-    return {
-        s: StageModule(body, s, split.num_stages, book, split.stage_call, split.absent.get(s, ()))
-        for s, body in split.bodies.items()
-    }
+    """Runnable stages for ``split``, reading their side inputs from ``book`` (made on the first call, rebound to
+    ``book`` on later ones)."""
+    if split.stages is None:
+        split.stages = {
+            s: StageModule(body, s, split.num_stages, book, split.stage_call, split.absent.get(s, ()))
+            for s, body in split.bodies.items()
+        }
+    for stage in split.stages.values():
+        stage.bind(book)
+    return dict(split.stages)

@@ -64,7 +64,7 @@ def apply_activation_checkpointing(stage_module: nn.Module, block_names: Sequenc
     """
     wrapped = []
     for name in checkpointed_blocks(block_names, every):
-        block = _find(stage_module, name)
+        block = find_block(stage_module, name)
         if block is None:
             continue
         if not getattr(block, _MARK, False):
@@ -83,7 +83,8 @@ def remove_activation_checkpointing(module: nn.Module) -> None:
             delattr(sub, _MARK)
 
 
-def _find(module: nn.Module, name: str) -> nn.Module | None:
+def find_block(module: nn.Module, name: str) -> nn.Module | None:
+    """The submodule ``name`` (dotted) of ``module``, or ``None`` where a slot on the way is empty or missing."""
     current: nn.Module | None = module
     for part in name.split(".") if name else []:
         current = torch_compat.children(current).get(part) if current is not None else None

@@ -107,6 +107,26 @@ def all_reduce_many_(tensors: list[torch.Tensor], group: Group = None, scale: fl
             offset += t.numel()
 
 
+def all_reduce_start(tensor: torch.Tensor, group: Group = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Start summing ``tensor`` over ``group`` (asynchronously, in place); :func:`all_reduce_finish` completes it.
+
+    Several started reductions run back to back on the group while the caller prepares the next one.
+    """
+    moved = _on(tensor, group)
+    work = dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group, async_op=True) if group_size(group) > 1 else None
+    return work, moved, tensor
+
+
+def all_reduce_finish(handle: tuple[Any, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Wait for a reduction :func:`all_reduce_start` began; the result is in its tensor, which is returned."""
+    work, moved, tensor = handle
+    if work is not None:
+        work.wait()
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
 def broadcast_(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     """Overwrite ``tensor`` with global rank ``src``'s, in place."""
     if group_size(group) == 1:

@@ -10,6 +10,7 @@ from typing import Literal, Union
 
 # An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
 # is reported as a parse error naming the key instead of failing later inside the strategy.
+from jsonargparse.typing import NonNegativeInt as NonNegativeInt
 from jsonargparse.typing import PositiveInt as PositiveInt
 
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError

@@ -66,28 +66,56 @@ class TiedCopy:
     def agree(self) -> None:
         """Give every copy the source's value (after initialisation or loading)."""
         with torch.no_grad():
-            collectives.broadcast_(self.param.data, self.source, self.group)
+            collectives.broadcast_(_local(self.param.data), self.source, self.group)
 
     def sum_gradients(self) -> None:
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        collectives.all_reduce_(self.param.grad, self.group)
+        # Under FSDP every copy is sharded alike over its replica group: the local shards sum.
+        collectives.all_reduce_(_local(self.param.grad), self.group)
+
+
+#: Bucket size of the data-parallel all-reduce, as ``DistributedDataParallel``'s default ``bucket_cap_mb=25``.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def plan_buckets(sizes: Sequence[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
+    """Group tensors (``(bytes, dtype)`` each, in the order given) into buckets: consecutive tensors of one dtype
+    holding at most ``bucket_bytes`` together; a tensor larger than that is a bucket of its own. Returns indices."""
+    buckets: list[list[int]] = []
+    open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
+    for i, (nbytes, dtype) in enumerate(sizes):
+        bucket, filled = open_by_dtype.get(dtype, ([], 0))
+        if bucket and filled + nbytes > bucket_bytes:
+            bucket, filled = [], 0
+        if not bucket:
+            buckets.append(bucket)
+        bucket.append(i)
+        open_by_dtype[dtype] = (bucket, filled + nbytes)
+    return buckets
 
 
 class GradientSync:
     """What happens to gradients once per optimizer step, after the last backward of the accumulation window and
-    before clipping: tied copies summed over the stages sharing them, then the mean over data-parallel replicas (one
-    collective per dtype).
+    before clipping: tied copies summed over the stages sharing them, then the mean over data-parallel replicas
+    (``data_parallel="ddp"``), in buckets.
 
     Running it once per optimizer step (not per accumulated batch) is what ``Strategy.optimizer_step`` allows: the
     closure it receives runs the window's last ``training_step`` and ``backward``; clipping and the step follow.
+    Buckets hold at most ``bucket_bytes`` of one dtype, in reverse parameter order (the order backward produces
+    them); all are started before the first is waited for, so one bucket's copy overlaps the others' reduction.
+    ``data_parallel_group=None`` (one replica, or FSDP, whose reduce-scatter runs inside the schedule): nothing to do.
     """
 
-    def __init__(self, data_parallel_group: Any | None, ties: Sequence[TiedCopy] = ()) -> None:
+    def __init__(
+        self, data_parallel_group: Any | None, ties: Sequence[TiedCopy] = (), bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
         self.data_parallel_group = data_parallel_group
         self.ties = list(ties)
-        #: synchronisations so far (tests count them)
+        self.bucket_bytes = bucket_bytes
+        #: synchronisations so far, and the buckets of the latest one (tests count them)
         self.count = 0
+        self.last_buckets = 0
 
     def synchronize(self, params: Sequence[nn.Parameter]) -> None:
         self.count += 1
@@ -97,30 +125,52 @@ class GradientSync:
             tie.sum_gradients()
         group = self.data_parallel_group
         if group is None or collectives.group_size(group) == 1:
+            self.last_buckets = 0
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        collectives.all_reduce_many_(grads, group, scale=1.0 / collectives.group_size(group))
+        grads = [p.grad for p in reversed(params) if p.grad is not None]
+        buckets = plan_buckets([(g.numel() * g.element_size(), g.dtype) for g in grads], self.bucket_bytes)
+        scale = 1.0 / collectives.group_size(group)
+        started = [
+            collectives.all_reduce_start(torch.cat([grads[i].reshape(-1) for i in bucket]), group) for bucket in buckets
+        ]
+        for bucket, handle in zip(buckets, started):
+            flat = collectives.all_reduce_finish(handle).mul_(scale)
+            offset = 0
+            for i in bucket:
+                grads[i].copy_(flat[offset : offset + grads[i].numel()].view_as(grads[i]))
+                offset += grads[i].numel()
+        self.last_buckets = len(buckets)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP), ``t`` itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def clip_grad_norm_across(
     params: Sequence[nn.Parameter], max_norm: float, group: Any | None, not_counted: Sequence[nn.Parameter] = ()
 ) -> torch.Tensor:
-    """Clip by the 2-norm of all gradients of all stages (this rank's part combined over ``group``).
+    """Clip by the 2-norm of all gradients of all stages: this rank's part (its shard, for sharded gradients)
+    combined over ``group`` (the pipeline; every rank when the stages are sharded over data-parallel ranks).
 
     ``not_counted``: parameters whose gradient another rank counts (copies of a tied parameter), clipped all the same.
     """
-    with_grad = [p for p in params if p.grad is not None]
     skip = {id(p) for p in not_counted}
-    counted = [p.grad for p in with_grad if id(p) not in skip]
-    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
-    if counted:
-        local = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
+    local_grads = [_local(p.grad) for p in params if p.grad is not None and id(p) not in skip]
+    with_grad = [p for p in params if p.grad is not None]
+    device = _local(with_grad[0].grad).device if with_grad else torch.device("cpu")
+    if local_grads:
+        local = torch.nn.utils.get_total_norm(local_grads, norm_type=2.0)
     else:
         local = torch.zeros((), device=device)
     squared = local.double().pow(2)
     if group is not None:
         collectives.all_reduce_(squared, group)
     total = squared.sqrt().to(local.dtype)
-    if with_grad:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
+    # As torch.nn.utils.clip_grads_with_norm_, on the local tensors (a DTensor's shard is a view of it).
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in with_grad:
+        grad = _local(p.grad)
+        grad.mul_(coefficient.to(grad.device))
     return total

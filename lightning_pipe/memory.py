@@ -61,6 +61,8 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[tuple[Any, ...], int] = {}
     for t in tensors:
+        # A DTensor (FSDP) counts what this rank holds: its local shard.
+        t = t.to_local() if hasattr(t, "to_local") else t
         seen[_storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -113,6 +115,18 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] =
 
 
 # ------------------------------------------------------------------------------------------ saved for backward
+def _storage_key_or_none(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """The storage key of ``t``, its local shard's for a DTensor, or None for a tensor without live storage (an FSDP
+    parameter whose unsharded storage is freed between steps)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    try:
+        return _storage_key(t)
+    except RuntimeError:
+        return None
+
+
 class SavedTensorBytes:
     """Context manager: bytes of the tensors autograd saves for backward inside it, each storage counted once.
 
@@ -121,7 +135,7 @@ class SavedTensorBytes:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude = {_storage_key(t) for t in exclude}
+        self._exclude = {key for key in map(_storage_key_or_none, exclude) if key is not None}
         self._seen: dict[tuple[Any, ...], tuple[int, Any]] = {}
         self._hooks: Any = None
 

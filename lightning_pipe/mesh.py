@@ -18,25 +18,33 @@ if TYPE_CHECKING:
 
 DP, PP = "dp", "pp"
 #: Which axis holds consecutive ranks (ranks on one node when the launcher fills nodes in order).
-InnerAxis = Literal["pp", "dp"]
+InnerAxis = Literal["dp", "pp"]
+
+
+def check_inner_axis(inner_axis: str) -> None:
+    if inner_axis not in (PP, DP):
+        raise PipelineConfigError(
+            f"`inner_axis={inner_axis!r}` is not one of 'dp', 'pp'. Use 'dp' to keep each stage's data-parallel"
+            " replicas on consecutive ranks (one node), or 'pp' to keep each pipeline's stages there."
+        )
 
 
 @dataclass(frozen=True)
 class MeshLayout:
     """How ``world_size`` processes form ``data_parallel_size`` pipelines of ``pipeline_size`` processes.
 
-    ``inner="pp"``: the ranks of one pipeline are consecutive (``rank = dp_rank * pipeline_size + pp_rank``);
-    ``inner="dp"``: the replicas of one stage position are consecutive (``rank = pp_rank * data_parallel_size +
-    dp_rank``).
+    ``inner="dp"`` (default): the replicas of one stage position are consecutive (``rank = pp_rank *
+    data_parallel_size + dp_rank``), so data-parallel traffic (every gradient; FSDP's gathers) stays inside a node and
+    pipelines span nodes ("pp outermost", as torchtitan lays out its mesh); ``inner="pp"``: the ranks of one pipeline
+    are consecutive (``rank = dp_rank * pipeline_size + pp_rank``). See docs/data-parallel.md for the argument.
     """
 
     pipeline_size: int
     data_parallel_size: int
-    inner: InnerAxis = "pp"
+    inner: InnerAxis = DP
 
     def __post_init__(self) -> None:
-        if self.inner not in (PP, DP):
-            raise PipelineConfigError(f"`inner={self.inner!r}` must be 'pp' or 'dp'.")
+        check_inner_axis(self.inner)
 
     @property
     def world_size(self) -> int:

@@ -133,9 +133,16 @@ class StageModule(nn.Module):
         #: the microbatch of the latest forward, or INFERENCE for torch's shape inference
         self.last_forward: int | str | None = None
         self.absent_units = tuple(absent_units)
+        #: whether torch's data-parallel reduction (FSDP) runs at the end of this schedule step; off for the
+        #: batches of an accumulation window before its last
+        self.sync_gradients = True
         # Not submodules: shared per rank, and not part of any state dict.
         self.__dict__["book"] = book
         self.__dict__["stage_call"] = stage_call
+
+    def bind(self, book: CallBook) -> None:
+        """Read side inputs from ``book`` (a later Trainer entry's) from now on."""
+        self.__dict__["book"] = book
 
     def forward(self, *received: torch.Tensor) -> Any:
         microbatch = self.chunk
@@ -231,5 +238,14 @@ def chunk_aware_stage_class() -> type:
                 return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             finally:
                 self.submod.chunk = None
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            # torch reduce-scatters an FSDP stage's gradients after the step's last backward. Inside an accumulation
+            # window the unsharded gradients keep accumulating instead (FSDP left them unsynchronised and the
+            # parameters unsharded during each backward), so the window synchronises once, at its last batch.
+            if self.submod.sync_gradients:
+                super().perform_reduce_grad(grad_scale_factor)
+            elif grad_scale_factor != 1:
+                self.scale_grads(grad_scale_factor)
 
     return ChunkAwareStage

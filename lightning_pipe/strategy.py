@@ -28,12 +28,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import builder, collectives, tied, transport
+from lightning_pipe import builder, collectives, tied, transport, wrappers
+from lightning_pipe import data_parallel as dp_modes
 from lightning_pipe import mesh as meshes
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
+from lightning_pipe.checkpointing import resolve_every
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.config import (
+    NonNegativeInt,
     PositiveInt,
     ScheduleName,
     check_balance_setting,
@@ -108,6 +111,17 @@ class PipelineParallelStrategy(ParallelStrategy):
             modules in eval mode) whose microbatches may differ in size, so any batch size works; a batch smaller
             than the setting runs as single-sample microbatches. Not used with ``frontend="trace"``, whose graphs fix
             the microbatch size (a short one is padded). See docs/evaluation.md.
+        data_parallel: How the data-parallel replicas of a pipeline (world size / ``pipeline_size``) share the work.
+            ``"ddp"``: each replica holds its stages whole; gradients are averaged once per optimizer step in buckets.
+            ``"fsdp"``: each stage is sharded over its replicas with FSDP2 ``fully_shard`` (one unit per block and
+            the stage's rest), so parameters, gradients and optimizer state take 1/replicas of the memory; gradients
+            are reduce-scattered once per optimizer step. Ignored without replicas. See docs/data-parallel.md.
+        inner_axis: The mesh axis whose ranks are consecutive, and so share a node: ``"dp"`` (the replicas of each
+            stage; gradient all-reduce and FSDP's all-gathers stay inside a node, only activations cross nodes) or
+            ``"pp"`` (the stages of each pipeline).
+        activation_checkpointing: Recompute blocks' activations in backward instead of keeping them: ``True`` for
+            every block, an int ``k`` for every ``k``-th block of the block stack (counted over the whole stack),
+            ``False`` or ``0`` for none. See docs/memory.md.
 
     Checkpoints are directories: each rank writes its own stages' model and optimizer entries with
     ``torch.distributed.checkpoint`` under the full model's names, so they load into any pipeline layout (or one
@@ -133,6 +147,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         init_weights: Optional[Union[str, Path]] = None,
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
+        data_parallel: dp_modes.DataParallelMode = "ddp",
+        inner_axis: meshes.InnerAxis = "dp",
+        activation_checkpointing: Union[bool, NonNegativeInt] = False,
     ) -> None:
         super().__init__()
         # Validate what needs no world size now, so a bad config fails before processes start.
@@ -145,6 +162,11 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if frontend not in ("auto", "modules", "trace"):
             raise PipelineConfigError(f"`frontend={frontend!r}` is not one of 'auto', 'modules', 'trace'.")
+        dp_modes.check_mode(data_parallel)
+        meshes.check_inner_axis(inner_axis)
+        self._checkpoint_every = resolve_every(activation_checkpointing)
+        self._data_parallel = data_parallel
+        self._inner_axis = inner_axis
         self._pipeline_size = pipeline_size
         self._schedule_name = schedule
         self._microbatches = microbatches
@@ -175,6 +197,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._memory_logged = False
         self._tie_groups: Optional[tuple[Any, dict]] = None
         self._mesh_layout = meshes.MeshLayout(1, 1)
+        self._wrapped = wrappers.Wrapped()
+        self._sharded_params: list[torch.nn.Parameter] = []
         self._rng = RngStreams()
         self.num_nodes = 1
 
@@ -220,6 +244,17 @@ class PipelineParallelStrategy(ParallelStrategy):
     @property
     def data_parallel_group(self) -> Any:
         return meshes.axis_group(self.device_mesh, meshes.DP)
+
+    @property
+    def gradient_sync(self) -> GradientSync:
+        """The data-parallel gradient synchronisation of ``data_parallel="ddp"`` (its ``bucket_bytes`` can be set
+        after setup; ``count`` and ``last_buckets`` say what it did)."""
+        return self._grad_sync
+
+    @property
+    def checkpointed_blocks(self) -> list[str]:
+        """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
+        return list(self._wrapped.checkpointed)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -280,7 +315,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         pp, dp = resolve_pipeline_size(self._pipeline_size, self.world_size)
         self._pipeline_size, self._data_parallel_size = pp, dp
         self._schedule_name, self._stages_per_rank = resolve_schedule(self._schedule_name, self._stages_per_rank)
-        self._mesh_layout = meshes.MeshLayout(pp, dp)
+        self._mesh_layout = meshes.MeshLayout(pp, dp, self._inner_axis)
         self._build_mesh(self._mesh_layout)
         if self.lightning_module is not None:
             pl_compat.set_device_mesh(self.lightning_module, self._mesh)
@@ -343,6 +378,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.model_to_device()
         if self._init_weights is not None:
             self._load_initial_weights(split.network_attr)
+        self._wrap_stages(split)
+        # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
+        self._ties = self._tied_copies(split)
+        self._grad_sync.ties = self._ties
         for tie in self._ties:
             tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
         self.barrier()
@@ -373,7 +412,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _build_runtime(self, split: builder.Split) -> None:
         self._close_runtime()
         book = CallBook()
-        pp_group = self.pipeline_group if self.pipeline_size > 1 else None
+        # A one-rank pipeline beside replicas still needs its own group: torch would otherwise pipeline over the world.
+        pp_group = self.pipeline_group if self.pipeline_size > 1 or self._data_parallel_size > 1 else None
         runtime = PipelineRuntime(
             builder.stage_modules(split, book),
             split.num_stages,
@@ -384,9 +424,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             self.root_device,
         )
         bind_metrics(self.lightning_module, self.data_parallel_group)
-        self._ties = self._tied_copies(split)
         self._aliases = tied.aliases(split.ties, f"{split.network_attr}." if split.network_attr else "")
-        self._grad_sync = GradientSync(self.data_parallel_group if self._data_parallel_size > 1 else None, self._ties)
+        replicated = self._data_parallel_size > 1 and not dp_modes.shards(self._data_parallel, self._data_parallel_size)
+        self._grad_sync = GradientSync(self.data_parallel_group if replicated else None)
         self._runtime = runtime
         self._protocol = StepProtocol(
             self.lightning_module,
@@ -427,6 +467,26 @@ class PipelineParallelStrategy(ParallelStrategy):
             copies.append(TiedCopy(param, group, source))
         return copies
 
+    def _wrap_stages(self, split: builder.Split) -> None:
+        """Activation checkpointing and FSDP on this rank's stages (:func:`lightning_pipe.wrappers.wrap_stages`),
+        before the optimizers are created: they must hold the sharded parameters."""
+        sharded = dp_modes.shards(self._data_parallel, self._data_parallel_size)
+        self._wrapped = wrappers.wrap_stages(
+            self.runtime.stages,
+            split.block_names,
+            checkpoint_every=self._checkpoint_every,
+            dp_mesh=self.device_mesh[meshes.DP] if sharded else None,
+        )
+        self._sharded_params = dp_modes.parameters([self.lightning_module]) if self._wrapped.sharded else []
+
+    def _gradient_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients a training step hands over to ``backward``. With FSDP: the sharded ones,
+        which receive the reduce-scattered gradients (inside an accumulation window the registered parameters are
+        FSDP's unsharded ones, whose gradients keep accumulating untouched until the window's last batch)."""
+        if self._wrapped.sharded:
+            return self._sharded_params
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
     def _close_runtime(self) -> None:
         if self._protocol is not None:
             self._protocol.interceptor.remove()
@@ -445,9 +505,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise PipelineUsageError(f"Unexpected keyword arguments for training_step: {sorted(kwargs)}.")
         assert self._protocol is not None and self._train_executor is not None
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        with self.precision_plugin.train_step_context(), self._grads.capture(params):
+        with self.precision_plugin.train_step_context(), self._grads.capture(self._gradient_params()):
             outcome = self._protocol.run("training_step", args[0], tuple(args[1:]), self._train_executor, accumulate)
+        dp_modes.check_token_weighting(self._data_parallel, self._data_parallel_size, accumulate, outcome.grad_scale)
         self._grads.scale = outcome.grad_scale
         if outcome.output is not None and (outcome.output_shared or self.runtime.has_last):
             return outcome.output
@@ -496,6 +556,20 @@ class PipelineParallelStrategy(ParallelStrategy):
             construction_peak=self._split.construction_peak,
         )
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning runs the batches of an accumulation window before its last inside this: FSDP stages then keep
+        their gradients unsynchronised (``"ddp"`` synchronises in ``optimizer_step`` only anyway)."""
+        stages = list(self.runtime.stages.values()) if self._runtime is not None else []
+        for stage in stages:
+            stage.sync_gradients = False
+        try:
+            yield
+        finally:
+            for stage in stages:
+                stage.sync_gradients = True
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
@@ -518,6 +592,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
         assert self._protocol is not None and self._eval_executor is not None
         outcome = self._protocol.run(hook, args[0], tuple(args[1:]), self._eval_executor)
+        if self._wrapped.sharded:
+            dp_modes.reshard(self.runtime.stages.values())
         if hook == "predict_step":
             return self._predictions_to_first_rank(outcome.output)
         return outcome.output if self.runtime.has_last or outcome.output_shared else None
@@ -538,7 +614,11 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        group = self.pipeline_group if self.pipeline_size > 1 else None
+        # Sharded gradients: the squares of every rank's shard add up over the whole mesh.
+        if self._wrapped.sharded:
+            group = collectives.world_group()
+        else:
+            group = self.pipeline_group if self.pipeline_size > 1 else None
         copies = [t.param for t in self._ties if t.source != self.global_rank]
         clip_grad_norm_across(params, float(clip_val), group, not_counted=copies)
 
@@ -648,6 +728,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             schedule=self.schedule_name,
             pipeline_group=self.pipeline_group if self.pipeline_size > 1 else None,
             aliases=self._aliases,
+            sharded=self._wrapped.sharded,
         )
 
     def _load_initial_weights(self, network_attr: str) -> None:

@@ -65,6 +65,9 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "timeout": "0:10:00",
         "eval_microbatches": 2,
         "init_weights": None,
+        "data_parallel": "fsdp",
+        "inner_axis": "pp",
+        "activation_checkpointing": 2,
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy
@@ -74,6 +77,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     assert strategy._balance == [4, 3]
     assert strategy._module_name == "net"
     assert strategy._timeout == timedelta(minutes=10)
+    assert (strategy._data_parallel, strategy._inner_axis, strategy._checkpoint_every) == ("fsdp", "pp", 2)
 
 
 def test_timeout_accepts_null(tmp_path) -> None:
@@ -116,6 +120,9 @@ def test_help_shows_every_argument_with_type_default_and_text(capsys) -> None:
         ({"balance": [2, 0]}, "balance", "Not of type PositiveInt: 0 does not conform to restriction v>0"),
         ({"split_points": "layers.4"}, "split_points", "Expected a <class 'list'>"),
         ({"timeout": 600}, "timeout", 'Expected a string with form "h:m:s"'),
+        ({"data_parallel": "zero"}, "data_parallel", "Expected a typing.Literal['ddp', 'fsdp']. Got value: zero"),
+        ({"inner_axis": "tp"}, "inner_axis", "Expected a typing.Literal['dp', 'pp']. Got value: tp"),
+        ({"activation_checkpointing": -1}, "activation_checkpointing", "Not of type NonNegativeInt"),
         ({"no_such_argument": 1}, "no_such_argument", "Option 'no_such_argument' is not accepted"),
     ],
 )

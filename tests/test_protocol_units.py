@@ -97,7 +97,7 @@ def test_mesh_layout_places_ranks():
     assert inner_pp.pipeline_ranks(1) == [2, 3] and inner_pp.replica_ranks(0) == [0, 2, 4]
     assert inner_dp.pipeline_ranks(1) == [1, 4] and inner_dp.replica_ranks(0) == [0, 1, 2]
     assert all(inner_pp.rank(*inner_pp.coordinates(r)) == r for r in range(6))
-    with pytest.raises(PipelineConfigError, match="`inner='x'` must be 'pp' or 'dp'"):
+    with pytest.raises(PipelineConfigError, match="`inner_axis='x'` is not one of 'dp', 'pp'"):
         MeshLayout(2, 2, "x")  # type: ignore[arg-type]
 
 

@@ -81,18 +81,22 @@ def build_manifest(
     module_class: str,
     param_groups: Sequence[Sequence[Sequence[str | None]]] | None = None,
     aliases: Mapping[str, str] | None = None,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """The manifest of a checkpoint saved by a pipeline of ``pipeline_size`` ranks.
 
     ``optimizers`` is how many optimizers' states are in it (0 for a weights-only checkpoint); ``lr_schedulers``
     whether each pipeline rank wrote its scheduler file; ``param_groups`` the optimizers' parameter order on one
-    device, when known; ``aliases`` the other names of tied parameters (``{name: first name}``), stored once.
+    device, when known; ``aliases`` the other names of tied parameters (``{name: first name}``), stored once;
+    ``sharded`` whether the data-parallel ranks wrote shards (FSDP) instead of one replica writing whole
+    tensors (informative: either loads into either).
     """
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "pipeline_size": pipeline_size,
         "data_parallel_size": data_parallel_size,
+        "data_parallel": "fsdp" if sharded else "ddp",
         "stages_per_rank": stages_per_rank,
         "num_stages": pipeline_size * stages_per_rank,
         "schedule": schedule,

@@ -40,6 +40,8 @@ class Topology:
     pipeline_group: Any | None = None
     #: ``{name: first name}`` of tied parameters (held by several stages, stored once under their first name)
     aliases: Mapping[str, str] = field(default_factory=dict)
+    #: whether parameters and optimizer state are sharded over the data-parallel ranks (FSDP DTensors)
+    sharded: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -144,14 +146,16 @@ def save(
     schedulers = checkpoint.pop("lr_schedulers", None)
     for i, osd in enumerate(optimizer_states or []):
         state[f"optimizer_{i}"] = osd
-    # Data-parallel replicas hold identical states: only the first replica's pipeline writes.
-    if topo.data_parallel_rank == 0:
-        _local(
-            problems,
-            lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=topo.pipeline_group),
-        )
-        if schedulers is not None:
-            _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
+    # Replicated stages hold identical states: only the first replica's pipeline writes. Sharded ones: every rank
+    # writes its shards (an entry several ranks hold whole, such as a step count, is written once).
+    if topo.sharded or topo.data_parallel_rank == 0:
+        group = None if topo.sharded else topo.pipeline_group
+        # A one-rank pipeline of replicated stages writes alone (its group would be the whole world otherwise).
+        alone = not topo.sharded and group is None
+        writer = dcp.FileSystemWriter(tmp)
+        _local(problems, lambda: dcp.save(state, storage_writer=writer, process_group=group, no_dist=alone))
+    if schedulers is not None and topo.data_parallel_rank == 0:
+        _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
     if topo.global_rank == 0:
         manifest = fmt.build_manifest(
             pipeline_size=topo.pipeline_size,
@@ -163,6 +167,7 @@ def save(
             module_class=module_class,
             param_groups=param_groups if optimizer_states else None,
             aliases=topo.aliases,
+            sharded=topo.sharded,
         )
         _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
         # The manifest is written last: a directory without one was never completely written.
@@ -265,7 +270,7 @@ def load(
     for i, optimizer in enumerate(optimizers):
         prefix = f"optimizer_{i}."
         own = {k[len(prefix) :]: v for k, v in stored.items() if k.startswith(prefix)}
-        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)
+        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)  # DTensor placeholders for sharded state
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks

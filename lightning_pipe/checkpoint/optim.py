@@ -77,14 +77,30 @@ def missing_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str], s
 
 def target(optimizer: torch.optim.Optimizer, names: Mapping[int, str], stored: Mapping[str, Any]) -> dict[str, Any]:
     """Placeholders for the stored entries of this optimizer's parameters: empty tensors of the stored size and dtype
-    (``stored`` maps flat keys to ``(size, dtype)``, or ``None`` for non-tensor entries, which DCP replaces)."""
+    (``stored`` maps flat keys to ``(size, dtype)``, or ``None`` for non-tensor entries, which DCP replaces).
+
+    A state entry shaped like a sharded parameter (FSDP's DTensor) gets that parameter's sharding: DCP then reads
+    just this rank's shard, whatever the layout that wrote it.
+    """
+    params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"] if id(p) in names}
     fqns = [fqn for group in ordered_names(optimizer, names) for fqn in group]
     prefixes = tuple(f"{kind}.{fqn}." for fqn in fqns for kind in ("state", "param_groups"))
     out: dict[str, Any] = {}
     for key, meta in stored.items():
         if key.startswith(prefixes):
-            out[key] = None if meta is None else torch.empty(meta[0], dtype=meta[1])
+            out[key] = None if meta is None else _placeholder(params.get(_state_fqn(key)), meta[0], meta[1])
     return out
+
+
+def _state_fqn(key: str) -> str | None:
+    """The parameter name of a ``state.<fqn>.<entry>`` key (``None`` for other keys)."""
+    return key[len("state.") :].rsplit(".", 1)[0] if key.startswith("state.") else None
+
+
+def _placeholder(param: torch.Tensor | None, size: Any, dtype: torch.dtype) -> torch.Tensor:
+    if param is not None and hasattr(param, "placements") and tuple(param.shape) == tuple(size):
+        return torch.empty_like(param, dtype=dtype, requires_grad=False)
+    return torch.empty(size, dtype=dtype)
 
 
 def _nest(entries: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,368 @@
+"""Data parallel x pipeline (``data_parallel="ddp"|"fsdp"``), mesh layouts over nodes, activation checkpointing.
+
+Pure logic first (buckets, layouts, settings, errors); then four multi-process launches (tests/scripts/data_parallel.py)
+whose outputs many tests read: 2 processes (activation checkpointing under all 7 schedules; a ``ddp`` 2 x 1
+checkpoint), 4 processes (2 x 2 ``ddp``/``fsdp`` parity, collectives per optimizer step, optimizer-state bytes,
+schedules, bf16, evaluation, checkpoints across modes), 2 processes (the ``fsdp`` checkpoint resumed as ``ddp`` 2 x 1),
+and 2 simulated nodes of 2 processes with each mesh layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineConfigError, PipelineParallelStrategy
+from lightning_pipe.data_parallel import check_mode, check_token_weighting, shards
+from lightning_pipe.grads import GradientSync, clip_grad_norm_across, plan_buckets
+from lightning_pipe.mesh import MeshLayout, check_inner_axis
+from lightning_pipe.wrappers import wrap_stages
+from tests.launch import ROOT, SCRIPTS, clean_env, free_port, run_script
+from tests.models import TinyLM
+from tests.reference import (
+    assert_parity,
+    load_ranks,
+    merged_state,
+    single_device_data_parallel_run,
+    single_device_run,
+)
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+CLIP = 0.05
+BUCKET = 4096  # bytes: a stage of LitLM (4 blocks of ~4.4 KiB) then needs several buckets
+
+
+# ---------------------------------------------------------------------------------------------------- pure logic
+def test_buckets_hold_consecutive_tensors_of_one_dtype_up_to_the_cap():
+    f32, bf16 = torch.float32, torch.bfloat16
+    sizes = [(40, f32), (40, f32), (30, f32), (200, f32), (10, bf16), (10, f32), (10, bf16)]
+    assert plan_buckets(sizes, 100) == [[0, 1], [2], [3], [4, 6], [5]]
+    assert plan_buckets([], 100) == []
+    assert plan_buckets([(8, f32)] * 4, 10**9) == [[0, 1, 2, 3]]
+
+
+def test_gradient_sync_without_replicas_only_counts():
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    sync = GradientSync(None)
+    sync.synchronize([p])
+    assert sync.count == 1 and sync.last_buckets == 0
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+def test_clip_without_group_equals_torch():
+    torch.manual_seed(0)
+    a = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+    b = [nn.Parameter(t.detach().clone()) for t in a]
+    for x, y in zip(a, b):
+        x.grad = torch.randn_like(x)
+        y.grad = x.grad.clone()
+    ours = clip_grad_norm_across(a, 0.5, None)
+    theirs = torch.nn.utils.clip_grad_norm_(b, 0.5)
+    torch.testing.assert_close(ours, theirs)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad)
+
+
+def test_default_layout_keeps_replicas_of_a_stage_on_consecutive_ranks():
+    layout = MeshLayout(pipeline_size=2, data_parallel_size=3)
+    assert layout.inner == "dp" and layout.axis_names == ("pp", "dp")
+    assert layout.replica_ranks(0) == [0, 1, 2] and layout.pipeline_ranks(0) == [0, 3]
+    assert [layout.coordinates(r) for r in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    pipelines_inner = MeshLayout(2, 3, inner="pp")
+    assert pipelines_inner.pipeline_ranks(1) == [2, 3] and pipelines_inner.replica_ranks(0) == [0, 2, 4]
+
+
+def test_settings_are_checked_in_the_constructor():
+    with pytest.raises(PipelineConfigError, match=r"`data_parallel='zero'` is not one of 'ddp', 'fsdp'"):
+        PipelineParallelStrategy(data_parallel="zero")  # type: ignore[arg-type]
+    with pytest.raises(PipelineConfigError, match=r"`inner_axis='tp'` is not one of 'dp', 'pp'"):
+        PipelineParallelStrategy(inner_axis="tp")  # type: ignore[arg-type]
+    with pytest.raises(PipelineConfigError, match=r"`activation_checkpointing=-1` must be a bool or an int >= 0"):
+        PipelineParallelStrategy(activation_checkpointing=-1)
+    with pytest.raises(PipelineConfigError, match="is not one of 'dp', 'pp'"):
+        check_inner_axis("node")
+    check_mode("fsdp")
+    assert shards("fsdp", 2) and not shards("fsdp", 1) and not shards("ddp", 4)
+
+
+def test_fsdp_refuses_token_weighted_accumulation():
+    with pytest.raises(PipelineConfigError, match=r"`data_parallel='fsdp'` with `accumulate_grad_batches=2`"):
+        check_token_weighting("fsdp", 2, 2, 0.01)
+    check_token_weighting("ddp", 2, 2, 0.01)  # ddp scales each batch's gradients before the window's sum
+    check_token_weighting("fsdp", 2, 1, 0.01)  # one batch per step: its scale applies to the reduced gradient
+    check_token_weighting("fsdp", 1, 2, 0.01)  # one replica: nothing is sharded
+    check_token_weighting("fsdp", 2, 2, None)
+
+
+class _Stage(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+
+def test_wrappers_checkpoint_every_kth_block_of_the_whole_stack_without_fsdp():
+    network = TinyLM(n_layers=6)
+    blocks = [f"layers.{i}" for i in range(6)]
+    first, second = _Stage(nn.Module()), _Stage(nn.Module())
+    first.body.layers = nn.ModuleDict({str(i): network.layers[i] for i in range(3)})
+    second.body.layers = nn.ModuleDict({str(i): network.layers[i] for i in range(3, 6)})
+    done = wrap_stages({0: first, 1: second}, blocks, checkpoint_every=2, dp_mesh=None)
+    assert done.checkpointed == ["layers.1", "layers.3", "layers.5"]  # counted over the stack, not per stage
+    assert not done.sharded and done.sharded_blocks == []
+
+
+# ---------------------------------------------------------------------------------------------------- launches
+def _configs_two() -> list[dict]:
+    configs = [
+        {"name": f"ac-{s}", "devices": 2, "schedule": s, "activation_checkpointing": True if i % 2 == 0 else 2}
+        for i, s in enumerate(SCHEDULES)
+    ]
+    configs.append(
+        {"name": "ddp-save", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 3, "save": "ddp.ckpt"}
+    )
+    # One-stage pipelines, two replicas: plain data parallelism through the strategy.
+    one = {"devices": 2, "pipeline_size": 1, "accumulate": 2, "clip": CLIP}
+    configs.append({**one, "name": "pp1-ddp", "data_parallel": "ddp", "save": "pp1.ckpt"})
+    configs.append({**one, "name": "pp1-fsdp", "data_parallel": "fsdp"})
+    return configs
+
+
+def _configs_four() -> list[dict]:
+    dp = {"devices": 4, "pipeline_size": 2}
+    return [
+        {**dp, "name": "ddp-acc2", "data_parallel": "ddp", "accumulate": 2, "clip": CLIP, "bucket_bytes": BUCKET},
+        {**dp, "name": "fsdp-acc2", "data_parallel": "fsdp", "accumulate": 2, "clip": CLIP},
+        {**dp, "name": "ddp-acc3", "data_parallel": "ddp", "accumulate": 3, "bucket_bytes": BUCKET, "max_steps": 3},
+        {**dp, "name": "fsdp-acc1", "data_parallel": "fsdp", "max_steps": 3},
+        {**dp, "name": "fsdp-acc3", "data_parallel": "fsdp", "accumulate": 3, "max_steps": 3},
+        {
+            **dp,
+            "name": "fsdp-interleaved-ac",
+            "data_parallel": "fsdp",
+            "schedule": "Interleaved1F1B",
+            "activation_checkpointing": True,
+            "accumulate": 2,
+            "clip": CLIP,
+        },
+        {**dp, "name": "fsdp-zbv", "data_parallel": "fsdp", "schedule": "ZBVZeroBubble", "accumulate": 2, "clip": CLIP},
+        {**dp, "name": "ddp-bf16", "data_parallel": "ddp", "precision": "bf16-mixed", "max_steps": 3},
+        {**dp, "name": "fsdp-bf16", "data_parallel": "fsdp", "precision": "bf16-mixed", "max_steps": 3},
+        {**dp, "name": "ddp-bf16-true", "data_parallel": "ddp", "precision": "bf16-true", "max_steps": 3},
+        {**dp, "name": "fsdp-bf16-true", "data_parallel": "fsdp", "precision": "bf16-true", "max_steps": 3},
+        {**dp, "name": "ddp-eval", "model": "eval", "data_parallel": "ddp", "max_steps": 2, "validate": True},
+        {**dp, "name": "fsdp-eval", "model": "eval", "data_parallel": "fsdp", "max_steps": 2, "validate": True},
+        {**dp, "name": "fsdp-save", "model": "scheduled", "data_parallel": "fsdp", "max_steps": 3, "save": "fsdp.ckpt"},
+        {
+            **dp,
+            "name": "fsdp-from-ddp",
+            "model": "scheduled",
+            "data_parallel": "fsdp",
+            "max_steps": 4,
+            "resume": "ddp.ckpt",
+        },
+        # An expected error ends the process group's usefulness: last.
+        {**dp, "name": "fsdp-weighted-acc2", "model": "weighted", "data_parallel": "fsdp", "accumulate": 2},
+    ]
+
+
+def _configs_nodes() -> list[dict]:
+    node = {"devices": 2, "num_nodes": 2, "pipeline_size": 2, "accumulate": 2, "clip": CLIP}
+    return [
+        {**node, "name": f"nodes-{inner}-{mode}", "inner_axis": inner, "data_parallel": mode}
+        for inner in ("dp", "pp")
+        for mode in ("ddp", "fsdp")
+    ]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_parallel")
+
+
+@pytest.fixture(scope="module")
+def two(out):
+    run_script("data_parallel.py", str(out), json.dumps(_configs_two()), nprocs=2, launcher="lightning")
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(two):
+    run_script("data_parallel.py", str(two), json.dumps(_configs_four()), nprocs=4, launcher="torchrun")
+    return two
+
+
+@pytest.fixture(scope="module")
+def resumed_two(four):
+    cfg = {"name": "ddp-from-fsdp", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 4}
+    run_script("data_parallel.py", str(four), json.dumps([{**cfg, "resume": "fsdp.ckpt"}]), nprocs=2)
+    return four
+
+
+def run_nodes(args: list[str], num_nodes: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Run the script once per simulated node (``NODE_RANK``), all on this machine, as a multi-node job would."""
+    port = str(free_port())
+    procs = []
+    with tempfile.TemporaryDirectory() as logs:
+        for node in range(num_nodes):
+            env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+            stdout = open(os.path.join(logs, f"{node}.out"), "w+")  # noqa: SIM115 (closed below)
+            cmd = [sys.executable, str(SCRIPTS / "data_parallel.py"), *args]
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+            procs.append((proc, stdout))
+        results = []
+        for proc, stdout in procs:
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = -signal.SIGKILL
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            stdout.seek(0)
+            results.append(subprocess.CompletedProcess(proc.args, code, stdout.read(), ""))
+            stdout.close()
+    for node, result in enumerate(results):
+        if result.returncode != 0:
+            pytest.fail(f"node {node} exited {result.returncode}:\n{result.stdout[-8000:]}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def nodes(out):
+    run_nodes([str(out), json.dumps(_configs_nodes())], num_nodes=2)
+    return out
+
+
+def _replica_mean(ranks: list[dict]) -> list[dict]:
+    """Every rank with the mean of the replicas' per-step losses (the global batch's loss)."""
+    per_replica = {r["dp_rank"]: r["losses"] for r in ranks}
+    mean = [sum(step) / len(step) for step in zip(*per_replica.values())]
+    return [{**r, "losses": mean} for r in ranks]
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_activation_checkpointing_keeps_parity_under_every_schedule(two, schedule):
+    ranks = load_ranks(two, f"ac-{schedule}")
+    assert len(ranks) == 2
+    assert all(r["checkpointed"] for r in ranks)  # blocks were checkpointed on every rank
+    assert_parity(ranks, *single_device_run())
+
+
+@pytest.mark.parametrize("name", ["ddp-acc2", "fsdp-acc2", "fsdp-interleaved-ac", "fsdp-zbv"])
+def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
+    ranks = load_ranks(four, name)
+    assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert ranks[0]["losses"] != [r for r in ranks if r["dp_rank"] == 1][0]["losses"]  # replicas saw other data
+    assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
+    ranks = load_ranks(two, f"pp1-{mode}")
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and {r["pipeline_rank"] for r in ranks} == {0}
+    assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
+    if mode == "ddp":
+        assert (two / "pp1.ckpt" / "lightning_pipe.json").is_file()  # the one-rank pipeline saved alone
+
+
+# ---------------------------------------------------------------------------------------------------- collectives
+@pytest.mark.parametrize("name", ["ddp-acc2", "ddp-acc3"])
+def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
+    for r in load_ranks(four, name):
+        assert len(r["per_step"]) == 3 if name == "ddp-acc3" else 6
+        assert r["buckets"][0] > 1  # several buckets, not one flat copy
+        assert r["per_step"] == [{"all_reduce": n} for n in r["buckets"]], r["per_step"]
+
+
+@pytest.mark.parametrize("name", ["fsdp-acc1", "fsdp-acc2", "fsdp-acc3"])
+def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
+    for r in load_ranks(four, name):
+        assert r["units"] == 5  # 4 blocks and the stage's root (embedding, or norm and head)
+        assert [step["reduce_scatter_single"] for step in r["per_step"]] == [r["units"]] * len(r["per_step"])
+        assert all("all_reduce" not in step for step in r["per_step"])
+
+
+def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
+    ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in load_ranks(four, "ddp-save")}
+    for r in load_ranks(four, "fsdp-save"):
+        ratio = r["optimizer_bytes"] / ddp[r["pipeline_rank"]]
+        assert abs(ratio - 0.5) <= 0.05, ratio  # 1/dp within 10%
+
+
+# ---------------------------------------------------------------------------------------------- precision, evaluation
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+def test_bf16_fsdp_trains_as_ddp(four, precision):
+    ddp, fsdp = (load_ranks(four, f"{mode}-{precision}") for mode in ("ddp", "fsdp"))
+    for a, b in zip(sorted(ddp, key=lambda r: r["global_rank"]), sorted(fsdp, key=lambda r: r["global_rank"])):
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-3, atol=1e-4)
+    # bf16 weights: the two reductions (all-reduce, reduce-scatter) may round a sum 1 bf16 ulp apart (2 of 512).
+    tol = {"rtol": 1e-3, "atol": 1e-4} if precision == "bf16" else {"rtol": 1.6e-2, "atol": 1e-3}
+    for key, value in merged_state(ddp).items():
+        torch.testing.assert_close(merged_state(fsdp)[key], value, **tol)
+
+
+def test_fsdp_evaluation_and_metrics_equal_ddp(four):
+    ddp, fsdp = (load_ranks(four, n) for n in ("ddp-eval", "fsdp-eval"))
+    for a, b in zip(ddp, fsdp):
+        assert a["validated"].keys() == b["validated"].keys() >= {"val_loss", "val_acc", "val_ppl"}
+        for key, value in a["validated"].items():
+            assert b["validated"][key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_fsdp_refuses_token_weighted_accumulation_on_every_rank(four):
+    for r in load_ranks(four, "fsdp-weighted-acc2"):
+        assert r["error"] is not None and "`data_parallel='fsdp'` with `accumulate_grad_batches=2`" in r["error"]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def _whole(ranks: list[dict], part: str, dp_rank: int = 0, key: str | None = None) -> dict:
+    merged: dict = {}
+    for r in ranks:
+        if r["dp_rank"] == dp_rank:
+            merged.update(r[key][part] if key else r[part])
+    return merged
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("ddp-save", "fsdp-from-ddp"), ("fsdp-save", "ddp-from-fsdp")])
+def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_two, saved, resumed):
+    saved_ranks, resumed_ranks = load_ranks(resumed_two, saved), load_ranks(resumed_two, resumed)
+    for dp_rank in sorted({r["dp_rank"] for r in resumed_ranks}):
+        for part in ("state", "optim"):
+            before, after = _whole(saved_ranks, part), _whole(resumed_ranks, part, dp_rank, key="resumed")
+            assert before.keys() == after.keys()
+            assert any(k.endswith(".exp_avg_sq") for k in before) or part == "state"  # Adam's state is there
+            for key, value in before.items():
+                if isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+                else:
+                    assert after[key] == value, key
+    assert all(len(r["losses"]) == 1 for r in resumed_ranks)  # it trained on from step 3 to step 4
+
+
+# ---------------------------------------------------------------------------------------------------- nodes
+@pytest.mark.parametrize("inner", ["dp", "pp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_nodes_keep_the_inner_axis_inside_a_node(nodes, inner, mode):
+    ranks = load_ranks(nodes, f"nodes-{inner}-{mode}")
+    assert sorted(r["global_rank"] for r in ranks) == [0, 1, 2, 3]
+    for r in ranks:
+        assert r["node_rank"] == r["global_rank"] // 2
+        inside, across = (r["dp_group"], r["pp_group"]) if inner == "dp" else (r["pp_group"], r["dp_group"])
+        assert {g // 2 for g in inside} == {r["node_rank"]}  # the inner axis never leaves the node
+        assert {g // 2 for g in across} == {0, 1}  # the other one spans both nodes
+    assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
