@@ -18,6 +18,7 @@ Training and evaluation differ only in the executor they plug in.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -67,8 +68,9 @@ class _Record:
     items: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=64)
 def _checksum(key: tuple) -> int:
-    # crc32, not hash(): str hashes are salted per process.
+    # crc32, not hash(): str hashes are salted per process. Cached: a run has a handful of keys, seen every step.
     return zlib.crc32(repr(key).encode())
 
 
@@ -198,16 +200,19 @@ class StepProtocol:
         logs = merge_microbatch_logs(
             [record.logs[m] for m in range(n)], weights=weights, step_value_of=metrics.step_value_of
         )
-        results = [map_structure(record.results[m], _detached) for m in range(n)]
-        output = merge_outputs(results, weights, hook)
         outcome = Outcome(logs=logs, metric_updates=metrics.updates(), key_checksum=checksum)
         if hook == TRAINING:
-            losses = torch.stack([record.losses[m].double() for m in range(n)])
-            w = torch.tensor(weights, dtype=torch.float64, device=losses.device)
-            outcome.loss = ((losses * w).sum() / w.sum()).to(record.losses[0].dtype)
+            outcome.loss = _weighted_mean([record.losses[m] for m in range(n)], weights)
             if weighted:
                 outcome.grad_scale = 1.0 / sum(weights)
-            output = {**output, "loss": outcome.loss} if isinstance(output, Mapping) else outcome.loss
+        if hook == TRAINING and not any(isinstance(r, Mapping) for r in record.results.values()):
+            # A bare loss (the usual training step): the step's output is the loss just computed.
+            output: Any = outcome.loss
+        else:
+            results = [map_structure(record.results[m], _detached) for m in range(n)]
+            output = merge_outputs(results, weights, hook)
+            if hook == TRAINING:
+                output = {**output, "loss": outcome.loss}
         outcome.output = output
         outcome.output_shared = hook != "predict_step" and is_scalar_structure(output)
         return outcome
@@ -233,6 +238,15 @@ class StepProtocol:
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
             self.lightning_module.log(entry.name, value, **entry.kwargs)
+
+
+def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The microbatch losses' mean weighted by ``weights``, computed in float64, in the losses' dtype."""
+    stacked = torch.stack(losses).double()
+    if all(w == weights[0] for w in weights):
+        return stacked.mean().to(losses[0].dtype)
+    w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
+    return ((stacked * w).sum() / w.sum()).to(losses[0].dtype)
 
 
 def _detached(value: Any) -> Any:
