@@ -66,6 +66,8 @@ class _Record:
     logs: dict[int, list[LoggedValue]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     items: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: the settled outcome, once every microbatch's step has run (training)
+    outcome: Outcome | None = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,6 +99,7 @@ class StepProtocol:
         """Run ``hook`` on ``batch``; on the last stage each training microbatch's loss is scaled for
         ``accumulate`` accumulated batches (Lightning's own division happens before the schedule's backward)."""
         runtime = self.runtime
+        self.channel.expect()
         sizes = executor.plan(batch)
         n = len(sizes)
         microbatches = split_batch(batch, n, sizes)
@@ -110,13 +113,19 @@ class StepProtocol:
             if runtime.has_last:
                 record = _Record()
                 scale = 1.0 / (n * accumulate)
-
-                def on_output(m: int, output: Any) -> Any:
-                    return self._microbatch(hook, microbatches[m], extra_args, output, m, record, scale, accumulate)
-
                 with self.mirror.step(record_step_values=n > 1) as metrics:
+
+                    def on_output(m: int, output: Any) -> Any:
+                        loss = self._microbatch(hook, microbatches[m], extra_args, output, m, record, scale, accumulate)
+                        if hook == TRAINING and len(record.results) == n:
+                            # Every microbatch's step has run: the outcome is final before the last backwards. Sent
+                            # now, the other ranks find it when their schedule ends instead of waiting for this one.
+                            record.outcome = self._settle(hook, record, sizes, metrics, _checksum(key))
+                            self.channel.send_early(self._portable(record.outcome))
+                        return loss
+
                     executor.run(key, n, on_output)
-                    local = self._settle(hook, record, sizes, metrics, _checksum(key))
+                    local = record.outcome or self._settle(hook, record, sizes, metrics, _checksum(key))
             else:
                 executor.run(key, n, None)
         shared = self.channel.share(self._portable(local) if local is not None else None)

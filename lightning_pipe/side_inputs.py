@@ -32,6 +32,8 @@ DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"
 INFERENCE = "inference"
 #: the skeleton of a last stage's output that is one tensor
 _TENSOR = object()
+#: StageModule attributes that are never parameters, buffers or modules
+_PLAIN_ATTRIBUTES = frozenset({"chunk", "last_forward", "recorder"})
 
 
 class CallBook:
@@ -140,6 +142,13 @@ class StageModule(nn.Module):
         # Not submodules: shared per rank, and not part of any state dict.
         self.__dict__["book"] = book
         self.__dict__["stage_call"] = stage_call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Set on every forward: plain attributes skip nn.Module's search of parameters, buffers and submodules.
+        if name in _PLAIN_ATTRIBUTES:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, *received: torch.Tensor) -> Any:
         microbatch = self.chunk
