@@ -157,6 +157,8 @@ def test_the_trace_has_every_action_of_every_rank(runs, cfg):
     assert all(r["detached"] for r in ranks)
     files = [Path(f) for f in ranks[0]["files"]]
     assert [f.name for f in files] == ["timeline.json", "timeline.png"] and ranks[1]["files"] == []
+    expected_dir = Path(ranks[0]["log_dir"]) / "timeline" if cfg["name"] == "1f1b" else runs / cfg["name"]
+    assert files[0].parent == expected_dir
     assert files[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads(files[0].read_text())
     tracks = {e["pid"] for e in trace["traceEvents"] if e["name"] == "process_name"}

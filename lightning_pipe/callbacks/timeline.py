@@ -183,13 +183,14 @@ class PipelineTimeline(pl.Callback):
 
     def _write(self, trainer: pl.Trainer) -> None:
         strategy = self._strategy
+        # On every rank: `trainer.log_dir` is a collective.
+        dirpath = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "timeline"
         events = [tuple(e) for e in self._traced]
         gathered = collectives.all_gather_object(events, self._group(), strategy.root_device)
         self._traced = []
         if not trainer.is_global_zero:
             return
         per_rank = [[Event(*e) for e in rank_events] for rank_events in gathered]
-        dirpath = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "timeline"
         dirpath.mkdir(parents=True, exist_ok=True)
         steps = sorted({e.step for events in per_rank for e in events})
         metadata = {
@@ -273,8 +274,11 @@ def draw_gantt(per_rank: list[list[Event]], path: Path, title: str = "") -> None
     ax.set_xlabel("ms since the step's first action")
     kinds = [k for k in COMPUTE if any(e.kind == k for events in compute for e in events)]
     names = {"F": "forward", "B": "backward", "W": "weight grad", "L": "loss (your step)"}
+    handles = [Patch(color=COLORS[k], label=names[k]) for k in kinds]
+    if any(len({e.stage for e in events}) > 1 for events in compute):
+        handles.append(Patch(color="grey", alpha=0.45, label="paler: the rank's later stage"))
     ax.legend(
-        handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds],
+        handles=handles,
         loc="upper left",
         bbox_to_anchor=(1.005, 1.0),
         frameon=False,

@@ -30,7 +30,9 @@ def main() -> None:
     torch.set_num_threads(1)
     for cfg in configs:
         spec = MODELS[cfg["model"]]
-        timeline = PipelineTimeline(dirpath=out / cfg["name"], trace_steps=2, skip_steps=1, log_every_n_steps=2)
+        # The default directory for one configuration (<log_dir>/timeline), an explicit one for the others.
+        dirpath = None if cfg["name"] == "1f1b" else out / cfg["name"]
+        timeline = PipelineTimeline(dirpath=dirpath, trace_steps=2, skip_steps=1, log_every_n_steps=2)
         strategy = lightning_pipe.PipelineParallelStrategy(schedule=cfg["schedule"], microbatches=cfg["microbatches"])
         keep = KeepStages()
         trainer = L.Trainer(
