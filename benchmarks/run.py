@@ -153,6 +153,9 @@ def main() -> None:
     )
     parser.add_argument("--img", type=Path, default=None, help="plots (default docs/img/benchmarks; --quick: OUT/img)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite the docs and plots from OUT/results.json, run nothing"
+    )
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 5)
     if args.docs is None:
@@ -161,19 +164,27 @@ def main() -> None:
         args.img = args.out / "img" if args.quick else ROOT / "docs" / "img" / "benchmarks"
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    cases = Plan(args, args.out).launches
-    records: list[dict[str, Any]] = []
-    for nprocs in (2, 1):
-        if cases[nprocs]:
-            records += launch(nprocs, cases[nprocs], args.out, args.timeout)
-    results = report.collect(records, args, time.perf_counter() - start)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.report_only:
+        previous = json.loads((args.out / "results.json").read_text())
+        args.quick, args.runs = previous["quick"], previous["runs"]
+        results = report.collect(previous["records"], args, previous["elapsed_s"])
+        results["date"] = previous["date"]
+    else:
+        cases = Plan(args, args.out).launches
+        records: list[dict[str, Any]] = []
+        for nprocs in (2, 1):
+            if cases[nprocs]:
+                records += launch(nprocs, cases[nprocs], args.out, args.timeout)
+        results = report.collect(records, args, time.perf_counter() - start)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
     args.img.mkdir(parents=True, exist_ok=True)
     images = report.plots(results, args.img)
     for chart in results.get("timeline", {}).get("charts", []):
         target = args.img / f"timeline-{Path(chart).parent.name}.png"
-        shutil.copyfile(chart, target)
-        images.append(target)
+        if Path(chart).exists():
+            shutil.copyfile(chart, target)
+        if target.exists():
+            images.append(target)
     if str(args.docs) != "-":
         report.write_docs(results, args.docs, images)
     print(report.summary(results))

@@ -207,6 +207,12 @@ class OutcomeChannel:
         collectives.wait([receive])
         return receive[1]
 
+    def close(self) -> None:
+        """Wait for this rank's sends in flight (their receivers already have them): none is left when the channel
+        goes, e.g. at the end of a Trainer entry."""
+        collectives.wait(self._sends)
+        self._sends = []
+
     def _send(self, header: torch.Tensor) -> None:
         # The previous step's sends completed long ago (their receivers used them); waiting keeps them bounded.
         collectives.wait(self._sends)
