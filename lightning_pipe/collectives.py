@@ -181,10 +181,16 @@ def barrier(group: Group = None, device: torch.device | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- point to point
-def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> tuple[Any, torch.Tensor]:
+def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> tuple[Any, torch.Tensor]:
     """Post a non-blocking send to global rank ``dst``; returns ``(work, buffer)``: keep both until :func:`wait`."""
     moved = _on(tensor.contiguous(), group)
-    return dist.isend(moved, dst, group=group), moved
+    return dist.isend(moved, dst, group=group, tag=tag), moved
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> tuple[Any, torch.Tensor]:
+    """Post a non-blocking receive from global rank ``src`` into ``tensor``, which must be on a device ``group`` serves
+    (:func:`served_device`); returns ``(work, tensor)``: the data is there after :func:`wait`."""
+    return dist.irecv(tensor, src, group=group, tag=tag), tensor
 
 
 def recv_(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:

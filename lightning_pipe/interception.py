@@ -137,8 +137,11 @@ def recording_logs(module: Any, sink: list[LoggedValue]) -> Iterator[None]:
         for key, value in items:
             log(key, value, *args, **kwargs)
 
-    module.log, module.log_dict = log, log_dict
+    # Instance attributes shadow the methods; set in the instance dict directly (nn.Module.__setattr__ and
+    # __delattr__ would search parameters, buffers and submodules on every microbatch).
+    attributes = vars(module)
+    attributes["log"], attributes["log_dict"] = log, log_dict
     try:
         yield
     finally:
-        del module.log, module.log_dict
+        del attributes["log"], attributes["log_dict"]

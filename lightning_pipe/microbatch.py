@@ -11,12 +11,13 @@ from lightning_pipe.errors import MicrobatchError
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
+    # Lists and tuples tested before Mapping: an ABC isinstance check is several times slower (runs every step).
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
     return []
 
 
@@ -51,17 +52,17 @@ def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None) -> list[
             if obj.dim() > 0 and obj.shape[0] == size:
                 return list(obj.split(sizes))
             return [obj] * n
+        if isinstance(obj, (list, tuple)):
+            parts = [split(v) for v in obj]
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+                return [type(obj)(*(p[i] for p in parts)) for i in range(n)]
+            return [type(obj)(p[i] for p in parts) for i in range(n)]
         if isinstance(obj, Mapping):
             parts = {k: split(v) for k, v in obj.items()}
             return [
                 type(obj)({k: parts[k][i] for k in obj}) if type(obj) is not dict else {k: parts[k][i] for k in obj}
                 for i in range(n)
             ]
-        if isinstance(obj, (list, tuple)):
-            parts = [split(v) for v in obj]
-            if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-                return [type(obj)(*(p[i] for p in parts)) for i in range(n)]
-            return [type(obj)(p[i] for p in parts) for i in range(n)]
         return [obj] * n
 
     return split(batch)

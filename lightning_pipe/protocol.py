@@ -18,6 +18,7 @@ Training and evaluation differ only in the executor they plug in.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -65,10 +66,13 @@ class _Record:
     logs: dict[int, list[LoggedValue]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     items: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: the settled outcome, once every microbatch's step has run (training)
+    outcome: Outcome | None = None
 
 
+@functools.lru_cache(maxsize=64)
 def _checksum(key: tuple) -> int:
-    # crc32, not hash(): str hashes are salted per process.
+    # crc32, not hash(): str hashes are salted per process. Cached: a run has a handful of keys, seen every step.
     return zlib.crc32(repr(key).encode())
 
 
@@ -95,6 +99,7 @@ class StepProtocol:
         """Run ``hook`` on ``batch``; on the last stage each training microbatch's loss is scaled for
         ``accumulate`` accumulated batches (Lightning's own division happens before the schedule's backward)."""
         runtime = self.runtime
+        self.channel.expect()
         sizes = executor.plan(batch)
         n = len(sizes)
         microbatches = split_batch(batch, n, sizes)
@@ -108,13 +113,19 @@ class StepProtocol:
             if runtime.has_last:
                 record = _Record()
                 scale = 1.0 / (n * accumulate)
-
-                def on_output(m: int, output: Any) -> Any:
-                    return self._microbatch(hook, microbatches[m], extra_args, output, m, record, scale, accumulate)
-
                 with self.mirror.step(record_step_values=n > 1) as metrics:
+
+                    def on_output(m: int, output: Any) -> Any:
+                        loss = self._microbatch(hook, microbatches[m], extra_args, output, m, record, scale, accumulate)
+                        if hook == TRAINING and len(record.results) == n:
+                            # Every microbatch's step has run: the outcome is final before the last backwards. Sent
+                            # now, the other ranks find it when their schedule ends instead of waiting for this one.
+                            record.outcome = self._settle(hook, record, sizes, metrics, _checksum(key))
+                            self.channel.send_early(self._portable(record.outcome))
+                        return loss
+
                     executor.run(key, n, on_output)
-                    local = self._settle(hook, record, sizes, metrics, _checksum(key))
+                    local = record.outcome or self._settle(hook, record, sizes, metrics, _checksum(key))
             else:
                 executor.run(key, n, None)
         shared = self.channel.share(self._portable(local) if local is not None else None)
@@ -198,16 +209,19 @@ class StepProtocol:
         logs = merge_microbatch_logs(
             [record.logs[m] for m in range(n)], weights=weights, step_value_of=metrics.step_value_of
         )
-        results = [map_structure(record.results[m], _detached) for m in range(n)]
-        output = merge_outputs(results, weights, hook)
         outcome = Outcome(logs=logs, metric_updates=metrics.updates(), key_checksum=checksum)
         if hook == TRAINING:
-            losses = torch.stack([record.losses[m].double() for m in range(n)])
-            w = torch.tensor(weights, dtype=torch.float64, device=losses.device)
-            outcome.loss = ((losses * w).sum() / w.sum()).to(record.losses[0].dtype)
+            outcome.loss = _weighted_mean([record.losses[m] for m in range(n)], weights)
             if weighted:
                 outcome.grad_scale = 1.0 / sum(weights)
-            output = {**output, "loss": outcome.loss} if isinstance(output, Mapping) else outcome.loss
+        if hook == TRAINING and not any(isinstance(r, Mapping) for r in record.results.values()):
+            # A bare loss (the usual training step): the step's output is the loss just computed.
+            output: Any = outcome.loss
+        else:
+            results = [map_structure(record.results[m], _detached) for m in range(n)]
+            output = merge_outputs(results, weights, hook)
+            if hook == TRAINING:
+                output = {**output, "loss": outcome.loss}
         outcome.output = output
         outcome.output_shared = hook != "predict_step" and is_scalar_structure(output)
         return outcome
@@ -233,6 +247,15 @@ class StepProtocol:
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
             self.lightning_module.log(entry.name, value, **entry.kwargs)
+
+
+def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The microbatch losses' mean weighted by ``weights``, computed in float64, in the losses' dtype."""
+    stacked = torch.stack(losses).double()
+    if all(w == weights[0] for w in weights):
+        return stacked.mean().to(losses[0].dtype)
+    w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
+    return ((stacked * w).sum() / w.sum()).to(losses[0].dtype)
 
 
 def _detached(value: Any) -> Any:

@@ -56,3 +56,9 @@ class PipelineRuntime:
 
     def global_rank_of(self, stage: int) -> int:
         return self.group_ranks[self.stage_ranks[stage]]
+
+    def attach_timeline(self, recorder: Any) -> None:
+        """Report this rank's schedule actions to ``recorder`` (a :class:`~lightning_pipe.timeline.TimelineRecorder`;
+        ``None`` detaches it)."""
+        for stage in self.stages.values():
+            stage.recorder = recorder

@@ -116,9 +116,15 @@ def rebuild(schema: Any, flat: torch.Tensor, device: torch.device) -> Any:
 
 
 class OutcomeChannel:
-    """Broadcasts an object from one rank of a group to the others, sending only values while the schema holds.
+    """Sends an object from one rank of a group to the others, sending only values while the schema holds.
 
-    Every rank of ``group`` calls :meth:`share` once per step, in the same order; ``src`` is the sending global rank.
+    Every rank of ``group`` calls :meth:`expect` when a step starts and :meth:`share` once per step, in the same
+    order; ``src`` is the sending global rank.
+
+    While the schema holds, the values travel point to point on CPU groups: each receiver posts its receive in
+    :meth:`expect`, so when the sender finishes its step first (the last stage usually does) the values are already
+    there when the receiver asks, and no rank waits for the other in a collective. Elsewhere (NCCL) they are one
+    tensor broadcast.
     """
 
     def __init__(self, group: Any, src: int, device: torch.device) -> None:
@@ -127,12 +133,43 @@ class OutcomeChannel:
         self.local_device = device
         self._schema: Any = None
         self._size: int | None = None
+        #: values point to point (a tag of their own, apart from the schedule's messages), else a broadcast
+        self.point_to_point = self.device.type == "cpu"
+        self._receive: tuple[Any, torch.Tensor] | None = None
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._sent_early: Any = None
         #: how many steps needed the object path (tests and benchmarks read it)
         self.object_steps = 0
+
+    def expect(self) -> None:
+        """A step starts: a receiver posts the receive of the step's values (when their size is known)."""
+        if not self.point_to_point or self._size is None or self._receive is not None:
+            return
+        if collectives.group_size(self.group) == 1 or collectives.world_rank() == self.src:
+            return
+        buffer = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
+        self._receive = collectives.irecv(buffer, self.src, self.group, tag=VALUES_TAG)
+
+    def send_early(self, obj: Any) -> None:
+        """On the sender, while its step still runs: send ``obj``'s values now if they can go point to point (the
+        schema holds); :meth:`share` at the step's end then only returns it. Never waits for another rank."""
+        if not self.point_to_point or self._size is None or collectives.group_size(self.group) == 1:
+            return
+        schema, values = flatten(obj)
+        if schema is None or schema != self._schema:
+            return  # a new schema goes as an object, in a collective at the step's end
+        header = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
+        header[0] = 1.0
+        header[1:] = _pack_values(values, self.device)
+        self._send(header)
+        self._sent_early = obj
 
     def share(self, obj: Any) -> Any:
         """``obj`` as sent by ``src``; ``obj`` is ignored on the other ranks."""
         if collectives.group_size(self.group) == 1:
+            return obj
+        if self._sent_early is not None:
+            obj, self._sent_early = self._sent_early, None
             return obj
         sender = collectives.world_rank() == self.src
         schema, values = flatten(obj) if sender else (None, [])
@@ -142,7 +179,7 @@ class OutcomeChannel:
             if same:
                 header[0] = 1.0
                 header[1:] = _pack_values(values, self.device)
-            collectives.broadcast_(header, self.src, self.group)
+            header = self._values(header, sender)
             if header[0] == 1.0:
                 return obj if sender else rebuild(self._schema, header[1:], self.local_device)
         # The schema changed (or this is the first step): schema and values as one object.
@@ -156,3 +193,32 @@ class OutcomeChannel:
             return obj if sender else whole
         self._schema, self._size = schema, int(flat.numel())
         return obj if sender else rebuild(schema, flat, self.local_device)
+
+    def _values(self, header: torch.Tensor, sender: bool) -> torch.Tensor:
+        """The sender's ``header`` (flag, then values) on every rank."""
+        if not self.point_to_point:
+            return collectives.broadcast_(header, self.src, self.group)
+        if sender:
+            self._send(header)
+            return header
+        self.expect()  # posted when the step started, unless the caller skipped it
+        receive, self._receive = self._receive, None
+        assert receive is not None
+        collectives.wait([receive])
+        return receive[1]
+
+    def close(self) -> None:
+        """Wait for this rank's sends in flight (their receivers already have them): none is left when the channel
+        goes, e.g. at the end of a Trainer entry."""
+        collectives.wait(self._sends)
+        self._sends = []
+
+    def _send(self, header: torch.Tensor) -> None:
+        # The previous step's sends completed long ago (their receivers used them); waiting keeps them bounded.
+        collectives.wait(self._sends)
+        others = [r for r in collectives.group_ranks(self.group) if r != self.src]
+        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in others]
+
+
+#: tag of the outcome values' point-to-point messages (torch's schedules and the evaluation pass send with tag 0)
+VALUES_TAG = 0x0C0

@@ -30,6 +30,10 @@ from lightning_pipe.transport import pack, unpack
 StageCall = Callable[[nn.Module, tuple, dict, Union[tuple, None], bool, bool], Any]
 DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"
 INFERENCE = "inference"
+#: the skeleton of a last stage's output that is one tensor
+_TENSOR = object()
+#: StageModule attributes that are never parameters, buffers or modules
+_PLAIN_ATTRIBUTES = frozenset({"chunk", "last_forward", "recorder"})
 
 
 class CallBook:
@@ -136,6 +140,8 @@ class StageModule(nn.Module):
         #: whether torch's data-parallel reduction (FSDP) runs at the end of this schedule step; off for the
         #: batches of an accumulation window before its last
         self.sync_gradients = True
+        #: a :class:`~lightning_pipe.timeline.TimelineRecorder` while a timeline is recorded, else ``None``
+        self.recorder: Any = None
         # Not submodules: shared per rank, and not part of any state dict.
         self.__dict__["book"] = book
         self.__dict__["stage_call"] = stage_call
@@ -143,6 +149,13 @@ class StageModule(nn.Module):
     def bind(self, book: CallBook) -> None:
         """Read side inputs from ``book`` (a later Trainer entry's) from now on."""
         self.__dict__["book"] = book
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Set on every forward: plain attributes skip nn.Module's search of parameters, buffers and submodules.
+        if name in _PLAIN_ATTRIBUTES:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, *received: torch.Tensor) -> Any:
         microbatch = self.chunk
@@ -160,6 +173,9 @@ class StageModule(nn.Module):
             raise
         self.last_forward = INFERENCE if microbatch is None else microbatch
         if self.is_last:
+            if isinstance(output, torch.Tensor):  # the usual output: no structure to pack
+                self.book.skeletons[0 if microbatch is None else microbatch] = _TENSOR
+                return (output,)
             skeleton, tensors = pack(output, detach=False)
             self.book.skeletons[0 if microbatch is None else microbatch] = skeleton
             return tuple(tensors)
@@ -168,7 +184,10 @@ class StageModule(nn.Module):
     def final_output(self, microbatch: int, tensors: Any) -> Any:
         """The network's output for ``microbatch`` rebuilt from the tensors this (last) stage returned."""
         tensors = list(tensors) if isinstance(tensors, (tuple, list)) else [tensors]
-        return unpack(self.book.skeletons[microbatch], tensors)
+        skeleton = self.book.skeletons[microbatch]
+        if skeleton is _TENSOR:
+            return tensors[0]
+        return unpack(skeleton, tensors)
 
     def _activation(self, output: Any) -> Any:
         leaves = list(output) if isinstance(output, (tuple, list)) else [output]
@@ -228,6 +247,10 @@ def chunk_aware_stage_class() -> type:
     torch calls ``forward_one_chunk(fwd_chunk_id, ...)`` for every real forward, in every schedule; its shape
     inference calls the module directly. Overriding this public method is how a stage knows which microbatch's side
     inputs to use.
+
+    The same public methods (and the backward ones, and those that hand the schedule its point-to-point operations)
+    report to the stage's timeline recorder when one is attached (:mod:`lightning_pipe.timeline`); without one, each
+    costs one attribute check.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -235,7 +258,7 @@ def chunk_aware_stage_class() -> type:
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self.submod.chunk = fwd_chunk_id
             try:
-                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+                return _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, args, kwargs)
             finally:
                 self.submod.chunk = None
 
@@ -248,4 +271,41 @@ def chunk_aware_stage_class() -> type:
             elif grad_scale_factor != 1:
                 self.scale_grads(grad_scale_factor)
 
+        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return _timed(self, "B", bwd_chunk_id, super().backward_one_chunk, args, kwargs)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return _timed(self, "W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+            return _posted(self, super().get_fwd_recv_ops(fwd_chunk_id), "recv", "F", fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+            return _posted(self, super().get_bwd_recv_ops(bwd_chunk_id), "recv", "B", bwd_chunk_id)
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+            return _posted(self, super().get_fwd_send_ops(fwd_chunk_id), "send", "F", fwd_chunk_id)
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+            return _posted(self, super().get_bwd_send_ops(bwd_chunk_id), "send", "B", bwd_chunk_id)
+
     return ChunkAwareStage
+
+
+def _timed(stage: Any, kind: str, chunk: int, action: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run a schedule action of ``stage``, reporting it to the stage's timeline recorder if one is attached."""
+    recorder = stage.submod.recorder
+    if recorder is None:
+        return action(chunk, *args, **kwargs)
+    start = recorder.now()
+    result = action(chunk, *args, **kwargs)
+    recorder.compute(kind, stage.stage_index, chunk, start)
+    return result
+
+
+def _posted(stage: Any, ops: list, op: str, kind: str, chunk: int) -> list:
+    """Pass ``ops`` on; tell the timeline recorder (if any) that they were posted."""
+    recorder = stage.submod.recorder
+    if recorder is not None and ops:
+        recorder.posted(op, kind, stage.stage_index, chunk)
+    return ops

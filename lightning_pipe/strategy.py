@@ -491,6 +491,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._protocol is not None:
             self._protocol.interceptor.remove()
             self._protocol.mirror.close()
+            self._protocol.channel.close()
         self._runtime = self._protocol = self._train_executor = self._eval_executor = None
 
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -24,6 +25,16 @@ def _zero_loss(output: Any) -> torch.Tensor:
     # on the output gives the same shapes, and a constant zero keeps the user's step (and its side effects) out of it.
     leaves = [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
     return sum((t.float().sum() * 0.0 for t in leaves if t.is_floating_point()), torch.zeros(()))
+
+
+def step_options(schedule: Any) -> dict[str, Any]:
+    """Keyword arguments for ``schedule.step``: the last stage's outputs are not kept nor merged (each microbatch's
+    output already reached the user's step through the loss function), where this torch has ``return_outputs``.
+
+    Checked on the signature: torch versions without the option would pass it to the model as a keyword argument.
+    """
+    parameters = inspect.signature(type(schedule).step).parameters
+    return {"return_outputs": False} if "return_outputs" in parameters else {}
 
 
 class ScheduleExecutor:
@@ -53,15 +64,14 @@ class ScheduleExecutor:
         return calls
 
     def run(self, key: tuple, n: int, on_output: OnOutput | None) -> None:
-        schedule = self._schedule(key, n)
+        schedule, options = self._schedule(key, n)
         self._on_output = on_output
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
-                # Outputs are consumed by the loss function; torch need not keep or merge them.
-                schedule.step(target=torch.arange(n), losses=[], return_outputs=False)
+                schedule.step(target=torch.arange(n), **options)
             else:
-                schedule.step()
+                schedule.step(**options)
         except Exception as err:
             # torch wraps an error of a stage's forward in its own RuntimeError; the stage's error is the one to see.
             failure = self.runtime.book.failure
@@ -71,7 +81,8 @@ class ScheduleExecutor:
         finally:
             self._on_output = None
 
-    def _schedule(self, key: tuple, n: int) -> Any:
+    def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any]]:
+        """The schedule for ``key`` and the options of its ``step``."""
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
@@ -94,10 +105,10 @@ class ScheduleExecutor:
                 f"torch's {self.schedule_name} schedule rejects {n} microbatches for {runtime.num_stages}"
                 f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it."
             ) from err
-        self._schedules[key] = schedule
+        self._schedules[key] = (schedule, step_options(schedule))
         if len(self._schedules) > _MAX_CACHED_SCHEDULES:
             self._schedules.popitem(last=False)
-        return schedule
+        return self._schedules[key]
 
     def _loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         last = self.runtime.last_stage
@@ -105,13 +116,19 @@ class ScheduleExecutor:
             # torch's backward shape inference, right after its forward shape inference (not a real microbatch).
             last.last_forward = None
             return _zero_loss(output)
-        microbatch = int(target.reshape(-1)[0])
+        microbatch = int(target)  # a one-element chunk of torch.arange(n)
         if last.last_forward != microbatch or self._on_output is None:
             raise RuntimeError(
                 f"Internal error: loss of microbatch {microbatch} requested after the last stage ran"
                 f" {last.last_forward!r}."
             )
-        return self._on_output(microbatch, last.final_output(microbatch, output))
+        recorder = last.recorder
+        if recorder is None:
+            return self._on_output(microbatch, last.final_output(microbatch, output))
+        start = recorder.now()
+        loss = self._on_output(microbatch, last.final_output(microbatch, output))
+        recorder.compute("L", last.index, microbatch, start)
+        return loss
 
     def reset(self) -> None:
         """Forget cached schedules (their stages are bound to a process group that may be gone)."""

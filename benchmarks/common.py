@@ -1,0 +1,121 @@
+"""What every benchmark run shares: the models, the data, the clock and the description of the machine.
+
+Two networks, both an ``nn.Sequential`` of ``depth`` blocks ``Linear(width, width) + ReLU`` trained with an MSE loss
+and SGD, so the hand-written loop and the strategy split them identically (``depth / stages`` blocks per stage):
+
+- ``compute``: width 1024, 8 blocks, batch 512: each step is ~24 GFLOP, the fixed costs of a step vanish in it;
+- ``small``: width 256, 4 blocks, batch 64: a step is a few milliseconds, so the fixed per-step cost shows.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    width: int
+    depth: int
+    batch: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MODELS = {
+    "compute": ModelSpec("compute", width=1024, depth=8, batch=512),
+    "small": ModelSpec("small", width=256, depth=4, batch=64),
+    # --quick: the same code paths in a fraction of a second
+    "tiny": ModelSpec("tiny", width=32, depth=8, batch=32),
+}
+LR = 1e-3
+
+
+def make_network(spec: ModelSpec) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(spec.width, spec.width), nn.ReLU()) for _ in range(spec.depth)])
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def dataset(spec: ModelSpec, batches: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches * spec.batch, spec.width, generator=g)
+    y = torch.randn(batches * spec.batch, spec.width, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(data: TensorDataset, batch: int) -> DataLoader:
+    """The data path of every run: one in-process DataLoader, no shuffling, no workers."""
+    return DataLoader(data, batch_size=batch, shuffle=False, drop_last=True)
+
+
+# ---------------------------------------------------------------------------------------------------- device and clock
+def device_for(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Clock:
+    """Stamps taken at the start of every step and once after the last: wall-clock time and this process's CPU time
+    (user + system, all its threads), in ns. On a GPU a stamp waits for the queued work first.
+
+    CPU time is what a step's fixed costs (Python, pickling, collectives) consume; unlike wall-clock time it barely
+    changes when other processes compete for the cores (gloo waits for messages without spinning).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.wall: list[int] = []
+        self.cpu: list[int] = []
+
+    def tick(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.wall.append(time.perf_counter_ns())
+        self.cpu.append(time.process_time_ns())
+
+
+def periods_ms(stamps: list[int], warmup: int) -> list[float]:
+    """Step times from the stamps taken at the start of each step (and one after the last), warm-up steps dropped."""
+    times = [(b - a) / 1e6 for a, b in zip(stamps, stamps[1:])]
+    return times[warmup:]
+
+
+# ---------------------------------------------------------------------------------------------------- environment
+def machine() -> dict[str, Any]:
+    """The machine and software every figure was measured with."""
+    import lightning
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "platform": platform.platform(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info

@@ -1,0 +1,61 @@
+"""OutcomeChannel between 2 processes: a sequence of steps exercising every path; each rank saves what it got.
+
+Usage (torchrun, 2 processes): sharing.py OUT_DIR
+
+Rank 1 sends (as the last stage does), rank 0 receives. Steps: the first (object path), the same schema (values point
+to point, receive posted at the step's start), a value sent early (while the sender's step still runs), a new log
+key (schema change: object path), a receiver that skipped ``expect``, an integer beyond float64's exact range
+(object path, then no known size), and the schema back again.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.interception import LoggedValue
+from lightning_pipe.protocol import Outcome
+from lightning_pipe.sharing import OutcomeChannel
+
+STEPS = [
+    ("first", Outcome(loss=torch.tensor(1.5), key_checksum=7), False, True),
+    ("same", Outcome(loss=torch.tensor(2.5), key_checksum=7), False, True),
+    ("early", Outcome(loss=torch.tensor(3.5), key_checksum=7), True, True),
+    (
+        "new key",
+        Outcome(loss=torch.tensor(4.5), logs=[LoggedValue("acc", torch.tensor(0.25), {})], key_checksum=7),
+        True,
+        True,
+    ),
+    (
+        "no expect",
+        Outcome(loss=torch.tensor(5.5), logs=[LoggedValue("acc", torch.tensor(0.5), {})], key_checksum=7),
+        False,
+        False,
+    ),
+    ("huge int", Outcome(loss=torch.tensor(6.5), output={"n": 2**60}, key_checksum=7), False, True),
+    ("after", Outcome(loss=torch.tensor(7.5), key_checksum=7), True, True),
+    ("again", Outcome(loss=torch.tensor(8.5), key_checksum=7), True, True),
+]
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    channel = OutcomeChannel(None, src=1, device=torch.device("cpu"))
+    got = []
+    for name, outcome, early, expect in STEPS:
+        if expect:
+            channel.expect()
+        sent = outcome if rank == 1 else None
+        if early and rank == 1:
+            channel.send_early(sent)
+        got.append((name, channel.share(sent)))
+    torch.save({"got": got, "object_steps": channel.object_steps, "p2p": channel.point_to_point}, out / f"r{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""OutcomeChannel: what the last stage sends reaches the other ranks, through every path (2 processes, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipe.interception import LoggedValue
+from lightning_pipe.protocol import Outcome
+from lightning_pipe.sharing import OutcomeChannel, flatten, rebuild
+from tests.launch import run_script
+
+
+def test_a_group_of_one_returns_what_it_is_given():
+    channel = OutcomeChannel(None, src=0, device=torch.device("cpu"))
+    outcome = Outcome(loss=torch.tensor(1.0))
+    channel.expect()
+    channel.send_early(outcome)
+    assert channel.share(outcome) is outcome and channel.object_steps == 0
+
+
+def test_flatten_and_rebuild_round_trip():
+    outcome = Outcome(loss=torch.tensor(1.25), logs=[LoggedValue("a", torch.tensor([2.0]), {"prog_bar": True})])
+    schema, values = flatten(outcome)
+    flat = torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in values])
+    assert rebuild(schema, flat, torch.device("cpu")) == outcome
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharing")
+    run_script("sharing.py", str(out), nprocs=2, launcher="torchrun", timeout=300)
+    return [torch.load(out / f"r{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_every_step_arrives(ranks):
+    from tests.scripts.sharing import STEPS
+
+    receiver, sender = ranks
+    assert receiver["p2p"] and sender["p2p"]
+    for (name, sent, _, _), (got_name, got) in zip(STEPS, receiver["got"]):
+        assert got_name == name
+        assert got == sent, name
+    assert [o for _, o in sender["got"]] == [s[1] for s in STEPS]
+    # Object path: the first step, the new log key, the huge integer, the step after it (no known size).
+    assert receiver["object_steps"] == sender["object_steps"] == 4
