@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -22,7 +21,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -30,7 +28,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import builder
+from lightning_pipe import builder, failures, watchdog
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.config import (
     PositiveInt,
@@ -81,7 +79,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         balance: Blocks per stage instead of ``split_points`` (e.g. ``[3, 5]``). Default: even split, the first
             stages taking one more when the blocks do not divide evenly.
         process_group_backend: ``torch.distributed`` backend. ``None``: ``nccl`` on CUDA, ``gloo`` on CPU.
-        timeout: Timeout of collective and point-to-point operations.
+        timeout: Timeout of collective and point-to-point operations. Default 10 minutes (torch's is 30): see
+            docs/reliability.md. A rank that raises or dies ends the run within seconds whatever the timeout; it only
+            bounds waits on a rank that hangs without failing.
         init_weights: Weights to start from instead of the model's own initialisation: a Lightning ``.ckpt`` file, a
             file holding a plain ``state_dict`` (of the LightningModule, or of the network alone, e.g. pretrained
             weights), or a lightning-pipe checkpoint directory. Loaded after the split, before the optimizers are
@@ -114,7 +114,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         split_points: Optional[list[str]] = None,
         balance: Optional[list[PositiveInt]] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = watchdog.DEFAULT_TIMEOUT,
         init_weights: Optional[Union[str, Path]] = None,
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
     ) -> None:
@@ -217,10 +217,12 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = watchdog.PipelineLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes, self._timeout
+        )
 
     @override
+    @failures.in_phase("during start-up")
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -252,6 +254,7 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    @failures.in_phase("during start-up")
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -288,6 +291,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             group=self._pp_group,
             group_ranks=self._pp_ranks,
         )
+        failures.describe(self.global_rank, [index for index, _ in self._runtime.stage_modules])
         bind_metrics(lightning_module, self._dp_group)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
@@ -395,6 +399,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         pass  # `load_checkpoint` already loaded this rank's optimizer states
 
     @override
+    @failures.in_phase("while saving a checkpoint")
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
@@ -502,6 +507,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
     @override
+    @failures.in_phase("during teardown")
     def teardown(self) -> None:
         if self._runtime is not None:
             self._runtime.interceptor.remove()
