@@ -45,7 +45,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _PHASE_ATTR = "_lightning_pipe_phase"
 
 # Exceptions that are control flow, an operator's decision, or a consequence of another rank's failure: not recorded.
-_NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit, PipelinePeerFailure)
+_NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit, PipelinePeerFailure)  # DCP's error is a BaseException
 _CONTROL_FLOW_NAMES = {"_TunerExitException", "SIGTERMException"}
 # What gloo, NCCL and the c10d store say when the other end of a connection is gone or silent.
 _BROKEN_CONNECTION = (
@@ -294,6 +294,11 @@ def current_phase() -> str:
     return _STAGE_PHASES.get(getattr(stage, "value", stage), "during start-up")
 
 
+def this_rank() -> Optional[int]:
+    """This process's global rank, as far as it is known yet (from the environment before the process group)."""
+    return _PROCESS.rank if _PROCESS.rank is not None else _dist_rank_and_size()[0]
+
+
 def in_entry() -> bool:
     return _PROCESS.in_entry
 
@@ -327,17 +332,18 @@ def entry(trainer: Any = None) -> Iterator[None]:
 def _reraise(err: BaseException) -> None:
     """Re-raise ``err``, or a :class:`PipelinePeerFailure` naming the rank that failed first when ``err`` is only this
     rank's view of it. Must be called while handling ``err``."""
-    if not isinstance(err, Exception) or isinstance(err, _NOT_FAILURES) or type(err).__name__ in _CONTROL_FLOW_NAMES:
+    if isinstance(err, _NOT_FAILURES) or type(err).__name__ in _CONTROL_FLOW_NAMES:
         raise err
-    if not is_broken_connection(err):
+    failed = _checkpoint_failure_ranks(err)
+    if (failed is None and not is_broken_connection(err)) or (failed is not None and _PROCESS.rank in failed):
         record(err)
         raise err
-    here = _first_sentence(err)
+    here = _first_sentence(err) if failed is None else f"a checkpoint save failed on rank(s) {sorted(failed)}"
     first, store_gone = find_first_failure()
     if first is not None and first.rank != _PROCESS.rank:
         traceback_note = f"; rank {first.rank}'s traceback is in its output and below" if first.traceback else ""
         failure = PipelinePeerFailure(
-            f"{first.sentence()}. This rank's communication with it broke ({here}){traceback_note}."
+            f"{first.sentence()}. This rank saw only the consequence ({here}){traceback_note}."
         )
         _attach(failure, first)
         _write_torchelastic_error_file(failure, first.traceback)
@@ -380,6 +386,21 @@ def _first_sentence(err: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _checkpoint_failure_ranks(err: BaseException) -> Optional[set[int]]:
+    """The ranks that failed when ``err`` is torch.distributed.checkpoint's ``CheckpointException``, which every rank
+    raises after the save gathered the failures (a rank not among them only sees a peer's failure)."""
+    failures = getattr(err, "failures", None)
+    return set(failures) if type(err).__name__ == "CheckpointException" and isinstance(failures, dict) else None
+
+
+def _own_error(err: BaseException) -> BaseException:
+    """What this rank itself raised: unwrapped from torch's pipelining and checkpoint wrappers."""
+    failures = getattr(err, "failures", None)
+    if _checkpoint_failure_ranks(err) and _PROCESS.rank in failures and isinstance(failures[_PROCESS.rank], tuple):
+        return failures[_PROCESS.rank][0]  # (exception, stack summary)
+    return _root_error(err)
+
+
 def is_broken_connection(err: BaseException) -> bool:
     """Whether ``err`` is what a collective, a point-to-point transfer or the store raises when a peer is gone."""
     import torch.distributed as dist
@@ -409,7 +430,7 @@ def failure_of(err: BaseException) -> Failure:
         rank=-1 if rank is None else rank,
         stages=_PROCESS.stages,
         phase=getattr(err, _PHASE_ATTR, None) or current_phase(),
-        error=_summary(_root_error(err), limit=2000),
+        error=_summary(_own_error(err), limit=2000),
         traceback=text[-_TRACEBACK_CHARS:],
         pid=os.getpid(),
         host=socket.gethostname(),

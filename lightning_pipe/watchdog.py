@@ -83,7 +83,7 @@ def _lightning_launcher() -> Optional[int]:
 
 
 def _say(message: str) -> None:
-    rank = failures._PROCESS.rank
+    rank = failures.this_rank()
     prefix = f"[rank{rank}]: " if rank is not None else ""
     print(f"{prefix}lightning-pipe: {message}", file=sys.stderr, flush=True)
 
@@ -160,7 +160,7 @@ class _Watch(threading.Thread):
         self._board_read_at = now
         failures.remember_peers()
         first = failures.first_failure()
-        if first is None or first.rank == failures._PROCESS.rank:
+        if first is None or first.rank == failures.this_rank():
             return
         entry = failures.entry_index()
         if self._peer_seen is None or self._peer_seen[0] != entry:

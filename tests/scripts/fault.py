@@ -162,7 +162,8 @@ def main() -> None:
     )
     fault.install_teardown(trainer)
     trainer.fit(model, ckpt_path=str(out / "ckpt" / "last.ckpt") if cfg.get("resume") else None)
-    torch.save({"global_step": trainer.global_step, "losses": model.step_losses}, out / f"done.rank{trainer.global_rank}")
+    done = {"global_step": trainer.global_step, "losses": model.step_losses}
+    torch.save(done, out / f"done.rank{trainer.global_rank}")
 
 
 if __name__ == "__main__":
