@@ -9,6 +9,7 @@ from lightning_pipe.errors import (
     PipelineCheckpointError,
     PipelineConfigError,
     PipelineModelError,
+    PipelinePeerFailure,
     PipelineUsageError,
 )
 from lightning_pipe.strategy import PipelineParallelStrategy
@@ -23,6 +24,7 @@ __all__ = [
     "PipelineConfigError",
     "PipelineModelError",
     "PipelineParallelStrategy",
+    "PipelinePeerFailure",
     "PipelineUsageError",
     "__version__",
 ]

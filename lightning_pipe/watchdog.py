@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from typing_extensions import override
 
 from lightning_pipe import failures
+from lightning_pipe.board import Failure, describe_exit, pid_alive
 from lightning_pipe.errors import PipelinePeerFailure
 
 #: Default ``timeout`` of the strategy's process group: a third of torch's 30 minutes. A rank that raises or dies no
@@ -72,7 +73,7 @@ def _expected_parent() -> Optional[int]:
     if not launcher or int(launcher) == os.getpid() or os.environ.get("LOCAL_RANK", "0") == "0":
         return None
     pid = int(launcher)
-    if os.getppid() == pid or not failures.pid_alive(pid):
+    if os.getppid() == pid or not pid_alive(pid):
         return pid  # our launcher, alive or already gone
     return None  # the variable was inherited from an unrelated ancestor
 
@@ -213,10 +214,10 @@ class _Watch(threading.Thread):
         _exit(f"{first.sentence()}. Exiting with code {EXIT_CODE}.")
 
 
-def _first_failure_or(rank: int, proc: subprocess.Popen) -> failures.Failure:
+def _first_failure_or(rank: int, proc: subprocess.Popen) -> Failure:
     """The recorded first failure, else how the child ``proc`` (global rank ``rank``) ended."""
     recorded = failures.first_failure()
-    return recorded or failures.Failure(rank, (), "", failures.describe_exit(proc.pid, proc.returncode))
+    return recorded or Failure(rank, (), "", describe_exit(proc.pid, proc.returncode))
 
 
 def watch_children(procs: list[subprocess.Popen], first_rank: int, timeout: Optional[timedelta]) -> None:

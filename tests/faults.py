@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_pipe.board import pid_alive
 from lightning_pipe.checkpoint.convert import inspect
 from lightning_pipe.errors import PipelineCheckpointError
-from lightning_pipe.failures import pid_alive
 from tests.launch import _PORT_CLASH, ROOT, SCRIPTS, clean_env, free_port
 
 #: How long after the injected failure every process must be gone. The scripts' timeout is 300 s; the documented
@@ -37,6 +37,10 @@ _ROOT_CAUSE = re.compile(
 
 def scenario(launcher: str, devices: int, phase: str, action: str, rank: int) -> tuple[str, dict]:
     return launcher, {"devices": devices, "phase": phase, "action": action, "rank": rank}
+
+
+def scenario_id(launcher: str, cfg: dict) -> str:
+    return f"{launcher}-{cfg['devices']}p-{cfg['phase']}-{cfg['action']}-rank{cfg['rank']}"
 
 
 def full_matrix() -> list[tuple[str, dict]]:
@@ -88,8 +92,7 @@ class FaultRun:
 
     @property
     def name(self) -> str:
-        c = self.cfg
-        return f"{self.launcher}-{c['devices']}p-{c['phase']}-{c['action']}-rank{c['rank']}"
+        return scenario_id(self.launcher, self.cfg)
 
     def lines_of(self, rank: int) -> list[str]:
         return [line for line in self.output.splitlines() if line.startswith(f"[rank{rank}]:")]
