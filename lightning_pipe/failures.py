@@ -35,8 +35,10 @@ from lightning_pipe.errors import PipelinePeerFailure
 REPORT_WAIT = 5.0
 #: Seconds to wait, once a peer's process is found gone without a record, for its launcher to record how it ended.
 DEAD_PEER_WAIT = 1.5
-#: The environment variable under which Lightning's launcher (rank 0) tells its children its process id.
+#: The environment variables under which Lightning's launcher (rank 0 of each node) tells the ranks it starts its
+#: process id and global rank.
 LAUNCHER_PID = "LIGHTNING_PIPE_LAUNCHER_PID"
+LAUNCHER_RANK = "LIGHTNING_PIPE_LAUNCHER_RANK"
 _TRACEBACK_CHARS = 12_000
 _F = TypeVar("_F", bound=Callable[..., Any])
 _PHASE_ATTR = "_lightning_pipe_phase"
@@ -196,7 +198,7 @@ def entry(trainer: Any = None) -> Iterator[None]:
         p.reported = time.monotonic()
         _reraise(err)
     finally:
-        p.in_entry = False
+        p.in_entry, p.trainer = False, None
         p.phases.clear()
 
 
@@ -393,9 +395,9 @@ def _dead_peers(b: Optional[Board]) -> list[tuple[int, dict[str, Any]]]:
     """Registered ranks on this host whose process is gone; without a store, Lightning's launcher if it is gone."""
     host = socket.gethostname()
     registered = b.registered() if b is not None else dict(_PROCESS.peers)
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher and int(launcher) != os.getpid() and 0 not in registered:
-        registered[0] = {"pid": int(launcher), "host": host, "stages": []}
+    launcher, launcher_rank = os.environ.get(LAUNCHER_PID), int(os.environ.get(LAUNCHER_RANK, "0"))
+    if launcher and int(launcher) != os.getpid() and launcher_rank not in registered:
+        registered[launcher_rank] = {"pid": int(launcher), "host": host, "stages": []}
     return [
         (r, info)
         for r, info in sorted(registered.items())

@@ -129,7 +129,10 @@ class _Watch(threading.Thread):
         if self.parent is None or os.getppid() == self.parent:
             return
         # Not the failure board: the launcher hosted the store, which is gone with it.
-        launcher = "rank 0 of this node" if self.parent == _lightning_launcher() else "torchrun's agent"
+        if self.parent == _lightning_launcher():
+            launcher = f"rank {os.environ.get(failures.LAUNCHER_RANK, '0')}"
+        else:
+            launcher = "torchrun's agent"
         self._end(
             f"{launcher} (pid {self.parent}), which launched this rank, ended; exiting with code {EXIT_CODE} instead"
             " of waiting for it until the timeout."
@@ -254,10 +257,10 @@ class PipelineLauncher(_SubprocessScriptLauncher):
 
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             if not self.cluster_environment.creates_processes_externally:
-                os.environ[failures.LAUNCHER_PID] = str(os.getpid())
+                rank = self.cluster_environment.node_rank() * self.num_processes
+                os.environ.update({failures.LAUNCHER_PID: str(os.getpid()), failures.LAUNCHER_RANK: str(rank)})
                 self._call_children_scripts()
-                first = self.cluster_environment.node_rank() * self.num_processes + 1
-                watch_children(self.procs, first, self._timeout)
+                watch_children(self.procs, rank + 1, self._timeout)
             _set_num_threads_if_needed(num_processes=self.num_processes)
         start()
         with failures.entry(trainer):

@@ -140,7 +140,9 @@ class FaultRun:
             return self.reports_first_failure(rank, 0)
         if self.cfg["action"] == "raise":
             return f"injected failure on rank 0 ({self.cfg['phase']})" in self.output
-        return self.reported_by_survivor(0) or "rank 0 of this node" in self.output
+        return (
+            self.reported_by_survivor(0) or "rank 0 (pid" in self.output and "which launched this rank" in self.output
+        )
 
 
 def _command(launcher: str, devices: int, port: str, args: list[str]) -> list[str]:

@@ -35,6 +35,7 @@ _DIST_VARS = (
     "GROUP_RANK",
     "LOCAL_WORLD_SIZE",
     "LIGHTNING_PIPE_LAUNCHER_PID",
+    "LIGHTNING_PIPE_LAUNCHER_RANK",
 )
 # One intra-op thread in every launched process: float results then depend on the op sequence, not on the machine's
 # core count (Lightning's launcher would otherwise give rank 0 cpu_count // devices threads and the others all cores).

@@ -208,7 +208,7 @@ def test_a_rank_whose_launcher_died_exits_on_its_own(tmp_path):
         time.sleep(0.1)
     assert not pid_alive(child), "the orphaned rank kept running"
     assert time.monotonic() - died < 5
-    assert "rank 0 of this node (pid" in err.read_text() and "which launched this rank, ended" in err.read_text()
+    assert "lightning-pipe: rank 0 (pid" in err.read_text() and "which launched this rank, ended" in err.read_text()
 
 
 _JOIN = """
