@@ -362,7 +362,8 @@ def first_failure() -> Optional[Failure]:
 def find_first_failure(wait: float = REPORT_WAIT) -> tuple[Optional[Failure], bool]:
     """The first failure, waiting up to ``wait`` seconds for it to be recorded; a registered peer found dead meanwhile
     is recorded as the first failure. Returns ``(failure or None, whether the store is gone)``."""
-    deadline = time.monotonic() + wait
+    start = time.monotonic()
+    deadline = start + wait
     dead_since: Optional[float] = None
     while True:
         b = board()
@@ -381,10 +382,10 @@ def find_first_failure(wait: float = REPORT_WAIT) -> tuple[Optional[Failure], bo
             if b is None or not launcher_records or time.monotonic() - dead_since >= DEAD_PEER_WAIT:
                 rank, info = dead[0]
                 return record_exit(rank, info["pid"], None, info.get("stages", ())), b is None
-        if b is None and store_address() is not None:
-            return None, True
-        if time.monotonic() >= deadline:
-            return None, False
+        store_gone = b is None and store_address() is not None
+        # A rank killed a moment ago may still be exiting (its sockets closed, its process not yet gone): look again.
+        if (store_gone and time.monotonic() - start >= DEAD_PEER_WAIT) or time.monotonic() >= deadline:
+            return None, store_gone
         try:
             time.sleep(0.2)
         except Exception:  # Lightning's SIGTERM handler runs here and tries a collective, which fails

@@ -158,11 +158,11 @@ class _Watch(threading.Thread):
         if not failures.in_entry() or failures.reported_at() is not None:
             self._peer_seen = None
             return
+        failures.remember_peers()  # until every rank registered: a few requests after start-up
         now = time.monotonic()
         if now - self._board_read_at < BOARD_POLL:
             return
         self._board_read_at = now
-        failures.remember_peers()
         first = failures.first_failure()
         if first is None or first.rank == failures.this_rank():
             return
