@@ -184,6 +184,30 @@ def test_a_broken_connection_without_any_news_stays_as_it_is(store):
 
 # ------------------------------------------------------------------------------------------------- watchdog (processes)
 
+
+def test_which_launcher_a_rank_must_not_outlive(monkeypatch):
+    from lightning_pipe import watchdog
+
+    for key in ("TORCHELASTIC_RUN_ID", failures.LAUNCHER_PID, "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert watchdog._expected_parent() is None  # started by hand: rank 0, or a single process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert watchdog._expected_parent() == os.getppid()  # torchrun's agent
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(failures.LAUNCHER_PID, str(os.getppid()))
+    assert watchdog._expected_parent() == os.getppid()  # Lightning's launcher
+    monkeypatch.setenv(failures.LAUNCHER_PID, str(os.getpid()))
+    assert watchdog._expected_parent() is None  # the launcher itself
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv(failures.LAUNCHER_PID, str(gone.pid))
+    assert watchdog._expected_parent() == gone.pid  # orphaned before the watch started: it exits at once
+    if os.getppid() != 1:
+        monkeypatch.setenv(failures.LAUNCHER_PID, "1")
+        assert watchdog._expected_parent() is None  # inherited from an unrelated, living ancestor
+
+
 _ORPHAN = """
 import os, signal, subprocess, sys
 code = "from lightning_pipe import watchdog; import time; watchdog.start(); time.sleep(120)"
@@ -240,11 +264,11 @@ _MATRIX = ci_matrix()
 def test_fault_ends_every_process_and_is_reported(tmp_path, launcher, cfg):
     """Every process is gone soon after the failure (the bound: timeout + 30 s; the scripts' timeout is 300 s and
     the run must not need it), the launching process exits non-zero, rank 0 (or, for its own failure, the others)
-    reports the rank that failed first, and the last complete checkpoint stays complete; after a failed save, the run
-    resumes from it."""
+    reports the rank that failed first, and the last complete checkpoint stays complete; after a kill in the middle
+    of a save, the run resumes from it."""
     run = run_fault(tmp_path, cfg, launcher)
     assert not run.problems(tmp_path), f"{run.name}: {run.problems(tmp_path)}\n{run.output[-6000:]}"
-    if cfg["phase"] == "save":
+    if cfg["phase"] == "save" and cfg["action"] == "kill":
         for stale in tmp_path.glob("pid.rank*"):
             stale.unlink()
         resume = json.dumps({"resume": True, "devices": cfg["devices"]})
