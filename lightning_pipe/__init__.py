@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pipe import watchdog
 from lightning_pipe.errors import (
     MicrobatchError,
     PipelineCheckpointError,
@@ -17,6 +18,9 @@ from lightning_pipe.strategy import PipelineParallelStrategy
 # Lightning has no entry-point discovery for strategies: registering on import is what makes the string work.
 if PipelineParallelStrategy.strategy_name not in StrategyRegistry:
     PipelineParallelStrategy.register_strategies(StrategyRegistry)
+
+# A rank started by Lightning's launcher or torchrun ends when its launcher does, from now on (docs/reliability.md).
+watchdog.start_if_launched()
 
 __all__ = [
     "MicrobatchError",

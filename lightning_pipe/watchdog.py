@@ -64,6 +64,13 @@ def start() -> None:
             _WATCH.start()
 
 
+def start_if_launched() -> None:
+    """Start the watchdog now in a rank a launcher started (called on ``import lightning_pipe``), so that a rank whose
+    launcher dies while it imports, loads data or builds its model does not go on until its first Trainer entry."""
+    if _expected_parent() is not None:
+        start()
+
+
 def _expected_parent() -> Optional[int]:
     import torch.distributed as dist
 
