@@ -9,7 +9,8 @@ wins. A rank whose communication then fails raises :class:`~lightning_pipe.error
 instead of the socket error. A rank killed before it could write (SIGKILL, the out-of-memory killer) is found by the
 process id every rank registers once its stages are built. When the store itself is gone, the report says so.
 
-Nothing here runs on the success path but one store write per Trainer entry (``describe``).
+On the success path this costs one store write per Trainer entry (``describe``), and the watchdog's read of the board
+every 2 s (:mod:`lightning_pipe.watchdog`).
 """
 
 from __future__ import annotations

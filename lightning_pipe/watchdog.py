@@ -28,6 +28,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+# Private Lightning API (no public launcher to subclass): the script launcher the strategy used before, kept for its
+# child spawning (`_call_children_scripts`), `kill` and `procs`; on main this import belongs in compat/lightning.py.
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
@@ -260,6 +262,8 @@ class PipelineLauncher(_SubprocessScriptLauncher):
         if self._starts_processes:
             # Lightning's _SubprocessScriptLauncher.launch, with watch_children instead of its _ChildProcessObserver
             # (which SIGKILLs rank 0 five seconds after a child fails, often before rank 0 reported anything).
+            # Private Lightning API: the thread count its launcher gives rank 0 (cpu_count // devices unless
+            # OMP_NUM_THREADS is set), kept so that threads are as before; no public equivalent.
             from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
