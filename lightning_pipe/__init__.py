@@ -4,11 +4,13 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pipe import watchdog
 from lightning_pipe.errors import (
     MicrobatchError,
     PipelineCheckpointError,
     PipelineConfigError,
     PipelineModelError,
+    PipelinePeerFailure,
     PipelineUsageError,
 )
 from lightning_pipe.strategy import PipelineParallelStrategy
@@ -17,12 +19,16 @@ from lightning_pipe.strategy import PipelineParallelStrategy
 if PipelineParallelStrategy.strategy_name not in StrategyRegistry:
     PipelineParallelStrategy.register_strategies(StrategyRegistry)
 
+# A rank started by Lightning's launcher or torchrun ends when its launcher does, from now on (docs/reliability.md).
+watchdog.start_if_launched()
+
 __all__ = [
     "MicrobatchError",
     "PipelineCheckpointError",
     "PipelineConfigError",
     "PipelineModelError",
     "PipelineParallelStrategy",
+    "PipelinePeerFailure",
     "PipelineUsageError",
     "__version__",
 ]

@@ -24,3 +24,8 @@ class PipelineUsageError(RuntimeError):
 class PipelineCheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupted, or does not match the model, optimizers or schedulers it is
     loaded into."""
+
+
+class PipelinePeerFailure(RuntimeError):
+    """Another rank failed first, and this rank's communication with it broke. The message names that rank, its
+    pipeline stages, what it was doing and its error; its traceback follows as a note (Python >= 3.11)."""

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -28,7 +27,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import builder, collectives, tied, transport, wrappers
+from lightning_pipe import builder, collectives, failures, tied, transport, watchdog, wrappers
 from lightning_pipe import data_parallel as dp_modes
 from lightning_pipe import mesh as meshes
 from lightning_pipe.checkpoint import io as ckpt_io
@@ -100,7 +99,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_backend: ``torch.distributed`` backend. ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
             activations and gradients, gloo for the few CPU tensors a step sends: a pure ``nccl`` group rejects CPU
             tensors), ``gloo`` on CPU.
-        timeout: Timeout of collective and point-to-point operations.
+        timeout: Timeout of collective and point-to-point operations. Default 10 minutes (torch's is 30): see
+            docs/reliability.md. A rank that raises or dies ends the run within seconds whatever the timeout; it only
+            bounds waits on a rank that hangs without failing.
         init_weights: Weights to start from instead of the model's own initialisation: a Lightning ``.ckpt`` file, a
             file holding a plain ``state_dict`` (of the LightningModule, or of the network alone, e.g. pretrained
             weights), or a lightning-pipe checkpoint directory. Loaded after the split, before the optimizers are
@@ -144,7 +145,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         split_points: Optional[list[str]] = None,
         balance: Union[Literal["auto", "params", "blocks"], list[PositiveInt]] = "auto",
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = watchdog.DEFAULT_TIMEOUT,
         init_weights: Optional[Union[str, Path]] = None,
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
         data_parallel: dp_modes.DataParallelMode = "ddp",
@@ -295,12 +296,12 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = pl_compat.SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        self._launcher = watchdog.PipelineLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes, self._timeout
+        )
 
     @override
+    @failures.in_phase("during start-up")
     def setup_environment(self) -> None:
         super().setup_environment()
         # No `reset_seed()` as Lightning's DDP does: every process runs the user's script, seeded as on one device, and
@@ -343,6 +344,7 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    @failures.in_phase("during start-up")
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -373,6 +375,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._build_runtime(split)
         if trainer.state.fn == TrainerFn.FITTING and not self._saved:
             self._saved = {s: SavedBytesRecorder(m) for s, m in self.runtime.stages.items()}
+        failures.describe(self.global_rank, list(self.runtime.stages))
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -659,6 +662,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         pass  # `load_checkpoint` already loaded this rank's optimizer states
 
     @override
+    @failures.in_phase("while saving a checkpoint")
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
@@ -771,6 +775,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
     @override
+    @failures.in_phase("during teardown")
     def teardown(self) -> None:
         self._close_runtime()
         assert self.cluster_environment is not None

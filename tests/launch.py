@@ -34,13 +34,18 @@ _DIST_VARS = (
     "WORLD_SIZE",
     "GROUP_RANK",
     "LOCAL_WORLD_SIZE",
+    "LIGHTNING_PIPE_LAUNCHER_PID",
+    "LIGHTNING_PIPE_LAUNCHER_RANK",
 )
+# One intra-op thread in every launched process: float results then depend on the op sequence, not on the machine's
+# core count (Lightning's launcher would otherwise give rank 0 cpu_count // devices threads and the others all cores).
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without distributed settings, with the repository on PYTHONPATH."""
+    """This process's environment without distributed settings, with the repository on PYTHONPATH and one thread."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("TORCHELASTIC_")}
-    return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+    return {**env, **THREADS, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
 
 
 _PORT_CLASH = ("EADDRINUSE", "address already in use", "Address already in use")

@@ -48,6 +48,7 @@ def test_the_generated_section_replaces_only_itself(tmp_path):
     assert "old" not in text and "| 1F1B | 4.00 (4.00-4.00) | 5.00 (5.00-5.00) | 1.00 (1.00-1.00) |" in text
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_output(tmp_path):
     """The CI smoke: every case once on a tiny network, results and plots written, the docs left alone."""
     pytest.importorskip("matplotlib")

@@ -266,6 +266,7 @@ def trained(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_resume_reshard_convert_and_errors(trained):
     out = trained
     straight = {name: _load(out, f"{name}-straight")[0]["losses"] for name in ("1f1b", "interleaved")}
@@ -305,7 +306,9 @@ def test_resume_reshard_convert_and_errors(trained):
 
     run_script("ckpt_resume.py", str(out), nprocs=2, launcher="torchrun")
 
-    # Resume exactness in a new process group: steps 4..9 equal the uninterrupted run's, bitwise.
+    # Resume exactness in a new process group: steps 4..9 equal the uninterrupted run's, bitwise. Exact by
+    # construction: the same schedule, layout, process count and thread count (1, tests/launch.py) run the same ops
+    # on the same restored state.
     for name in ("1f1b", "interleaved"):
         resumed = _load(out, f"{name}-resumed")
         assert resumed[0]["losses"] == straight[name][3:], name
@@ -321,12 +324,14 @@ def test_resume_reshard_convert_and_errors(trained):
     _assert_same_state(_merged(reshard, "optim"), _merged(saved["interleaved"], "optim"))
     assert reshard[0]["losses"] == pytest.approx(straight["interleaved"][3:], abs=1e-6)
 
-    # Initial weights: plain network state dict, consolidated .ckpt, weights-only directory.
+    # Initial weights: plain network state dict, consolidated .ckpt, weights-only directory. The weights are copies
+    # (exact); the first loss is not: these runs use 1F1B (2 stages, 2 microbatches), the straight run
+    # Interleaved1F1B (4 stages, 4 microbatches), so the loss is averaged in another order (seen 8e-8 apart).
     assert _load(out, "init-plain")[0]["losses"][0] == pytest.approx(reference_first_loss, abs=1e-6)
     for name in ("init-ckpt", "init-dir"):
         parts = _load(out, name)
         _assert_same_state(_merged(parts, "state"), _merged(saved["interleaved"], "state"))
-        assert parts[0]["losses"][0] == straight["interleaved"][3]
+        assert parts[0]["losses"][0] == pytest.approx(straight["interleaved"][3], rel=1e-6)
 
     errors = {}
     for path in out.glob("error-*.rank0.pt"):
@@ -353,6 +358,7 @@ def test_resume_reshard_convert_and_errors(trained):
             raise PipelineCheckpointError(errors[name])
 
 
+@pytest.mark.slow
 def test_single_device_loads_pipeline_checkpoint(trained):
     run_script("ckpt_single.py", str(trained), nprocs=1, launcher="lightning")
     (single,) = _load(trained, "single-resumed", ranks=1)
@@ -363,6 +369,7 @@ def test_single_device_loads_pipeline_checkpoint(trained):
     assert single["losses"] == pytest.approx(straight[3:], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_previous_checkpoint_resumable(tmp_path):
     proc = run_script("ckpt_kill.py", str(tmp_path), "crash", nprocs=2, launcher="torchrun", expect_failure=True)
     assert "exitcode: -9" in proc.stderr  # rank 1 died of SIGKILL

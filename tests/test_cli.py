@@ -90,7 +90,7 @@ def test_print_config_lists_every_argument_with_default(capsys, tmp_path) -> Non
     assert list(init_args) == ARGUMENTS
     assert init_args["schedule"] == "GPipe"
     assert init_args["pipeline_size"] == "auto"
-    assert init_args["timeout"] == "0:30:00"
+    assert init_args["timeout"] == "0:10:00"
 
 
 def test_help_shows_every_argument_with_type_default_and_text(capsys) -> None:

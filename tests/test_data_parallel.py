@@ -255,6 +255,7 @@ def _replica_mean(ranks: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- parity
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_activation_checkpointing_keeps_parity_under_every_schedule(two, schedule):
     ranks = load_ranks(two, f"ac-{schedule}")
@@ -263,6 +264,7 @@ def test_activation_checkpointing_keeps_parity_under_every_schedule(two, schedul
     assert_parity(ranks, *single_device_run())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp-acc2", "fsdp-acc2", "fsdp-interleaved-ac", "fsdp-zbv"])
 def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
     ranks = load_ranks(four, name)
@@ -271,6 +273,7 @@ def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
     ranks = load_ranks(two, f"pp1-{mode}")
@@ -281,6 +284,7 @@ def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp-acc2", "ddp-acc3"])
 def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
     for r in load_ranks(four, name):
@@ -289,6 +293,7 @@ def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
         assert r["per_step"] == [{"all_reduce": n} for n in r["buckets"]], r["per_step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp-acc1", "fsdp-acc2", "fsdp-acc3"])
 def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
     for r in load_ranks(four, name):
@@ -297,6 +302,7 @@ def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
         assert all("all_reduce" not in step for step in r["per_step"])
 
 
+@pytest.mark.slow
 def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
     ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in load_ranks(four, "ddp-save")}
     for r in load_ranks(four, "fsdp-save"):
@@ -305,6 +311,7 @@ def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
 
 
 # ---------------------------------------------------------------------------------------------- precision, evaluation
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
 def test_bf16_fsdp_trains_as_ddp(four, precision):
     ddp, fsdp = (load_ranks(four, f"{mode}-{precision}") for mode in ("ddp", "fsdp"))
@@ -316,6 +323,7 @@ def test_bf16_fsdp_trains_as_ddp(four, precision):
         torch.testing.assert_close(merged_state(fsdp)[key], value, **tol)
 
 
+@pytest.mark.slow
 def test_fsdp_evaluation_and_metrics_equal_ddp(four):
     ddp, fsdp = (load_ranks(four, n) for n in ("ddp-eval", "fsdp-eval"))
     for a, b in zip(ddp, fsdp):
@@ -324,6 +332,7 @@ def test_fsdp_evaluation_and_metrics_equal_ddp(four):
             assert b["validated"][key] == pytest.approx(value, rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_fsdp_refuses_token_weighted_accumulation_on_every_rank(four):
     for r in load_ranks(four, "fsdp-weighted-acc2"):
         assert r["error"] is not None and "`data_parallel='fsdp'` with `accumulate_grad_batches=2`" in r["error"]
@@ -338,6 +347,7 @@ def _whole(ranks: list[dict], part: str, dp_rank: int = 0, key: str | None = Non
     return merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved", "resumed"), [("ddp-save", "fsdp-from-ddp"), ("fsdp-save", "ddp-from-fsdp")])
 def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_two, saved, resumed):
     saved_ranks, resumed_ranks = load_ranks(resumed_two, saved), load_ranks(resumed_two, resumed)
@@ -355,6 +365,7 @@ def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_
 
 
 # ---------------------------------------------------------------------------------------------------- nodes
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["dp", "pp"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_nodes_keep_the_inner_axis_inside_a_node(nodes, inner, mode):

@@ -69,11 +69,13 @@ def _check(ranks: list[dict], ref: dict) -> None:
     assert len(copies) >= 2 and all(torch.equal(c, copies[0]) for c in copies)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[2], ids=lambda c: c["name"])
 def test_decoder_two_processes(two_procs, cfg):
     _check(load_ranks(two_procs, cfg["name"]), reference(cfg["keyword"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_decoder_four_processes(four_procs, cfg):
     _check(load_ranks(four_procs, cfg["name"]), reference(cfg["keyword"]))

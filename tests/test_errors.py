@@ -158,6 +158,7 @@ def test_one_process_pipeline_trains_in_process():
     assert trainer.global_step == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, original",
     [

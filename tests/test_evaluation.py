@@ -18,6 +18,9 @@ import torch
 from tests.eval_models import LitNormMLP, run_scenario
 from tests.launch import run_script
 
+# Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
+pytestmark = pytest.mark.slow
+
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 TOL = 1e-5
 

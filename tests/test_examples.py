@@ -16,6 +16,9 @@ import pytest
 
 from tests.launch import ROOT, clean_env, launch
 
+# Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
+pytestmark = pytest.mark.slow
+
 EXAMPLES = ROOT / "examples"
 
 

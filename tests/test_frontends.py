@@ -14,6 +14,9 @@ import torch
 from tests.launch import SCRIPTS, clean_env, free_port, run_command, run_script
 from tests.reference import assert_parity, load_ranks, single_device_model_run
 
+# Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
+pytestmark = pytest.mark.slow
+
 TWO_PROC_CONFIGS = [
     {"name": "mlp", "model": "mlp", "devices": 2},
     {"name": "flat", "model": "flat", "devices": 2},

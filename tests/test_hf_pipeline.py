@@ -68,11 +68,13 @@ def _check(ranks: list[dict], cfg: dict) -> None:
         assert len(copies) >= 2 and all(torch.equal(c, copies[0]) for c in copies)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[2], ids=lambda c: c["name"])
 def test_hf_two_processes(two_procs, cfg):
     _check(load_ranks(two_procs, cfg["name"]), cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_hf_four_processes(four_procs, cfg):
     _check(load_ranks(four_procs, cfg["name"]), cfg)

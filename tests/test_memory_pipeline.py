@@ -38,6 +38,7 @@ def launched(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [2, 4])
 def test_initial_weights_do_not_depend_on_the_layout(launched, family, k):
@@ -60,6 +61,7 @@ def test_the_model_s_own_init_is_used():
     assert torch.all(state["model.h.0.attn.c_attn.bias"] == 0) and torch.all(state["model.ln_f.weight"] == 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_each_rank_holds_its_share(launched, k):
     whole = one_process("gpt2")

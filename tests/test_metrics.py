@@ -66,6 +66,7 @@ def _keys_logged(expected: dict) -> None:
     assert {"val_acc_epoch", "val_nested_inner_f1_epoch", "val_recall_epoch", "val_mean", "val_acc_c3"} <= keys
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c["name"] for c in CONFIGS[2]])
 def test_metrics_two_processes(two_procs, name):
     expected = _reference()
@@ -73,6 +74,7 @@ def test_metrics_two_processes(two_procs, name):
     _assert_same(load_ranks(two_procs, name), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c["name"] for c in CONFIGS[4]])
 def test_metrics_four_processes(four_procs, name):
     _assert_same(load_ranks(four_procs, name), _reference())

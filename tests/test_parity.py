@@ -50,6 +50,7 @@ def _reference(cfg: dict):
     return single_device_run(accumulate=cfg.get("accumulate", 1), clip=cfg.get("clip"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [c for c in _configs(2) if not c.get("sabotage")], ids=lambda c: c["name"])
 def test_two_process_parity(two_procs, cfg):
     ranks = load_ranks(two_procs, cfg["name"])
@@ -59,6 +60,7 @@ def test_two_process_parity(two_procs, cfg):
     assert {r["logged"]["train_loss"] for r in ranks} == {ranks[0]["logged"]["train_loss"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [c for c in _configs(4) if "pipeline_size" not in c], ids=lambda c: c["name"])
 def test_four_process_parity(four_procs, cfg):
     ranks = load_ranks(four_procs, cfg["name"])
@@ -66,6 +68,7 @@ def test_four_process_parity(four_procs, cfg):
     assert_parity(ranks, *_reference(cfg))
 
 
+@pytest.mark.slow
 def test_data_parallel_pipelines_match_one_device_on_the_global_batch(four_procs):
     """2 replicas x 2 stages: each replica trains on its shard; averaged gradients equal one device on both shards."""
     ranks = load_ranks(four_procs, "dp2-pp2")
@@ -78,6 +81,7 @@ def test_data_parallel_pipelines_match_one_device_on_the_global_batch(four_procs
     assert_parity([{**r, "losses": mean} for r in ranks], ref_losses, ref_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sabotage", "sabotage-zbv"])
 def test_parity_check_catches_dropped_stage_gradients(two_procs, name):
     """The parity comparison is not vacuous: losing one stage's gradients breaks it."""

@@ -33,6 +33,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"r{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_every_step_arrives(ranks):
     from tests.scripts.sharing import STEPS
 

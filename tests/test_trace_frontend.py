@@ -5,6 +5,9 @@ import torch
 
 from tests.launch import run_script
 
+# Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
+pytestmark = pytest.mark.slow
+
 
 def test_trace_frontend_matches_modules_frontend(tmp_path) -> None:
     run_script("trace_frontend.py", str(tmp_path), nprocs=2)

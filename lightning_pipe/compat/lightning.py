@@ -15,13 +15,19 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
 
+# The thread count Lightning's launcher gives rank 0 (cpu_count // devices unless OMP_NUM_THREADS is set); the
+# watchdog's launcher keeps it so that threads are as under Lightning's own. Public replacement: none.
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
+
 # `sync_dist` reduction of logged values across data-parallel replicas, as `DDPStrategy.reduce` does it.
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 
 # Moving optimizer state to the device after `setup_optimizers`, as every Lightning strategy's `setup` does.
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
-# The launcher that re-runs the script once per local rank, as `DDPStrategy._configure_launcher` uses it.
+# The launcher that re-runs the script once per local rank, as `DDPStrategy._configure_launcher` uses it; subclassed
+# by `watchdog.PipelineLauncher` for its child spawning (`_call_children_scripts`), `kill` and `procs`.
+# Public replacement: none (Lightning has no public launcher to subclass).
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
@@ -57,5 +63,6 @@ __all__ = [
     "init_dist_connection",
     "optimizers_to_device",
     "set_device_mesh",
+    "set_num_threads_if_needed",
     "sync_ddp_if_available",
 ]

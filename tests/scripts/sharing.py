@@ -53,7 +53,11 @@ def main() -> None:
         if early and rank == 1:
             channel.send_early(sent)
         got.append((name, channel.share(sent)))
+    channel.close()
     torch.save({"got": got, "object_steps": channel.object_steps, "p2p": channel.point_to_point}, out / f"r{rank}.pt")
+    # Neither rank leaves before both have everything: a rank that exits with a send unread by its peer makes the
+    # peer's pending receive fail with "Connection reset by peer" (as a Trainer's teardown barrier prevents).
+    dist.barrier()
     dist.destroy_process_group()
 
 
