@@ -104,3 +104,42 @@ def test_mesh_layout_places_ranks():
 def test_device_mesh_exists_only_once_processes_start():
     with pytest.raises(PipelineUsageError, match="The device mesh is built when the processes start"):
         _ = PipelineParallelStrategy().device_mesh
+
+
+# ---------------------------------------------------------------------------------------------------- NCCL placement
+@pytest.mark.parametrize(
+    "backend,types",
+    [("cpu:gloo,cuda:nccl", {"cpu", "cuda"}), ("nccl", {"cuda"}), ("gloo", {"cpu"}), ("NCCL", {"cuda"})],
+)
+def test_backends_serve_their_device_types(backend, types):
+    from lightning_pipe import collectives
+
+    assert collectives.served_device_types(backend) == types
+
+
+def test_tensors_go_where_the_backend_serves_them(monkeypatch):
+    """A CPU tensor sent over a pure NCCL group goes to the current CUDA device (NCCL rejects CPU tensors); a CUDA
+    tensor over gloo goes to the CPU; a device the backend serves stays. Checked without a GPU by faking the group."""
+    from lightning_pipe import collectives
+
+    monkeypatch.setattr(collectives, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for backend, preferred, expected in [
+        ("nccl", cpu, torch.device("cuda", 1)),
+        ("nccl", cuda, cuda),
+        ("gloo", cuda, cpu),
+        ("gloo", cpu, cpu),
+        ("cpu:gloo,cuda:nccl", cpu, cpu),
+        ("cpu:gloo,cuda:nccl", cuda, cuda),
+    ]:
+        monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None, b=backend: b)
+        assert collectives.served_device(None, preferred) == expected, (backend, preferred)
+
+
+def test_the_default_backend_on_cuda_serves_cpu_tensors_too():
+    from lightning_pipe.strategy import default_backend
+
+    assert default_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert default_backend(torch.device("cpu")) == "gloo"
