@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.models import quiet_trainer
+
 VOCAB, DIM, HEADS, SEQ = 48, 16, 2, 8
 
 
@@ -166,18 +168,7 @@ def run_decoder(strategy=None, devices: int = 1, **model_kwargs) -> dict:
     L.seed_everything(0)
     model = LitDecoder(**model_kwargs)
     kwargs = dict(strategy=strategy) if strategy is not None else {}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        max_steps=4,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    trainer = quiet_trainer(devices=devices, max_steps=4, val_check_interval=2, **kwargs)
     trainer.fit(model)
     groups = [_group_count()]
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -6,6 +6,8 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.models import quiet_trainer
+
 VOCAB, SEQ = 61, 9
 
 
@@ -83,18 +85,8 @@ def run_hf(strategy=None, devices: int = 1, max_steps: int = 4, **model_kwargs) 
     """Fit 4 steps with validation after 2 and 4 (one device when ``strategy`` is None); what the rank saw."""
     L.seed_everything(0)
     model = LitHF(**model_kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        max_steps=max_steps,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **(dict(strategy=strategy) if strategy is not None else {}),
-    )
+    kwargs = dict(strategy=strategy) if strategy is not None else {}
+    trainer = quiet_trainer(devices=devices, max_steps=max_steps, val_check_interval=2, **kwargs)
     trainer.fit(model)
     return {
         "losses": model.step_losses,

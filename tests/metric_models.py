@@ -11,7 +11,7 @@ from torchmetrics import MaxMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassRecall
 from torchmetrics.wrappers import ClasswiseWrapper
 
-from tests.models import VOCAB, LitLM, token_dataset
+from tests.models import VOCAB, LitLM, quiet_trainer, token_dataset
 
 CLASSES = 4  # the ClasswiseWrapper logs one value per class: a few classes keep the logs short
 
@@ -103,16 +103,6 @@ def fit_metrics_model(**trainer_kwargs):
 
     L.seed_everything(0)
     model = LitMetricsLM()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=6,
-        val_check_interval=3,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(max_steps=6, val_check_interval=3, **trainer_kwargs)
     trainer.fit(model)
     return trainer, model

@@ -86,6 +86,20 @@ class LitLM(L.LightningModule):
         return DataLoader(token_dataset(self.hparams.samples), batch_size=self.hparams.batch_size)
 
 
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU Trainer with no logger, checkpoints, progress bar, model summary or sanity check (``kwargs`` win): the
+    runs that parity tests compare, and nothing that writes files or output."""
+    defaults = dict(
+        accelerator="cpu",
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
 def token_dataset(samples: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=g)
