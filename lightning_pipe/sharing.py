@@ -137,7 +137,6 @@ class OutcomeChannel:
         self.point_to_point = self.device.type == "cpu"
         self._receive: tuple[Any, torch.Tensor] | None = None
         self._sends: list[tuple[Any, torch.Tensor]] = []
-        self._sent_early: Any = None
         #: how many steps needed the object path (tests and benchmarks read it)
         self.object_steps = 0
 
@@ -150,26 +149,9 @@ class OutcomeChannel:
         buffer = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
         self._receive = collectives.irecv(buffer, self.src, self.group, tag=VALUES_TAG)
 
-    def send_early(self, obj: Any) -> None:
-        """On the sender, while its step still runs: send ``obj``'s values now if they can go point to point (the
-        schema holds); :meth:`share` at the step's end then only returns it. Never waits for another rank."""
-        if not self.point_to_point or self._size is None or collectives.group_size(self.group) == 1:
-            return
-        schema, values = flatten(obj)
-        if schema is None or schema != self._schema:
-            return  # a new schema goes as an object, in a collective at the step's end
-        header = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
-        header[0] = 1.0
-        header[1:] = _pack_values(values, self.device)
-        self._send(header)
-        self._sent_early = obj
-
     def share(self, obj: Any) -> Any:
         """``obj`` as sent by ``src``; ``obj`` is ignored on the other ranks."""
         if collectives.group_size(self.group) == 1:
-            return obj
-        if self._sent_early is not None:
-            obj, self._sent_early = self._sent_early, None
             return obj
         sender = collectives.world_rank() == self.src
         schema, values = flatten(obj) if sender else (None, [])
