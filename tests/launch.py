@@ -121,3 +121,16 @@ def run_script(
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def agreed_errors(out: Path, nprocs: int = 2) -> dict[str, str]:
+    """The error message of each scenario whose ranks saved ``error-<name>.rank<r>.pt``; fails if ranks disagree."""
+    import torch
+
+    errors = {}
+    for path in out.glob("error-*.rank0.pt"):
+        name = path.name[len("error-") : -len(".rank0.pt")]
+        messages = {torch.load(out / f"error-{name}.rank{r}.pt")["error"] for r in range(nprocs)}
+        assert len(messages) == 1, f"ranks disagree on {name}: {messages}"
+        errors[name] = messages.pop()
+    return errors

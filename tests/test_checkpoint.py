@@ -16,7 +16,7 @@ from lightning_pipe import PipelineCheckpointError, PipelineParallelStrategy
 from lightning_pipe.checkpoint import convert, io, optim
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint.__main__ import main as cli
-from tests.launch import run_script
+from tests.launch import agreed_errors, run_script
 from tests.models import VOCAB
 from tests.scripts.ckpt_common import LitLMScheduled
 
@@ -333,12 +333,7 @@ def test_resume_reshard_convert_and_errors(trained):
         _assert_same_state(_merged(parts, "state"), _merged(saved["interleaved"], "state"))
         assert parts[0]["losses"][0] == pytest.approx(straight["interleaved"][3], rel=1e-6)
 
-    errors = {}
-    for path in out.glob("error-*.rank0.pt"):
-        name = path.name[len("error-") : -len(".rank0.pt")]
-        messages = {torch.load(out / f"error-{name}.rank{r}.pt")["error"] for r in range(2)}
-        assert len(messages) == 1, f"ranks disagree on {name}: {messages}"
-        errors[name] = messages.pop()
+    errors = agreed_errors(out)
     expected = {
         "fewer-layers": r"holds weights the model does not have: 'model\.layers\.6\..*strict_loading",
         "more-layers": r"missing weights: 'model\.layers\.8\..*no state for optimizer 0's parameters",

@@ -17,7 +17,7 @@ from lightning_pipe import PipelineCheckpointError
 from lightning_pipe.checkpoint import convert, io, optim
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint.__main__ import main as cli
-from tests.launch import run_script
+from tests.launch import agreed_errors, run_script
 from tests.scripts.ckpt_common import LitLMScheduled, Snapshot, snapshot, trainer
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -407,12 +407,7 @@ def test_one_device_to_four_stage_pipeline(four_ranks):
 @pytest.mark.slow
 def test_single_file_resume_errors(converted):
     out = converted
-    errors = {}
-    for path in out.glob("error-*.rank0.pt"):
-        name = path.name[len("error-") : -len(".rank0.pt")]
-        messages = {torch.load(out / f"error-{name}.rank{r}.pt")["error"] for r in range(2)}
-        assert len(messages) == 1, f"ranks disagree on {name}: {messages}"
-        errors[name] = messages.pop()
+    errors = agreed_errors(out)
     expected = {
         "weights-only": r"Cannot resume `fit` from .*single-weights\.ckpt.*without optimizer state.*init_weights=",
         "regrouped": r"Optimizer 0 in the checkpoint has 1 param group\(s\) of 53 parameter\(s\), but .* builds 2",
