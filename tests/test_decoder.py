@@ -60,7 +60,9 @@ def _check(ranks: list[dict], ref: dict) -> None:
         assert r["test"] == pytest.approx(ref["test"], rel=TOL)
         assert r["fit_metrics"] == pytest.approx(ref["fit_metrics"], rel=TOL)
     first = [r for r in ranks if r["pipeline_rank"] == 0]
-    assert all(torch.equal(r["predictions"], ref["predictions"]) for r in first)
+    for r in first:
+        # Logits of order 1 from weights equal within TOL: measured up to 5.7e-6 apart (other matmul shapes).
+        torch.testing.assert_close(r["predictions"], ref["predictions"], rtol=TOL, atol=TOL)
     assert all(r["predictions"] is None for r in ranks if r["pipeline_rank"] != 0)
     # fit -> test -> predict with one Trainer: the strategy's mesh (and tie groups) serve every entry.
     assert all(len(set(r["process_groups"])) == 1 for r in ranks), [r["process_groups"] for r in ranks]
