@@ -7,7 +7,7 @@ its backward on each, and an ``AdamW`` step. Every contiguous stage that any spl
 (``--repeats`` times, median), so every split's stage times are known; a split's step time is then the makespan
 of a GPipe schedule over those measured stage times (forward and backward per microbatch, then each stage's
 optimizer step), and its bottleneck is its slowest stage's time per step. The exhaustive search takes the best
-split over all of them; the auto split comes from :func:`lightning_pipe.balance.profile_units` on one microbatch.
+split over all of them; the auto split comes from :func:`lightning_pipe.split.balance.profile_units` on one microbatch.
 
 Run from the repository root (about 8 minutes on one core)::
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pipe.balance import (  # noqa: E402
+from lightning_pipe.split.balance import (  # noqa: E402
     CostModel,
     auto_balance,
     blocks_balance,
@@ -42,8 +42,8 @@ from lightning_pipe.balance import (  # noqa: E402
     profile_units,
     split_table,
 )
-from lightning_pipe.partition import Layout, all_splits, find_layout  # noqa: E402
-from lightning_pipe.stages import stage_view  # noqa: E402
+from lightning_pipe.split.partition import Layout, all_splits, find_layout  # noqa: E402
+from lightning_pipe.split.surgery import stage_view  # noqa: E402
 from tests.gpt2 import GPT2  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 The stage: the middle blocks of a GPT (width 256, 4 heads) receiving hidden states of one microbatch, as a middle
 pipeline stage does. For each setting (no checkpointing, every 2nd block, every block) it reports the bytes autograd
-keeps for backward (:func:`lightning_pipe.memory.saved_bytes`) and the forward+backward time (median of
+keeps for backward (:func:`lightning_pipe.measure.memory.saved_bytes`) and the forward+backward time (median of
 ``--repeats`` after a warm-up, this thread's CPU time by default; see ``benchmarks/balance.py`` for why).
 
 Run from the repository root::
@@ -22,10 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pipe.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing  # noqa: E402
-from lightning_pipe.memory import format_bytes, saved_bytes  # noqa: E402
-from lightning_pipe.partition import find_layout, stage_units  # noqa: E402
-from lightning_pipe.stages import prune  # noqa: E402
+from lightning_pipe.measure.memory import format_bytes, saved_bytes  # noqa: E402
+from lightning_pipe.parallel.activation_checkpointing import (  # noqa: E402
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
+from lightning_pipe.split.partition import find_layout, stage_units  # noqa: E402
+from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.gpt2 import GPT2  # noqa: E402
 
 

@@ -10,8 +10,8 @@ launcher re-runs this script for ranks 1-3):
 Every run trains on the same global batch per optimizer step (``--global-batch`` samples: split over 4 replicas
 under DDP, over 2 under the pipelines, whose replicas run it as 4 microbatches). Per run: the median wall-clock
 step time of rank 0 after ``--warmup`` steps, the largest per-rank parameter, gradient and optimizer-state bytes
-(:func:`lightning_pipe.memory.state_bytes`, local shards for FSDP) and the largest per-rank peak resident set. Each
-configuration runs ``--runs`` times; the table reports medians over runs.
+(:func:`lightning_pipe.measure.memory.state_bytes`, local shards for FSDP) and the largest per-rank peak resident set.
+Each configuration runs ``--runs`` times; the table reports medians over runs.
 
 Run from the repository root::
 
@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_pipe  # noqa: E402
-from lightning_pipe.memory import format_bytes, state_bytes  # noqa: E402
+from lightning_pipe.measure.memory import format_bytes, state_bytes  # noqa: E402
 from tests.gpt2 import GPT2  # noqa: E402
 
 VOCAB = 256

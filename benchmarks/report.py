@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe.timeline import ideal_speedup, theoretical_bubble
+from lightning_pipe.measure.timeline import ideal_speedup, theoretical_bubble
 
 BEGIN = "<!-- benchmarks/run.py: begin (generated, do not edit by hand) -->"
 END = "<!-- benchmarks/run.py: end -->"

@@ -4,7 +4,6 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe import watchdog
 from lightning_pipe.errors import (
     MicrobatchError,
     PipelineCheckpointError,
@@ -13,6 +12,7 @@ from lightning_pipe.errors import (
     PipelinePeerFailure,
     PipelineUsageError,
 )
+from lightning_pipe.reliability import watchdog
 from lightning_pipe.strategy import PipelineParallelStrategy
 
 # Lightning has no entry-point discovery for strategies: registering on import is what makes the string work.

@@ -1,29 +1,20 @@
-"""Batches and microbatches: size, equal splitting along dim 0, and a signature that all pipeline ranks compare."""
+"""Batches and microbatches: size, the number and sizes of microbatches, splitting along dim 0, and a signature that
+all pipeline ranks compare. Pure: no process group."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from lightning_pipe.errors import MicrobatchError
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    # Lists and tuples tested before Mapping: an ABC isinstance check is several times slower (runs every step).
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
-    return []
+from lightning_pipe.structures import is_namedtuple, tensors_in
 
 
 def batch_size(batch: Any) -> int:
     """The leading dimension of the first tensor in ``batch``."""
-    for t in _tensors(batch):
+    for t in tensors_in(batch):
         if t.dim() > 0:
             return t.shape[0]
     raise MicrobatchError(
@@ -32,13 +23,43 @@ def batch_size(batch: Any) -> int:
     )
 
 
-def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None) -> list[Any]:
+def resolve_microbatches(
+    microbatches: Union[int, str], microbatch_size: Union[int, None], batch_size: int, num_stages: int, setting: str
+) -> int:
+    """The number of microbatches for one batch; ``"auto"`` is the number of stages (the fewest that fill the pipe).
+
+    ``setting`` names the argument in error messages (``microbatches`` or ``eval_microbatches``).
+    """
+    if microbatch_size is not None:
+        if batch_size % microbatch_size != 0:
+            raise MicrobatchError(
+                f"A batch of {batch_size} samples does not split into microbatches of `microbatch_size="
+                f"{microbatch_size}`. Use a batch size that is a multiple of it (or `drop_last=True` in the"
+                " DataLoader for a short last batch)."
+            )
+        return batch_size // microbatch_size
+    n = num_stages if microbatches == "auto" else int(microbatches)
+    if n > batch_size and microbatches == "auto":
+        # A short final batch with "auto": as many single-sample microbatches as there are samples.
+        n = batch_size
+    if batch_size % n != 0:
+        raise MicrobatchError(
+            f"A batch of {batch_size} samples does not split into `{setting}={n}` equal microbatches"
+            f"{' (auto: one per stage)' if microbatches == 'auto' else ''}. torch's pipeline needs equal microbatch"
+            f" shapes. Use a batch size that is a multiple of {n}, set `{setting}` to a divisor of {batch_size},"
+            " or pass `drop_last=True` to the DataLoader if only the last batch is short."
+        )
+    return n
+
+
+def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None, *, size: int | None = None) -> list[Any]:
     """Split every tensor whose dim 0 is the batch size into ``n`` chunks; everything else is shared.
 
     Chunks are equal unless ``sizes`` gives their sizes (summing to the batch size): evaluation's forward-only pass
-    needs no equal shapes, so a batch that does not divide evenly still splits.
+    needs no equal shapes, so a batch that does not divide evenly still splits. ``size``: the batch size, when the
+    caller measured it already (:func:`batch_size`).
     """
-    size = batch_size(batch)
+    size = batch_size(batch) if size is None else size
     if sizes is None:
         if size % n != 0:
             raise MicrobatchError(f"A batch of {size} samples does not split into {n} equal microbatches.")
@@ -54,7 +75,7 @@ def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None) -> list[
             return [obj] * n
         if isinstance(obj, (list, tuple)):
             parts = [split(v) for v in obj]
-            if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            if is_namedtuple(obj):
                 return [type(obj)(*(p[i] for p in parts)) for i in range(n)]
             return [type(obj)(p[i] for p in parts) for i in range(n)]
         if isinstance(obj, Mapping):
@@ -70,4 +91,25 @@ def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None) -> list[
 
 def signature(obj: Any) -> tuple:
     """Shapes and dtypes of every tensor in ``obj``: equal signatures mean torch can reuse inferred stage shapes."""
-    return tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(obj))
+    return tuple((tuple(t.shape), str(t.dtype)) for t in tensors_in(obj))
+
+
+def epoch_batch_sizes(loader: Any) -> list[tuple[str, int]] | None:
+    """The batch sizes a plain ``DataLoader`` yields in an epoch, each with a description for messages: its full
+    batches and, unless ``drop_last``, the short last one. ``None`` where they cannot be known without iterating (an
+    iterable dataset, a custom batch sampler, a combination of loaders)."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        return None
+    try:
+        samples = len(loader.sampler)  # a DistributedSampler: this replica's share
+    except TypeError:
+        return None
+    full, rest = divmod(samples, loader.batch_size)
+    sizes = [(f"batches ({samples} samples per epoch in batches of {loader.batch_size})", loader.batch_size)] * bool(
+        full
+    )
+    if rest and not loader.drop_last:
+        sizes.append((f"last batch of each epoch ({samples} samples in batches of {loader.batch_size})", rest))
+    return sizes

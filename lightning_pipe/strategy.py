@@ -1,59 +1,65 @@
 """``PipelineParallelStrategy``: Lightning's Trainer driving ``torch.distributed.pipelining``.
 
-The strategy wires Lightning to the pieces that do the work: the split (:mod:`lightning_pipe.builder`), the step
-protocol (:mod:`lightning_pipe.protocol`) with its executors, gradients (:mod:`lightning_pipe.grads`) and checkpoints
-(:mod:`lightning_pipe.checkpoint`). It owns the process topology (a ``DeviceMesh``, :mod:`lightning_pipe.mesh`) and the
-pipeline runtime; nothing is stored on the LightningModule but the split itself.
+A thin adapter: the settings (:mod:`lightning_pipe.settings`), the split (:mod:`lightning_pipe.split`), the step
+(:mod:`lightning_pipe.step`), gradients and wrappers (:mod:`lightning_pipe.parallel`), checkpoints
+(:mod:`lightning_pipe.checkpoint`) and failures (:mod:`lightning_pipe.reliability`) do the work; this class wires them
+to Lightning's hooks. It owns the process topology (a ``DeviceMesh``, :mod:`lightning_pipe.comm.mesh`) and, per Trainer
+entry, the step engine and an exit stack of everything it installed on the user's objects, undone at teardown. Nothing
+is left on the LightningModule but the split itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import uuid
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Generator
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import builder, collectives, failures, tied, transport, watchdog, wrappers
-from lightning_pipe import data_parallel as dp_modes
-from lightning_pipe import mesh as meshes
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
-from lightning_pipe.checkpointing import resolve_every
+from lightning_pipe.checkpoint.hooks import CheckpointHooks
+from lightning_pipe.comm import collectives
+from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
-from lightning_pipe.config import (
+from lightning_pipe.errors import PipelineUsageError
+from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes
+from lightning_pipe.parallel import data_parallel as dp_modes
+from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
+from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
+from lightning_pipe.reliability import failures
+from lightning_pipe.reliability.launcher import PipelineLauncher
+from lightning_pipe.scope import ignoring, replaced
+from lightning_pipe.settings import (
+    DEFAULT_TIMEOUT,
+    DP,
+    PP,
+    DataParallelMode,
+    InnerAxis,
     NonNegativeInt,
+    PipelineSettings,
     PositiveInt,
     ScheduleName,
-    check_balance_setting,
-    check_microbatch_settings,
-    check_pipeline_size,
-    resolve_pipeline_size,
-    resolve_schedule,
 )
-from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
-from lightning_pipe.executors import ForwardOnlyExecutor, ScheduleExecutor
-from lightning_pipe.executors.forward_only import check_eval_microbatches
-from lightning_pipe.grads import GradientStash, GradientSync, TiedCopy, clip_grad_norm_across
-from lightning_pipe.interception import CallInterceptor
-from lightning_pipe.memory import MemoryReport, SavedBytesRecorder, state_bytes
-from lightning_pipe.metrics import MetricMirror, bind_metrics
-from lightning_pipe.protocol import RngStreams, StepProtocol
-from lightning_pipe.runtime import PipelineRuntime
-from lightning_pipe.side_inputs import CallBook
+from lightning_pipe.split import tied
+from lightning_pipe.split.builder import Split, is_split, split_module
+from lightning_pipe.step.engine import StepEngine
+from lightning_pipe.step.metrics import bind_metrics
+from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
+from lightning_pipe.step.rng import RngStreams
+from lightning_pipe.step.runtime import PipelineRuntime
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,70 +70,46 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
 
-class PipelineParallelStrategy(ParallelStrategy):
+class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule: ``Trainer(strategy="pipeline")``.
 
     The network is cut into stages; each process builds and keeps only its own stages (parameter names stay those of
     the full model), and every training step runs as one ``torch.distributed.pipelining`` schedule step. Processes
-    beyond one pipeline form data-parallel replicas of it.
+    beyond one pipeline form data-parallel replicas of it. Every argument is described in docs/strategy.md.
 
     Arguments:
-        pipeline_size: Processes per pipeline. ``"auto"``: all processes (``devices * num_nodes``), no data
-            parallelism. The world size must be a multiple of it; the quotient is the data-parallel size.
-        schedule: A torch schedule by name (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
-            ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``; any letter case). ``"auto"``: ``1F1B`` with one
-            stage per rank, ``Interleaved1F1B`` with more.
-        microbatches: Microbatches per training batch. ``"auto"``: the number of stages (the fewest that fill the
-            pipeline). The batch size must be a multiple of it.
-        microbatch_size: Samples per microbatch instead of a count (the count then follows each batch's size).
-        stages_per_rank: Stages each process holds. ``"auto"``: 1 for ``GPipe``/``1F1B``, 2 for the multi-stage
-            schedules (placed round robin, or in a V for ``ZBVZeroBubble``/``DualPipeV``).
-        module: Attribute of the LightningModule that holds the network to pipeline. ``"auto"``: the only child module
-            with parameters, or the LightningModule itself when several children have parameters.
-        frontend: How stages are cut. ``"modules"``: the network's own ``forward`` runs on each stage with other
-            stages' units set to ``None`` (an ``nn.Sequential`` needs no change; other networks skip ``None`` units).
-            ``"trace"``: torch's tracer cuts an unmodified network, from ``example_input_array``. ``"auto"``:
-            ``"modules"``.
-        blocks: Name (inside ``module``) of the ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` of repeated
-            blocks. ``"auto"``: the largest such container by parameter count.
-        split_points: Names of the blocks that begin stages 1..N-1 (e.g. ``["layers.4"]``). Default: even split.
-        balance: How blocks are shared out when ``split_points`` is not given. ``"auto"``: by measured cost when the
-            LightningModule has ``example_input_array`` (each unit's forward and backward time on one microbatch, its
-            parameters and activations; the embedding and head count with their stages, which may then hold no
-            block), else as ``"params"``. ``"params"``: the fewest parameters on the largest stage. ``"blocks"``: an
-            even split by block count. A list gives the blocks per stage (e.g. ``[3, 5]``). Rank 0 prints the split.
-        process_group_backend: ``torch.distributed`` backend. ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
-            activations and gradients, gloo for the few CPU tensors a step sends: a pure ``nccl`` group rejects CPU
-            tensors), ``gloo`` on CPU.
-        timeout: Timeout of collective and point-to-point operations. Default 10 minutes (torch's is 30): see
-            docs/reliability.md. A rank that raises or dies ends the run within seconds whatever the timeout; it only
-            bounds waits on a rank that hangs without failing.
-        init_weights: Weights to start from instead of the model's own initialisation: a Lightning ``.ckpt`` file, a
-            file holding a plain ``state_dict`` (of the LightningModule, or of the network alone, e.g. pretrained
-            weights), or a lightning-pipe checkpoint directory. Loaded after the split, before the optimizers are
-            created; each rank reads only its own stages' tensors (a file is memory-mapped). Optimizer, scheduler and
-            loop state are not restored: resume a run with ``trainer.fit(ckpt_path=...)`` instead.
-        eval_microbatches: Microbatches per validation/test/predict batch. ``"auto"``: one per process of the
-            pipeline (``pipeline_size``). Evaluation runs a forward-only pass of its own (any schedule, no gradients,
-            modules in eval mode) whose microbatches may differ in size, so any batch size works; a batch smaller
-            than the setting runs as single-sample microbatches. Not used with ``frontend="trace"``, whose graphs fix
-            the microbatch size (a short one is padded). See docs/evaluation.md.
-        data_parallel: How the data-parallel replicas of a pipeline (world size / ``pipeline_size``) share the work.
-            ``"ddp"``: each replica holds its stages whole; gradients are averaged once per optimizer step in buckets.
-            ``"fsdp"``: each stage is sharded over its replicas with FSDP2 ``fully_shard`` (one unit per block and
-            the stage's rest), so parameters, gradients and optimizer state take 1/replicas of the memory; gradients
-            are reduce-scattered once per optimizer step. Ignored without replicas. See docs/data-parallel.md.
-        inner_axis: The mesh axis whose ranks are consecutive, and so share a node: ``"dp"`` (the replicas of each
-            stage; gradient all-reduce and FSDP's all-gathers stay inside a node, only activations cross nodes) or
-            ``"pp"`` (the stages of each pipeline).
-        activation_checkpointing: Recompute blocks' activations in backward instead of keeping them: ``True`` for
-            every block, an int ``k`` for every ``k``-th block of the block stack (counted over the whole stack),
-            ``False`` or ``0`` for none. See docs/memory.md.
+        pipeline_size: Processes per pipeline. A divisor of the world size; the quotient is the data-parallel size.
+            ``"auto"``: all processes.
+        schedule: A torch schedule by name, any letter case (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
+            ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``). ``"auto"``: ``1F1B`` with one stage per
+            rank, ``Interleaved1F1B`` with more.
+        microbatches: Microbatches per training batch. A divisor of the batch size. ``"auto"``: the number of stages.
+        microbatch_size: Samples per microbatch instead of a count. Default ``None``: use ``microbatches``.
+        stages_per_rank: Stages each process holds. ``"auto"``: 1 for ``GPipe``/``1F1B``, 2 for the others (round
+            robin, or a V for ``ZBVZeroBubble``/``DualPipeV``).
+        module: Attribute holding the network. ``"auto"``: the only child with parameters, else the LightningModule.
+        frontend: ``"modules"`` (the network's forward skips units set to ``None``) or ``"trace"`` (torch's tracer
+            cuts an unmodified network from ``example_input_array``). ``"auto"``: ``"modules"``.
+        blocks: The container of repeated blocks inside ``module``. ``"auto"``: the largest by parameter count.
+        split_points: Names of the blocks that begin stages 1..N-1. Default ``None``: use ``balance``.
+        balance: ``"params"`` (fewest parameters on the largest stage), ``"blocks"`` (even split) or blocks per stage
+            (``[3, 5]``). ``"auto"``: by measured cost when the LightningModule has ``example_input_array``, else
+            ``"params"``.
+        process_group_backend: ``torch.distributed`` backend. Default ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA,
+            ``gloo`` on CPU.
+        timeout: Timeout of collective and point-to-point operations. Default 10 minutes (docs/reliability.md).
+        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file or a lightning-pipe checkpoint
+            directory, each rank reading only its stages' tensors. Default ``None``: the model's own init.
+        eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
+            process of the pipeline.
+        data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
+            optimizer step) or ``"fsdp"`` (each stage sharded over its replicas with FSDP2).
+        inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
+        activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
+            the stack. Default ``False``.
 
-    Checkpoints are directories: each rank writes its own stages' model and optimizer entries with
-    ``torch.distributed.checkpoint`` under the full model's names, so they load into any pipeline layout (or one
-    process with ``pipeline_size=1``). ``python -m lightning_pipe.checkpoint consolidate`` turns one into an ordinary
-    single-file ``.ckpt``. See docs/checkpoints.md.
+    Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
+    load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
     """
 
     strategy_name = "pipeline"
@@ -145,83 +127,57 @@ class PipelineParallelStrategy(ParallelStrategy):
         split_points: Optional[list[str]] = None,
         balance: Union[Literal["auto", "params", "blocks"], list[PositiveInt]] = "auto",
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = watchdog.DEFAULT_TIMEOUT,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         init_weights: Optional[Union[str, Path]] = None,
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
-        data_parallel: dp_modes.DataParallelMode = "ddp",
-        inner_axis: meshes.InnerAxis = "dp",
+        data_parallel: DataParallelMode = "ddp",
+        inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
     ) -> None:
         super().__init__()
-        # Validate what needs no world size now, so a bad config fails before processes start.
-        check_pipeline_size(pipeline_size)
-        resolve_schedule(schedule, stages_per_rank)
-        check_microbatch_settings(microbatches, microbatch_size)
-        check_eval_microbatches(eval_microbatches)
-        check_balance_setting(balance)
-        if split_points is not None and not isinstance(balance, str):
-            raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
-        if frontend not in ("auto", "modules", "trace"):
-            raise PipelineConfigError(f"`frontend={frontend!r}` is not one of 'auto', 'modules', 'trace'.")
-        dp_modes.check_mode(data_parallel)
-        meshes.check_inner_axis(inner_axis)
-        self._checkpoint_every = resolve_every(activation_checkpointing)
-        self._data_parallel = data_parallel
-        self._inner_axis = inner_axis
-        self._pipeline_size = pipeline_size
-        self._schedule_name = schedule
-        self._microbatches = microbatches
-        self._microbatch_size = microbatch_size
-        self._stages_per_rank = stages_per_rank
-        self._module_name = module
-        self._frontend = "modules" if frontend == "auto" else frontend
-        self._blocks = blocks
-        self._split_points = split_points
-        self._balance = balance
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._init_weights = init_weights
-        self._eval_microbatches = eval_microbatches
-        self._data_parallel_size = 1
+        # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
+        arguments = locals()
+        self._settings = PipelineSettings(
+            **{f.name: arguments[f.name] for f in dataclasses.fields(PipelineSettings) if f.name in arguments}
+        )
+        self._meshes = meshes.MeshCache()
         self._mesh: Optional[DeviceMesh] = None
-        self._mesh_world: Any = None
-        self._runtime: Optional[PipelineRuntime] = None
-        self._protocol: Optional[StepProtocol] = None
-        self._train_executor: Optional[ScheduleExecutor] = None
-        self._eval_executor: Optional[ForwardOnlyExecutor] = None
-        self._grads = GradientStash()
-        self._grad_sync = GradientSync(None)
-        self._ties: list[TiedCopy] = []
-        self._aliases: dict[str, str] = {}
-        self._split: Optional[builder.Split] = None
+        self._engine: Optional[StepEngine] = None
+        self._split: Optional[Split] = None
+        self._gradients: Optional[StageGradients] = None
+        self._tie_groups = TieGroups()
+        self._wrapped = Wrapped()
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
-        self._tie_groups: Optional[tuple[Any, dict]] = None
-        self._mesh_layout = meshes.MeshLayout(1, 1)
-        self._wrapped = wrappers.Wrapped()
-        self._sharded_params: list[torch.nn.Parameter] = []
         self._rng = RngStreams()
+        #: what this Trainer entry installed on the user's objects, undone at teardown
+        self._run = ExitStack()
         self.num_nodes = 1
 
-    # ------------------------------------------------------------------ resolved settings
+    # ------------------------------------------------------------------ settings and topology
+    @property
+    def settings(self) -> PipelineSettings:
+        """Every setting of this strategy, validated; the ``"auto"`` values are resolved once the processes start."""
+        return self._settings
+
     @property
     def pipeline_size(self) -> int:
         """Processes per pipeline (resolved in ``setup_environment``)."""
-        if self._pipeline_size == "auto":
+        if not self._settings.resolved:
             raise PipelineUsageError("`pipeline_size` is resolved when the processes start (setup_environment).")
-        return int(self._pipeline_size)
+        return int(self._settings.pipeline_size)
 
     @property
     def data_parallel_size(self) -> int:
-        return self._data_parallel_size
+        return self._settings.data_parallel_size if self._settings.resolved else 1
 
     @property
     def schedule_name(self) -> str:
-        return str(self._schedule_name)
+        return self._settings.schedule
 
     @property
     def stages_per_rank(self) -> int:
-        return int(self._stages_per_rank)  # type: ignore[arg-type]
+        return int(self._settings.stages_per_rank)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -232,25 +188,27 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def pipeline_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, meshes.PP) if self._mesh is not None else 0
+        return meshes.axis_rank(self.device_mesh, PP) if self._mesh is not None else 0
 
     @property
     def data_parallel_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, meshes.DP) if self._mesh is not None else 0
+        return meshes.axis_rank(self.device_mesh, DP) if self._mesh is not None else 0
 
     @property
     def pipeline_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, meshes.PP)
+        return meshes.axis_group(self.device_mesh, PP)
 
     @property
     def data_parallel_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, meshes.DP)
+        return meshes.axis_group(self.device_mesh, DP)
 
     @property
     def gradient_sync(self) -> GradientSync:
-        """The data-parallel gradient synchronisation of ``data_parallel="ddp"`` (its ``bucket_bytes`` can be set
-        after setup; ``count`` and ``last_buckets`` say what it did)."""
-        return self._grad_sync
+        """The once-per-optimizer-step gradient synchronisation (its ``bucket_bytes`` can be set after setup;
+        ``count`` and ``last_buckets`` say what it did)."""
+        if self._gradients is None:
+            raise PipelineUsageError("The gradient synchronisation is built in `Trainer.fit` setup.")
+        return self._gradients.sync
 
     @property
     def checkpointed_blocks(self) -> list[str]:
@@ -259,11 +217,11 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def runtime(self) -> PipelineRuntime:
-        if self._runtime is None:
+        if self._engine is None:
             raise PipelineUsageError(
                 "The pipeline is built in `Trainer.fit/validate/...` setup; it does not exist yet."
             )
-        return self._runtime
+        return self._engine.runtime
 
     # ------------------------------------------------------------------ environment
     @property
@@ -280,25 +238,22 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard data across data-parallel replicas only: all stages of one pipeline must see the same batch.
-        return {"num_replicas": self._data_parallel_size, "rank": self.data_parallel_rank}
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     @property
     def is_distributed(self) -> bool:
         """Whether there are data-parallel replicas: Lightning then shards data with a distributed sampler and applies
         ``self.log(..., sync_dist=True)``. The stages of one pipeline need neither: they see the same batches and log
         the same values."""
-        return self._data_parallel_size > 1
+        return self.data_parallel_size > 1
 
     @property
     def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
+        return self._settings.process_group_backend
 
-    @override
-    def _configure_launcher(self) -> None:
+    def make_launcher(self) -> PipelineLauncher:
         assert self.cluster_environment is not None
-        self._launcher = watchdog.PipelineLauncher(
-            self.cluster_environment, self.num_processes, self.num_nodes, self._timeout
-        )
+        return PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._settings.timeout)
 
     @override
     @failures.in_phase("during start-up")
@@ -307,27 +262,17 @@ class PipelineParallelStrategy(ParallelStrategy):
         # No `reset_seed()` as Lightning's DDP does: every process runs the user's script, seeded as on one device, and
         # re-seeding here would give a shuffling DataLoader another order than that device (see RngStreams).
         self._set_world_ranks()
-        if self._process_group_backend is None:
-            self._process_group_backend = default_backend(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        self._run = ExitStack()
+        backend = self._settings.process_group_backend or collectives.default_backend(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        pl_compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        pp, dp = resolve_pipeline_size(self._pipeline_size, self.world_size)
-        self._pipeline_size, self._data_parallel_size = pp, dp
-        self._schedule_name, self._stages_per_rank = resolve_schedule(self._schedule_name, self._stages_per_rank)
-        self._mesh_layout = meshes.MeshLayout(pp, dp, self._inner_axis)
-        self._build_mesh(self._mesh_layout)
+        pl_compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._settings = dataclasses.replace(self._settings, process_group_backend=backend).resolve(self.world_size)
+        self._mesh = self._meshes.build(self._settings, self.root_device.type)
         if self.lightning_module is not None:
+            self._run.callback(pl_compat.set_device_mesh, self.lightning_module, self.lightning_module.device_mesh)
             pl_compat.set_device_mesh(self.lightning_module, self._mesh)
-
-    def _build_mesh(self, layout: meshes.MeshLayout) -> None:
-        # One mesh per default process group: later entries (fit -> validate -> test) reuse its groups.
-        world = collectives.world_group()
-        if self._mesh is not None and self._mesh_world is world:
-            return
-        self._mesh = meshes.build_mesh(layout, self.root_device.type)
-        self._mesh_world = world
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -346,176 +291,119 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     @failures.in_phase("during start-up")
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
+        assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        lightning_module = self.lightning_module
-        assert lightning_module is not None
-        self._check_supported(lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        check_supported(module, self.precision_plugin)
+        fitting = trainer.state.fn == TrainerFn.FITTING
         # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
-        if trainer.state.fn == TrainerFn.FITTING and not builder.is_split(lightning_module):
-            ckpt_optim.record_param_groups(lightning_module)
-        split = builder.split_module(
-            lightning_module,
-            module_name=self._module_name,
-            frontend=self._frontend,
-            blocks=self._blocks,
-            split_points=self._split_points,
-            balance=self._balance,
-            pipeline_size=self.pipeline_size,
+        if fitting and not is_split(module):
+            ckpt_optim.record_param_groups(module)
+        self._split = split = split_module(
+            module,
+            self._settings,
             pipeline_rank=self.pipeline_rank,
-            stages_per_rank=self.stages_per_rank,
-            schedule=self.schedule_name,
-            microbatches=self._microbatches,
-            microbatch_size=self._microbatch_size,
             device=self.root_device,
-            agree=lambda value: collectives.broadcast_object(value, 0, device=self.root_device),
+            agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
             announce=rank_zero_info,
         )
-        self._split = split
-        self._build_runtime(split)
-        if trainer.state.fn == TrainerFn.FITTING and not self._saved:
+        self._engine = StepEngine(module, split, self._settings, self.pipeline_group, self.root_device, self._rng)
+        self._run.callback(self._close_engine)
+        self._run.callback(bind_metrics(module, self.data_parallel_group))
+        if fitting and not self._saved:
             self._saved = {s: SavedBytesRecorder(m) for s, m in self.runtime.stages.items()}
         failures.describe(self.global_rank, list(self.runtime.stages))
-        assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._init_weights is not None:
-            self._load_initial_weights(split.network_attr)
+        if self._settings.init_weights is not None:
+            ckpt_io.load_weights(
+                self._settings.init_weights,
+                self.checkpoint_topology(),
+                self.model,
+                network_prefix=split.prefix,
+                strict=module.strict_loading,
+            )
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
-        self._ties = self._tied_copies(split)
-        self._grad_sync.ties = self._ties
-        for tie in self._ties:
+        params = dict(module.named_parameters(remove_duplicate=False))
+        ties = self._tie_groups.copies(
+            self._mesh, self._meshes.layout, split.ties, split.stage_ranks, params, split.prefix
+        )
+        for tie in ties:
             tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
+        # Sharded gradients: the squares of every rank's shard add up over the whole world.
+        norm_group = self._world if self._wrapped.sharded else self.pipeline_group
+        self._gradients = StageGradients(module, ties, self.data_parallel_group, norm_group, self._wrapped.sharded)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)
-        # Lightning clips with the norm of this rank's gradients; the right norm spans every stage.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        # Lightning clips with the norm of this rank's gradients; the right norm spans every stage. Scoped to this
+        # entry: the plugin may be the user's object, reused by another Trainer.
+        self._run.enter_context(replaced(self.precision_plugin, "clip_grad_by_norm", self._gradients.clip))
+        if self.data_parallel_size == 1:
+            # Every rank logs the same values of one batch: Lightning's advice to sync them across devices is noise.
+            self._run.enter_context(ignoring(SYNC_DIST_ADVICE, PossibleUserWarning))
         # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
+        announce_parameters(trainer, module, self.pipeline_group, split)
 
-    def _check_supported(self, lightning_module: Any) -> None:
-        if not lightning_module.automatic_optimization:
-            raise PipelineUsageError(
-                "PipelineParallelStrategy needs automatic optimization: the schedule runs forward and backward for"
-                " you, so `manual_backward` has nothing to act on. Remove `self.automatic_optimization = False` and"
-                " return the loss from `training_step`."
-            )
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise PipelineConfigError(
-                f"`precision={self.precision_plugin.precision!r}` needs a gradient scaler whose inf/NaN checks would"
-                " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
-                " 'bf16-true')."
-            )
+    @property
+    def _world(self) -> Any:
+        return collectives.world_group()
 
-    def _build_runtime(self, split: builder.Split) -> None:
-        self._close_runtime()
-        book = CallBook()
-        # A one-rank pipeline beside replicas still needs its own group: torch would otherwise pipeline over the world.
-        pp_group = self.pipeline_group if self.pipeline_size > 1 or self._data_parallel_size > 1 else None
-        runtime = PipelineRuntime(
-            builder.stage_modules(split, book),
-            split.num_stages,
-            split.stage_ranks,
-            book,
-            pp_group,
-            collectives.group_ranks(self.pipeline_group),
-            self.root_device,
-        )
-        bind_metrics(self.lightning_module, self.data_parallel_group)
-        self._aliases = tied.aliases(split.ties, f"{split.network_attr}." if split.network_attr else "")
-        replicated = self._data_parallel_size > 1 and not dp_modes.shards(self._data_parallel, self._data_parallel_size)
-        self._grad_sync = GradientSync(self.data_parallel_group if replicated else None)
-        self._runtime = runtime
-        self._protocol = StepProtocol(
-            self.lightning_module,
-            runtime,
-            CallInterceptor(split.network),
-            MetricMirror(self.lightning_module),
-            self._rng,
-        )
-        self._train_executor = ScheduleExecutor(runtime, self.schedule_name, self._microbatches, self._microbatch_size)
-        self._eval_executor = ForwardOnlyExecutor(runtime, self._eval_microbatches, split.static_microbatch_size)
-
-    def _tied_copies(self, split: builder.Split) -> list[TiedCopy]:
-        """This rank's copies of parameters shared across stages, each with the group of the ranks holding one.
-
-        Groups are made once per mesh (every rank creates every group, in one order) and reused by later entries.
-        """
-        if self._tie_groups is None or self._tie_groups[0] is not self._mesh:
-            layout, groups = self._mesh_layout, {}
-            for tie in split.ties:
-                owners = sorted({split.stage_ranks[s] for s in tie.stages})
-                if len(owners) < 2:
-                    continue  # every stage sharing it lives on one rank: one Parameter object, nothing to sum
-                for replica in range(layout.data_parallel_size):
-                    ranks = [layout.rank(replica, p) for p in owners]
-                    group = collectives.new_group(ranks)
-                    if self.global_rank in ranks:
-                        source = layout.rank(replica, split.stage_ranks[tie.stages[0]])
-                        groups[tie.names] = (group, source)
-            self._tie_groups = (self._mesh, groups)
-        prefix = f"{split.network_attr}." if split.network_attr else ""
-        local = dict(self.lightning_module.named_parameters(remove_duplicate=False))
-        copies = []
-        for tie in split.ties:
-            if tie.names not in self._tie_groups[1]:
-                continue
-            param = next(local[prefix + n] for n in tie.names if prefix + n in local)
-            group, source = self._tie_groups[1][tie.names]
-            copies.append(TiedCopy(param, group, source))
-        return copies
-
-    def _wrap_stages(self, split: builder.Split) -> None:
-        """Activation checkpointing and FSDP on this rank's stages (:func:`lightning_pipe.wrappers.wrap_stages`),
-        before the optimizers are created: they must hold the sharded parameters."""
-        sharded = dp_modes.shards(self._data_parallel, self._data_parallel_size)
-        self._wrapped = wrappers.wrap_stages(
-            self.runtime.stages,
+    def _wrap_stages(self, split: Split) -> None:
+        """Activation checkpointing and FSDP on this rank's stages (:func:`lightning_pipe.parallel.wrappers.
+        wrap_stages`), before the optimizers are created: they must hold the sharded parameters."""
+        stages = self.runtime.stages
+        self._wrapped = wrap_stages(
+            stages,
             split.block_names,
-            checkpoint_every=self._checkpoint_every,
-            dp_mesh=self.device_mesh[meshes.DP] if sharded else None,
+            checkpoint_every=self._settings.activation_checkpointing,
+            dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
+            sharded_over=split.sharded_over,
         )
-        self._sharded_params = dp_modes.parameters([self.lightning_module]) if self._wrapped.sharded else []
+        split.sharded_over = self._wrapped.sharded_over
+        self._run.callback(unwrap_stages, stages)
 
-    def _gradient_params(self) -> list[torch.nn.Parameter]:
-        """The parameters whose gradients a training step hands over to ``backward``. With FSDP: the sharded ones,
-        which receive the reduce-scattered gradients (inside an accumulation window the registered parameters are
-        FSDP's unsharded ones, whose gradients keep accumulating untouched until the window's last batch)."""
-        if self._wrapped.sharded:
-            return self._sharded_params
-        return [p for p in self.lightning_module.parameters() if p.requires_grad]
-
-    def _close_runtime(self) -> None:
-        if self._protocol is not None:
-            self._protocol.interceptor.remove()
-            self._protocol.mirror.close()
-            self._protocol.channel.close()
-        self._runtime = self._protocol = self._train_executor = self._eval_executor = None
+    def _close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = None
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
+    def on_train_start(self) -> None:
+        """Before the first batch: a loader whose batches cannot be split into equal microbatches fails now, with one
+        message, instead of at the end of the first epoch."""
+        check_training_batches(self.lightning_module.trainer, self._settings, self.global_rank)
+
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise PipelineUsageError(f"Unexpected keyword arguments for training_step: {sorted(kwargs)}.")
-        assert self._protocol is not None and self._train_executor is not None
+        engine = self._require_engine("training_step", kwargs)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        with self.precision_plugin.train_step_context(), self._grads.capture(self._gradient_params()):
-            outcome = self._protocol.run("training_step", args[0], tuple(args[1:]), self._train_executor, accumulate)
-        dp_modes.check_token_weighting(self._data_parallel, self._data_parallel_size, accumulate, outcome.grad_scale)
-        self._grads.scale = outcome.grad_scale
-        if outcome.output is not None and (outcome.output_shared or self.runtime.has_last):
+        assert self._gradients is not None
+        with self.precision_plugin.train_step_context(), self._gradients.capture():
+            outcome = engine.train(args[0], tuple(args[1:]), accumulate)
+        dp_modes.check_token_weighting(self._settings, accumulate, outcome.grad_scale)
+        self._gradients.stash.scale = outcome.grad_scale
+        if outcome.output is not None and (outcome.output_shared or engine.runtime.has_last):
             return outcome.output
         return outcome.loss
+
+    def _require_engine(self, hook: str, kwargs: dict[str, Any]) -> StepEngine:
+        if kwargs:
+            raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
+        assert self._engine is not None, "setup builds the engine"
+        return self._engine
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -523,7 +411,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         ``zero_grad``, exactly where a single-device backward would put them."""
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._grads.apply()
+        assert self._gradients is not None
+        self._gradients.stash.apply()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -535,7 +424,7 @@ class PipelineParallelStrategy(ParallelStrategy):
 
         def closure_then_sync() -> Any:
             result = closure()
-            self._grad_sync.synchronize([p for g in optimizer.param_groups for p in g["params"]])
+            self.gradient_sync.synchronize([p for g in optimizer.param_groups for p in g["params"]])
             return result
 
         stepped = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -565,14 +454,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning runs the batches of an accumulation window before its last inside this: FSDP stages then keep
         their gradients unsynchronised (``"ddp"`` synchronises in ``optimizer_step`` only anyway)."""
-        stages = list(self.runtime.stages.values()) if self._runtime is not None else []
-        for stage in stages:
-            stage.sync_gradients = False
-        try:
+        with self._engine.unsynchronized() if self._engine is not None else nullcontext():
             yield
-        finally:
-            for stage in stages:
-                stage.sync_gradients = True
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -592,168 +475,39 @@ class PipelineParallelStrategy(ParallelStrategy):
             return self._eval_step("predict_step", args, kwargs)
 
     def _eval_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if kwargs:
-            raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
-        assert self._protocol is not None and self._eval_executor is not None
-        outcome = self._protocol.run(hook, args[0], tuple(args[1:]), self._eval_executor)
+        engine = self._require_engine(hook, kwargs)
+        outcome = engine.evaluate(hook, args[0], tuple(args[1:]))
         if self._wrapped.sharded:
-            dp_modes.reshard(self.runtime.stages.values())
+            dp_modes.reshard(engine.runtime.stages.values())
         if hook == "predict_step":
-            return self._predictions_to_first_rank(outcome.output)
-        return outcome.output if self.runtime.has_last or outcome.output_shared else None
+            return engine.runtime.to_first_rank(outcome.output)
+        return outcome.output if engine.runtime.has_last or outcome.output_shared else None
 
-    def _predictions_to_first_rank(self, output: Any) -> Any:
-        """The last stage's predictions, moved once to pipeline rank 0 when the last stage lives elsewhere."""
-        runtime = self.runtime
-        source = runtime.stage_ranks[runtime.num_stages - 1]
-        me = runtime.pipeline_rank
-        if source == 0:
-            return output if me == 0 else None
-        if runtime.has_last:
-            transport.wait_all(transport.send_object(output, runtime.group_ranks[0], runtime.group, runtime.device))
-            return None
-        if me == 0:
-            return transport.recv_object(runtime.last_stage_global_rank, runtime.group, runtime.device)
-        return None
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        # Sharded gradients: the squares of every rank's shard add up over the whole mesh.
-        if self._wrapped.sharded:
-            group = collectives.world_group()
-        else:
-            group = self.pipeline_group if self.pipeline_size > 1 else None
-        copies = [t.param for t in self._ties if t.source != self.global_rank]
-        clip_grad_norm_across(params, float(clip_val), group, not_counted=copies)
-
-    # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A rank holds only its stages, which exist only after the split in `setup`.
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        # `load_checkpoint` restores the optimizers itself (by parameter name, whatever the layout at save time).
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's stages' entries, under the full model's names."""
-        assert self.model is not None
-        return ckpt_io.model_state(self.model, self._aliases)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """This rank's optimizer state, flattened and keyed by parameter name."""
-        assert self.model is not None
-        return ckpt_io.optimizer_state(
-            self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer, self._aliases
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # `load_checkpoint` already loaded this rank's weights
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # `load_checkpoint` already loaded this rank's optimizer states
-
-    @override
-    @failures.in_phase("while saving a checkpoint")
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
-    ) -> None:
-        """Save ``checkpoint`` as the directory ``filepath`` (atomically; see docs/checkpoints.md)."""
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: checkpoints are"
-                " written with torch.distributed.checkpoint, not a CheckpointIO plugin. Remove `storage_options`."
-            )
-        path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))
-        module = self.lightning_module
-        cls = type(module)
-        ckpt_io.save(
-            checkpoint,
-            path,
-            self._checkpoint_topology(),
-            token,
-            f"{cls.__module__}.{cls.__qualname__}",
-            param_groups=ckpt_optim.recorded_param_groups(module),
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a directory checkpoint or a single-device ``.ckpt`` into this rank's stages (model, and optimizers
-        when fitting); returns Lightning's remaining checkpoint state."""
-        path = Path(self.broadcast(checkpoint_path))
-        module = self.lightning_module
-        assert module is not None and self.model is not None
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
-        if path.is_dir() or not path.exists():
-            return ckpt_io.load(
-                path,
-                self._checkpoint_topology(),
-                self.model,
-                self.optimizers if fitting else [],
-                strict=module.strict_loading,
-                weights_only=weights_only,
-            )
-        if fitting:
-            return ckpt_io.resume_from_file(
-                path,
-                self._checkpoint_topology(),
-                self.model,
-                self.optimizers,
-                ckpt_optim.recorded_param_groups(module),
-                strict=module.strict_loading,
-                weights_only=weights_only,
-            )
-        return ckpt_io.load_weights(
-            path, self._checkpoint_topology(), self.model, network_prefix="", strict=module.strict_loading
-        )
-
-    @override
-    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
-        """Delete a checkpoint directory (or file) on global rank 0; never a save's temporary directory."""
-        if self.is_global_zero:
-            ckpt_io.remove(Path(filepath), uuid.uuid4().hex[:12])
-
-    def _checkpoint_topology(self) -> ckpt_io.Topology:
+    # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint.hooks)
+    def checkpoint_topology(self) -> ckpt_io.Topology:
+        aliases = tied.aliases(self._split.ties, self._split.prefix) if self._split is not None else {}
         return ckpt_io.Topology(
             global_rank=self.global_rank,
             world_size=self.world_size,
             pipeline_rank=self.pipeline_rank,
             pipeline_size=self.pipeline_size,
             data_parallel_rank=self.data_parallel_rank,
-            data_parallel_size=self._data_parallel_size,
+            data_parallel_size=self.data_parallel_size,
             stages_per_rank=self.stages_per_rank,
             schedule=self.schedule_name,
-            pipeline_group=self.pipeline_group if self.pipeline_size > 1 else None,
-            aliases=self._aliases,
+            pipeline_group=self.pipeline_group,
+            aliases=aliases,
             sharded=self._wrapped.sharded,
-        )
-
-    def _load_initial_weights(self, network_attr: str) -> None:
-        assert self.model is not None and self._init_weights is not None
-        ckpt_io.load_weights(
-            Path(self._init_weights),
-            self._checkpoint_topology(),
-            self.model,
-            network_prefix=f"{network_attr}." if network_attr else "",
-            strict=self.lightning_module.strict_loading,
         )
 
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        collectives.barrier(device=self.root_device)
+        collectives.barrier(self._world, device=self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast_object(obj, src, device=self.root_device)
+        return collectives.broadcast_object(obj, src, self._world, device=self.root_device)
 
     @override
     def reduce(
@@ -771,13 +525,16 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
-        flag = pl_compat.sync_ddp_if_available(flag, None, reduce_op=ReduceOp.SUM)
+        flag = pl_compat.sync_ddp_if_available(flag, self._world, reduce_op=ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag)
 
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
-        self._close_runtime()
+        # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
+        self._run.close()
+        for recorder in self._saved.values():
+            recorder.remove()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -792,9 +549,5 @@ class PipelineParallelStrategy(ParallelStrategy):
         )
 
 
-def default_backend(device: torch.device) -> str:
-    """``"cpu:gloo,cuda:nccl"`` on CUDA: NCCL moves activations and gradients, gloo the CPU tensors a step sends
-    (a pure NCCL group raises on them); Lightning's default for any other device."""
-    if device.type == "cuda":
-        return "cpu:gloo,cuda:nccl"
-    return pl_compat.default_process_group_backend_for_device(device)
+#: Lightning's advice (a PossibleUserWarning) to pass `sync_dist=True` for values logged on epoch level.
+SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"

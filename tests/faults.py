@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_pipe.board import pid_alive
 from lightning_pipe.checkpoint.convert import inspect
 from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.reliability.board import pid_alive
 from tests.launch import _PORT_CLASH, ROOT, SCRIPTS, clean_env, free_port
 
 #: How long after the injected failure every process must be gone. The scripts' timeout is 300 s; the documented

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import zlib
 from pathlib import Path
 
 import lightning.pytorch as L
 import torch
+from torch import nn
 
 from tests.models import LitLM, build_model
 
@@ -136,3 +138,19 @@ def assert_parity(
             torch.testing.assert_close(
                 state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}"
             )
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
+    """Reference for ``initialize``: allocate a meta-device module on ``device`` and initialise it with each
+    submodule's ``reset_parameters``.
+
+    Each submodule is initialised under its own seed, derived from ``seed`` and its name, so a model gets the same
+    initial weights whatever the pipeline layout (and whichever rank holds the submodule).
+    """
+    module.to_empty(device=device)
+    for name, sub in module.named_modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((seed + zlib.crc32(name.encode())) % (2**63))
+                reset()

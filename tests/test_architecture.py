@@ -1,21 +1,28 @@
 """The package's layering rules, checked on its source (see docs/architecture.md).
 
-- Private names of torch, torchmetrics and Lightning are used only in ``lightning_pipe/compat/``, and no module reaches
-  into another object's underscore names.
-- ``torch.distributed`` communication happens only in ``lightning_pipe/collectives.py``.
+- Folders are layers with a rank: a module imports only its own folder or folders of a lower rank, never a folder of
+  the same rank (the table ``RANKS``); nothing but the package's ``__init__`` imports the strategy.
+- Private names of torch, torchmetrics, transformers and Lightning are used only in ``lightning_pipe/compat/``: no
+  private import, no ``obj._name``, no private name spelled as a string, and no ``self._name`` or ``def _name`` that
+  belongs to a third-party base class.
+- ``torch.distributed`` communication happens only in ``lightning_pipe/comm/collectives.py``, whose functions take a
+  real process group (never ``None`` for "the world").
 - One share sequence: only the step protocol sends a step's outcome.
-- Module-level imports form no cycle; planning modules import no runtime module; nothing imports the strategy.
+- Module-level imports form no cycle; planning modules reach nothing that communicates; no module is over 600 lines.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe"
-THIRD_PARTY = ("torch", "torchmetrics", "lightning", "lightning_utilities", "pytorch_lightning")
+THIRD_PARTY = ("torch", "torchmetrics", "lightning", "lightning_utilities", "pytorch_lightning", "transformers")
 COMMUNICATION = {
     "all_gather",
     "all_gather_into_tensor",
@@ -43,10 +50,45 @@ COMMUNICATION = {
     "send",
     "send_object_list",
 }
-
+#: Each folder (or top-level module) and its rank: imports go to the same folder or to a lower rank only.
+RANKS = {
+    "errors": 0,
+    "compat": 0,
+    "structures": 0,
+    "scope": 0,
+    "settings": 1,
+    "microbatch": 1,
+    "measure": 1,
+    "comm": 2,
+    "split": 2,
+    "reliability": 2,
+    "parallel": 3,
+    "checkpoint": 3,
+    "step": 4,
+    "callbacks": 5,
+    "tune": 5,
+    "strategy": 6,
+    "": 7,  # the package's __init__
+}
+#: Modules that plan (pure functions of names, counts and settings): they must not reach anything that communicates.
+PLANNING = ("lightning_pipe.settings", "lightning_pipe.microbatch", "lightning_pipe.split.partition")
+COMMUNICATING = ("lightning_pipe.comm.collectives", "lightning_pipe.comm.transport", "lightning_pipe.step")
+MAX_LINES = 600
 
 # Underscore names the standard library documents as public API.
 DOCUMENTED_STDLIB = {("os", "_exit")}
+#: ... and the namedtuple API, documented public despite its underscores.
+NAMEDTUPLE_API = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
+#: Our own private attribute names, set on third-party objects (the LightningModule) and read back by us.
+OWN_PREFIX = "_lightning_pipe"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
 def _sources() -> list[tuple[str, ast.Module]]:
@@ -64,7 +106,8 @@ def _is_self(node: ast.expr) -> bool:
 
 
 def private_uses(tree: ast.Module) -> list[str]:
-    """Private third-party imports, imports of another module's underscore names, and ``obj._name`` accesses."""
+    """Private third-party imports, imports of another module's underscore names, ``obj._name`` accesses, and
+    private names written as strings (``getattr(model, "_pp_plan")``)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -82,6 +125,10 @@ def private_uses(tree: ast.Module) -> list[str]:
             if (ast.unparse(node.value), node.attr) in DOCUMENTED_STDLIB:
                 continue
             found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            private = re.fullmatch(r"_[A-Za-z]\w*", node.value) and node.value not in NAMEDTUPLE_API
+            if private and not node.value.startswith(OWN_PREFIX):
+                found.append(f"line {node.lineno}: {node.value!r}")
     return found
 
 
@@ -94,8 +141,60 @@ def test_the_rule_sees_private_uses():
     tree = ast.parse(
         "from torch.distributed.checkpoint._nested_dict import flatten_state_dict\n"
         "from torchmetrics import _x\nimport torch._C\nm._update_count = 1\nself._mine = 2\nsuper()._ok()\n"
+        "getattr(model, '_pp_plan')\nnames = {'_TunerExitException'}\nmodule.__dict__['_lightning_pipe_split']\n"
     )
-    assert len(private_uses(tree)) == 4
+    assert len(private_uses(tree)) == 6
+
+
+def _third_party_private_names(cls: type) -> set[str]:
+    """Underscore names that a third-party base class of ``cls`` defines or assigns on ``self``."""
+    names: set[str] = set()
+    for base in cls.__mro__[1:]:
+        if base.__module__.split(".")[0] not in THIRD_PARTY:
+            continue
+        names.update(n for n in vars(base) if _private(n))
+        try:
+            source = inspect.getsource(base)
+        except (OSError, TypeError):
+            continue
+        names.update(re.findall(r"self\.(_[A-Za-z]\w*)\s*(?::[^=\n]*)?=", source))
+    return names
+
+
+def _own_private_names(tree: ast.ClassDef) -> dict[str, int]:
+    """``self._name`` uses and ``def _name`` definitions in a class body, with a line each."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_self(node.value) and _private(node.attr):
+            found.setdefault(node.attr, node.lineno)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+            found.setdefault(node.name, node.lineno)
+    return found
+
+
+def _classes_with_third_party_bases() -> list[tuple[str, type, ast.ClassDef]]:
+    found = []
+    for path, tree in _sources():
+        if path.startswith("compat"):
+            continue
+        module_name = _module_name(PACKAGE / path)
+        module = importlib.import_module(module_name)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            cls = getattr(module, node.name, None)
+            if isinstance(cls, type) and any(b.__module__.split(".")[0] in THIRD_PARTY for b in cls.__mro__[1:]):
+                found.append((f"{path}::{node.name}", cls, node))
+    return found
+
+
+@pytest.mark.parametrize(
+    "where,cls,node", _classes_with_third_party_bases(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_no_private_names_of_base_classes(where, cls, node):
+    theirs = _third_party_private_names(cls)
+    uses = {name: line for name, line in _own_private_names(node).items() if name in theirs}
+    assert uses == {}, f"{where} reaches private names of its third-party base classes; move them to compat/"
 
 
 def communication_calls(tree: ast.Module) -> list[str]:
@@ -110,9 +209,9 @@ def communication_calls(tree: ast.Module) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path,tree", [s for s in _sources() if s[0] != "collectives.py"], ids=lambda v: str(v))
+@pytest.mark.parametrize("path,tree", [s for s in _sources() if s[0] != "comm/collectives.py"], ids=lambda v: str(v))
 def test_communication_only_in_collectives(path, tree):
-    assert communication_calls(tree) == [], f"{path} calls torch.distributed directly; use lightning_pipe.collectives"
+    assert communication_calls(tree) == [], f"{path} calls torch.distributed directly; use lightning_pipe.comm"
 
 
 def test_the_rule_sees_communication():
@@ -120,34 +219,44 @@ def test_the_rule_sees_communication():
     assert len(communication_calls(tree)) == 2
 
 
+def test_collectives_take_a_real_group():
+    """``None`` never stands for a process group: a function that communicates is given the group it uses."""
+    tree = ast.parse((PACKAGE / "comm" / "collectives.py").read_text())
+    defaults_to_none = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        args = node.args.args + node.args.kwonlyargs
+        defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + list(node.args.defaults)
+        defaults += list(node.args.kw_defaults)
+        for arg, default in zip(args, defaults):
+            if arg.arg == "group" and (default is not None):
+                defaults_to_none.append(node.name)
+    assert defaults_to_none == []
+
+
 def test_one_share_sequence():
     users = [path for path, tree in _sources() if "OutcomeChannel(" in ast.unparse(tree)]
-    assert users == ["protocol.py"], users
+    assert users == ["step/protocol.py"], users
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def _imports(tree: ast.Module, module_level: bool) -> set[str]:
+    deps: set[str] = set()
+    nodes = tree.body if module_level else list(ast.walk(tree))
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_pipe"):
+            # `from package import submodule` depends on the submodule (the package is already importing).
+            deps.update(f"{node.module}.{a.name}" for a in node.names)
+            deps.add(node.module)
+        elif isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names if a.name.startswith("lightning_pipe"))
+    return deps
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module-level imports between lightning_pipe modules (imports inside functions or TYPE_CHECKING excluded)."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = _module_name(path)
-        deps: set[str] = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_pipe"):
-                # `from package import submodule` depends on the submodule (the package is already importing).
-                submodules = {f"{node.module}.{a.name}" for a in node.names}
-                deps.update(submodules)
-                deps.add(node.module)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("lightning_pipe"))
-        graph[name] = deps
+def import_graph(module_level: bool = True) -> dict[str, set[str]]:
+    """Imports between lightning_pipe modules: at module level (imports inside functions or TYPE_CHECKING excluded),
+    or every import anywhere in the module with ``module_level=False``."""
+    graph = {_module_name(p): _imports(ast.parse(p.read_text()), module_level) for p in sorted(PACKAGE.rglob("*.py"))}
     resolved = {}
     for name, deps in graph.items():
         known = {d for d in deps if d in graph and d != name}
@@ -174,6 +283,30 @@ def test_no_import_cycles():
             visit(node, [])
 
 
+def folder(module: str) -> str:
+    """The layer of a module: its folder under lightning_pipe, or its own name for a top-level module."""
+    parts = module.split(".")[1:]
+    return parts[0] if parts else ""
+
+
+def test_every_folder_has_a_rank():
+    assert {folder(m) for m in import_graph()} <= set(RANKS), set(map(folder, import_graph())) - set(RANKS)
+
+
+def test_layers():
+    """No import goes up, or sideways to another folder of the same rank (function-level imports included)."""
+    wrong = []
+    for module, deps in import_graph(module_level=False).items():
+        mine = folder(module)
+        for dep in deps:
+            theirs = folder(dep)
+            if theirs != mine and RANKS[theirs] >= RANKS[mine]:
+                wrong.append(f"{module} -> {dep}")
+    assert wrong == []
+    importers = [name for name, deps in import_graph(module_level=False).items() if "lightning_pipe.strategy" in deps]
+    assert importers == ["lightning_pipe"], importers
+
+
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -184,18 +317,16 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_layers():
-    graph = import_graph()
-    runtime_layer = {
-        "lightning_pipe.strategy",
-        "lightning_pipe.protocol",
-        "lightning_pipe.runtime",
-        "lightning_pipe.executors",
-        "lightning_pipe.collectives",
-        "lightning_pipe.sharing",
+@pytest.mark.parametrize("planning", PLANNING)
+def test_planning_needs_no_process_group(planning):
+    reached = _reachable(import_graph(module_level=False), planning)
+    assert not {m for m in reached if m.startswith(COMMUNICATING)}, f"{planning} reaches a communicating module"
+
+
+def test_modules_stay_short():
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
-    for planning in ("lightning_pipe.config", "lightning_pipe.partition", "lightning_pipe.mesh"):
-        assert not (_reachable(graph, planning) & runtime_layer), f"{planning} imports the runtime layer"
-    importers = [name for name, deps in graph.items() if "lightning_pipe.strategy" in deps]
-    assert importers == ["lightning_pipe"], importers
-    assert not any(d.startswith("lightning_pipe.protocol") for d in _reachable(graph, "lightning_pipe.checkpoint"))
+    assert long == {}

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.balance import (
+from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.split.balance import (
     CostModel,
     UnitProfile,
     auto_balance,
@@ -19,8 +20,7 @@ from lightning_pipe.balance import (
     profile_units,
     split_table,
 )
-from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.partition import (
+from lightning_pipe.split.partition import (
     UnitCosts,
     all_splits,
     balance_by_cost,
@@ -215,7 +215,7 @@ def test_update_time_is_positive():
 
 
 def test_resolve_balance_settings():
-    from lightning_pipe.balance import resolve_balance
+    from lightning_pipe.split.balance import resolve_balance
 
     model = GPT2(vocab=4096, n_layer=8, n_embd=32)
     layout = find_layout(model)

@@ -102,18 +102,21 @@ def test_full_param_groups_of_groups_foreign_parameters_and_no_optimizer():
     assert optim.full_param_groups(_Module(lambda m: None)) == []
 
 
-def test_record_param_groups_keeps_them_and_warns_instead_of_failing():
+def test_record_param_groups_keeps_them_and_lets_the_users_error_through():
     module = _Module(lambda m: torch.optim.SGD(m.parameters(), lr=1))
     assert optim.recorded_param_groups(module) is None
     optim.record_param_groups(module)
     assert optim.recorded_param_groups(module) == [[["a.weight", "a.bias", "b.weight", "b.bias"]]]
 
     def broken(m):
-        raise RuntimeError("needs the trainer")
+        raise KeyError("needs the trainer")
 
     module._conf = broken
-    with pytest.warns(UserWarning, match="failed on the full model before the split .*needs the trainer"):
+    # The user's own error, its type and traceback kept, with a note saying why the strategy called the hook.
+    with pytest.raises(KeyError, match="needs the trainer") as caught:
         optim.record_param_groups(module)
+    assert "calls once on the full model before it splits it" in "".join(caught.value.__notes__)
+    assert caught.traceback[-1].name == "broken"
     assert optim.recorded_param_groups(module) is None
 
 

@@ -8,16 +8,16 @@ import pickle
 import pytest
 import torch
 
-from lightning_pipe.checkpointing import (
+from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.measure.memory import saved_bytes
+from lightning_pipe.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpointed_blocks,
     remove_activation_checkpointing,
-    resolve_every,
 )
-from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.memory import saved_bytes
-from lightning_pipe.partition import find_layout, stage_units
-from lightning_pipe.stages import prune
+from lightning_pipe.settings import resolve_every
+from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2
 
 

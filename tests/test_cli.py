@@ -73,15 +73,16 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy
     assert isinstance(strategy, PipelineParallelStrategy)
     assert strategy.schedule_name == "GPipe"
-    assert strategy._microbatches == 4
-    assert strategy._balance == [4, 3]
-    assert strategy._module_name == "net"
-    assert strategy._timeout == timedelta(minutes=10)
-    assert (strategy._data_parallel, strategy._inner_axis, strategy._checkpoint_every) == ("fsdp", "pp", 2)
+    settings = strategy.settings
+    assert settings.microbatches == 4
+    assert settings.balance == (4, 3)
+    assert settings.module == "net"
+    assert settings.timeout == timedelta(minutes=10)
+    assert (settings.data_parallel, settings.inner_axis, settings.activation_checkpointing) == ("fsdp", "pp", 2)
 
 
 def test_timeout_accepts_null(tmp_path) -> None:
-    assert cli(strategy_config(tmp_path, timeout=None)).trainer.strategy._timeout is None
+    assert cli(strategy_config(tmp_path, timeout=None)).trainer.strategy.settings.timeout is None
 
 
 def test_print_config_lists_every_argument_with_default(capsys, tmp_path) -> None:

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipelineConfigError, PipelineParallelStrategy
-from lightning_pipe.data_parallel import check_mode, check_token_weighting, shards
-from lightning_pipe.grads import GradientSync, clip_grad_norm_across, plan_buckets
-from lightning_pipe.mesh import MeshLayout, check_inner_axis
-from lightning_pipe.wrappers import wrap_stages
+from lightning_pipe.comm.mesh import MeshLayout
+from lightning_pipe.parallel.data_parallel import check_token_weighting
+from lightning_pipe.parallel.grads import GradientSync, clip_grad_norm_across, plan_buckets
+from lightning_pipe.parallel.wrappers import unwrap_stages, wrap_stages
+from lightning_pipe.settings import PipelineSettings, check_data_parallel, check_inner_axis
 from tests.launch import ROOT, SCRIPTS, clean_env, free_port, run_script
 from tests.models import TinyLM
 from tests.reference import (
@@ -52,7 +53,7 @@ def test_buckets_hold_consecutive_tensors_of_one_dtype_up_to_the_cap():
 def test_gradient_sync_without_replicas_only_counts():
     p = nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 2.0)
-    sync = GradientSync(None)
+    sync = GradientSync(None, average=True)
     sync.synchronize([p])
     assert sync.count == 1 and sync.last_buckets == 0
     assert torch.equal(p.grad, torch.full((3,), 2.0))
@@ -81,6 +82,11 @@ def test_default_layout_keeps_replicas_of_a_stage_on_consecutive_ranks():
     assert pipelines_inner.pipeline_ranks(1) == [2, 3] and pipelines_inner.replica_ranks(0) == [0, 2, 4]
 
 
+def settings(mode: str, replicas: int) -> PipelineSettings:
+    """Resolved settings of one-process pipelines with ``replicas`` data-parallel replicas."""
+    return PipelineSettings(pipeline_size=1, data_parallel=mode).resolve(replicas)
+
+
 def test_settings_are_checked_in_the_constructor():
     with pytest.raises(PipelineConfigError, match=r"`data_parallel='zero'` is not one of 'ddp', 'fsdp'"):
         PipelineParallelStrategy(data_parallel="zero")  # type: ignore[arg-type]
@@ -90,17 +96,17 @@ def test_settings_are_checked_in_the_constructor():
         PipelineParallelStrategy(activation_checkpointing=-1)
     with pytest.raises(PipelineConfigError, match="is not one of 'dp', 'pp'"):
         check_inner_axis("node")
-    check_mode("fsdp")
-    assert shards("fsdp", 2) and not shards("fsdp", 1) and not shards("ddp", 4)
+    check_data_parallel("fsdp")
+    assert settings("fsdp", 2).sharded and not settings("fsdp", 1).sharded and not settings("ddp", 4).sharded
 
 
 def test_fsdp_refuses_token_weighted_accumulation():
     with pytest.raises(PipelineConfigError, match=r"`data_parallel='fsdp'` with `accumulate_grad_batches=2`"):
-        check_token_weighting("fsdp", 2, 2, 0.01)
-    check_token_weighting("ddp", 2, 2, 0.01)  # ddp scales each batch's gradients before the window's sum
-    check_token_weighting("fsdp", 2, 1, 0.01)  # one batch per step: its scale applies to the reduced gradient
-    check_token_weighting("fsdp", 1, 2, 0.01)  # one replica: nothing is sharded
-    check_token_weighting("fsdp", 2, 2, None)
+        check_token_weighting(settings("fsdp", 2), 2, 0.01)
+    check_token_weighting(settings("ddp", 2), 2, 0.01)  # ddp scales each batch's gradients before the window's sum
+    check_token_weighting(settings("fsdp", 2), 1, 0.01)  # one batch per step: its scale applies to the reduced gradient
+    check_token_weighting(settings("fsdp", 1), 2, 0.01)  # one replica: nothing is sharded
+    check_token_weighting(settings("fsdp", 2), 2, None)
 
 
 class _Stage(nn.Module):
@@ -115,9 +121,16 @@ def test_wrappers_checkpoint_every_kth_block_of_the_whole_stack_without_fsdp():
     first, second = _Stage(nn.Module()), _Stage(nn.Module())
     first.body.layers = nn.ModuleDict({str(i): network.layers[i] for i in range(3)})
     second.body.layers = nn.ModuleDict({str(i): network.layers[i] for i in range(3, 6)})
-    done = wrap_stages({0: first, 1: second}, blocks, checkpoint_every=2, dp_mesh=None)
+    done = wrap_stages({0: first, 1: second}, blocks, checkpoint_every=2, dp_mesh=None, sharded_over=None)
     assert done.checkpointed == ["layers.1", "layers.3", "layers.5"]  # counted over the stack, not per stage
     assert not done.sharded and done.sharded_blocks == []
+    assert "forward" in vars(network.layers[1]) and "forward" not in vars(network.layers[0])
+    unwrap_stages({0: first, 1: second})  # at the Trainer entry's end: the blocks' own forward again
+    assert not any("forward" in vars(block) for block in network.layers)
+    with pytest.raises(
+        PipelineConfigError, match=r"sharded this LightningModule's stages with FSDP over ranks \[0, 1\]"
+    ):
+        wrap_stages({0: first}, blocks, checkpoint_every=0, dp_mesh=None, sharded_over=(0, 1))
 
 
 # ---------------------------------------------------------------------------------------------------- launches

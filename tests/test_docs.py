@@ -32,10 +32,15 @@ def raised_messages() -> list[tuple[str, str]]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
-                fragments = [" ".join(f.split()) for f in _fragments(node.exc.args[0])]
-                if fragments:
-                    found.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", max(fragments, key=len).strip()))
+            # `raise Error(...)`, and `return Error(...)` from a function that builds an error raised elsewhere.
+            made = node.exc if isinstance(node, ast.Raise) else getattr(node, "value", None)
+            if not isinstance(node, (ast.Raise, ast.Return)) or not isinstance(made, ast.Call) or not made.args:
+                continue
+            if isinstance(node, ast.Return) and not ast.unparse(made.func).endswith(("Error", "Failure")):
+                continue
+            fragments = [" ".join(f.split()) for f in _fragments(made.args[0])]
+            if fragments:
+                found.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", max(fragments, key=len).strip()))
     return found
 
 

@@ -4,6 +4,7 @@ replication."""
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +13,15 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_pipe import PipelineParallelStrategy
-from lightning_pipe.builder import check_same_split
+from lightning_pipe.comm.transport import pack, send_object, unpack
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
-from lightning_pipe.executors import ForwardOnlyExecutor
-from lightning_pipe.executors.forward_only import (
+from lightning_pipe.microbatch import split_batch
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.split.builder import check_same_split
+from lightning_pipe.split.calls import call_with_activation
+from lightning_pipe.split.partition import stage_to_rank
+from lightning_pipe.step.executors import ForwardOnlyExecutor
+from lightning_pipe.step.executors.forward_only import (
     microbatch_sizes,
     pad_rows,
     plan_microbatches,
@@ -23,14 +29,11 @@ from lightning_pipe.executors.forward_only import (
     task_order,
     trim_rows,
 )
-from lightning_pipe.interception import Call, LoggedValue
-from lightning_pipe.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
-from lightning_pipe.metrics import MetricMirror, MetricRef, bind_metrics
-from lightning_pipe.microbatch import split_batch
-from lightning_pipe.partition import stage_to_rank
-from lightning_pipe.runtime import PipelineRuntime
-from lightning_pipe.side_inputs import CallBook, StageModule, call_with_activation, eval_mode
-from lightning_pipe.transport import pack, send_object, unpack
+from lightning_pipe.step.interception import Call, LoggedValue
+from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
+from lightning_pipe.step.metrics import MetricMirror, MetricRef, bind_metrics
+from lightning_pipe.step.runtime import PipelineRuntime
+from lightning_pipe.step.stage import StageModule, StepContext, eval_mode
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -226,9 +229,13 @@ def test_metric_updates_replicate_state_exactly():
 def test_bind_metrics_keeps_a_user_process_group():
     holder = _Holder()
     holder.idle.process_group = "mine"
-    bind_metrics(holder, "dp")
+    undo = bind_metrics(holder, "dp")
     assert (
         holder.acc.process_group == "dp" and holder.seen.process_group == "dp" and holder.idle.process_group == "mine"
+    )
+    undo()  # when the Trainer entry ends, the metrics are as the user made them
+    assert (
+        holder.acc.process_group is None and holder.seen.process_group is None and holder.idle.process_group == "mine"
     )
 
 
@@ -249,27 +256,39 @@ def test_eval_mode_restores_each_flag():
 def test_forward_only_on_one_rank_runs_stages_in_eval_mode_without_grad():
     torch.manual_seed(0)
     first, second = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9)), nn.Sequential(nn.Linear(4, 2))
-    book = CallBook()
-    stages = {i: StageModule(body, i, 2, book, call_with_activation) for i, body in enumerate([first, second])}
-    runtime = PipelineRuntime(stages, 2, [0, 0], book, None, [0], torch.device("cpu"))
+    stages = {i: StageModule(body, i, 2, call_with_activation) for i, body in enumerate([first, second])}
+    runtime = PipelineRuntime(stages, 2, [0, 0], None, torch.device("cpu"))
     x = torch.randn(5, 4)
-    executor = ForwardOnlyExecutor(runtime, 2, None)
-    sizes = executor.plan(x)
-    book.start(executor.prepare([Call((c,), {}) for c in x.split(sizes)], sizes))
+    executor = ForwardOnlyExecutor(runtime, PipelineSettings(eval_microbatches=2), None)
+    sizes = executor.plan(len(x))
     outputs = {}
-    executor.run(("eval",), 2, lambda m, out: outputs.__setitem__(m, out))
+    step = StepContext([Call((c,), {}) for c in x.split(sizes)], sizes, on_output=outputs.__setitem__)
+    executor.run(("eval",), step)
     assert not outputs[0].requires_grad
     expected = second(first.eval()(x))
     torch.testing.assert_close(torch.cat([outputs[0], outputs[1]]), expected)
     assert first.training is False  # restored to what it was before the pass (set by the reference call above)
 
 
-def test_reuse_refuses_another_layout():
-    with pytest.raises(PipelineConfigError, match="already split for another pipeline"):
-        check_same_split(
-            ("auto", "modules", "auto", None, None, 2, 0, 1, "1F1B"),
-            ("auto", "modules", "auto", None, None, 4, 0, 1, "1F1B"),
-        )
+def test_reuse_accepts_the_same_stages_and_refuses_other_ones():
+    def split(**settings):
+        resolved = PipelineSettings(**settings).resolve(4)
+        return SimpleNamespace(key=resolved.split_key(), described=resolved.describe_split())
+
+    first = split(schedule="1F1B", pipeline_size=2)
+    # Same stages: another schedule of the same placement, other activation checkpointing or data parallelism.
+    for same in (
+        split(schedule="GPipe", pipeline_size=2),
+        split(schedule="1F1B", pipeline_size=2, activation_checkpointing=True, data_parallel="fsdp"),
+    ):
+        check_same_split(first, same.key, same.described)
+    interleaved = split(schedule="Interleaved1F1B", pipeline_size=2)
+    check_same_split(interleaved, split(schedule="LoopedBFS", pipeline_size=2).key, "")
+    with pytest.raises(PipelineConfigError, match=r"already split into other pipeline stages .*pipeline_size=2.*"):
+        check_same_split(first, split(schedule="1F1B", pipeline_size=4).key, "pipeline_size=4")
+    with pytest.raises(PipelineConfigError, match=r"placement='v' \(schedule ZBVZeroBubble\)"):
+        zbv = split(schedule="ZBVZeroBubble", pipeline_size=2)
+        check_same_split(interleaved, zbv.key, zbv.described)
 
 
 def test_step_values_are_the_full_batch_values():

@@ -12,12 +12,12 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_pipe import hf  # noqa: E402
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError  # noqa: E402
-from lightning_pipe.hf import PassThrough, hf_layout, hf_placeholder, hf_stage_call, is_hf_model  # noqa: E402
-from lightning_pipe.partition import balance_blocks, stage_units  # noqa: E402
-from lightning_pipe.stages import prune, stage_view  # noqa: E402
-from lightning_pipe.tied import tied_groups  # noqa: E402
+from lightning_pipe.split import hf  # noqa: E402
+from lightning_pipe.split.hf import PassThrough, hf_layout, hf_placeholder, hf_stage_call, is_hf_model  # noqa: E402
+from lightning_pipe.split.partition import balance_blocks, stage_units  # noqa: E402
+from lightning_pipe.split.surgery import prune, stage_view  # noqa: E402
+from lightning_pipe.split.tied import tied_groups  # noqa: E402
 
 VOCAB = 61
 SEQ = 9

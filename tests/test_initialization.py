@@ -10,11 +10,18 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.initialization import init_hook, initialize, unit_seed, warn_whole_model
-from lightning_pipe.partition import find_layout, stage_units
-from lightning_pipe.stages import materialize, prune
+from lightning_pipe.split.initialization import (
+    WHOLE_MODEL_WARN_BYTES,
+    init_hook,
+    initialize,
+    unit_seed,
+    warn_whole_model,
+)
+from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2
 from tests.models import TinyLM
+from tests.reference import materialize
 
 CPU = torch.device("cpu")
 
@@ -161,12 +168,20 @@ def test_unit_seed_matches_materialize():
     assert unit_seed(5, "h.0") == (5 + zlib.crc32(b"h.0")) % 2**63
 
 
-def test_whole_model_warning_names_bytes_and_configure_model():
+def test_whole_model_warning_names_bytes_configure_model_and_the_data_order():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warn_whole_model(3 * 2**20, 2**20)
+        warn_whole_model(300 * 2**20, 150 * 2**20)
     message = str(caught[0].message)
-    assert "3.00 MiB" in message and "1.00 MiB" in message and "configure_model" in message
+    assert "300.00 MiB" in message and "150.00 MiB" in message and "configure_model" in message
+    assert "shuffling DataLoader's order" in message  # the trade-off of moving the construction
+
+
+def test_whole_model_warning_only_where_the_memory_matters():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_whole_model(WHOLE_MODEL_WARN_BYTES - 1, 2**20)  # the 853 KiB GPT of the getting-started example, say
+    assert caught == []
 
 
 def test_hugging_face_llama_from_config():

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.initialization import initialize
-from lightning_pipe.memory import (
+from lightning_pipe.measure.memory import (
     MemoryReport,
     PeakMemory,
     SavedBytesRecorder,
@@ -16,8 +15,9 @@ from lightning_pipe.memory import (
     saved_bytes,
     state_bytes,
 )
-from lightning_pipe.partition import find_layout, stage_units
-from lightning_pipe.stages import prune
+from lightning_pipe.split.initialization import initialize
+from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2
 
 KIB = 1024
@@ -137,7 +137,7 @@ def test_peak_memory_on_cuda():
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_each_stage_holds_a_kth_of_parameters_and_adam_state(k):
-    from lightning_pipe.balance import params_balance
+    from lightning_pipe.split.balance import params_balance
 
     def trained_state(model: nn.Module) -> int:
         optimizer = torch.optim.AdamW(model.parameters())

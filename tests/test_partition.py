@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.config import canonical_schedule, resolve_microbatches, resolve_pipeline_size, resolve_schedule
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineModelError
-from lightning_pipe.microbatch import batch_size, signature, split_batch
-from lightning_pipe.partition import (
+from lightning_pipe.microbatch import batch_size, resolve_microbatches, signature, split_batch
+from lightning_pipe.settings import canonical_schedule, resolve_pipeline_size, resolve_schedule
+from lightning_pipe.split.partition import (
     Layout,
     balance_blocks,
     check_balance,

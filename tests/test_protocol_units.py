@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipelineParallelStrategy
+from lightning_pipe.comm.mesh import MeshLayout
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
-from lightning_pipe.interception import Call, LoggedValue
-from lightning_pipe.mesh import MeshLayout
-from lightning_pipe.metrics import MetricRef, MetricUpdate
-from lightning_pipe.protocol import Outcome, _check_items, _loss_and_items
-from lightning_pipe.sharing import flatten, rebuild
-from lightning_pipe.side_inputs import CallBook, StageModule, call_with_activation
+from lightning_pipe.split.calls import call_with_activation
+from lightning_pipe.step.interception import Call, LoggedValue
+from lightning_pipe.step.metrics import MetricRef, MetricUpdate
+from lightning_pipe.step.protocol import Outcome, _check_items, _loss_and_items
+from lightning_pipe.step.sharing import flatten, rebuild
+from lightning_pipe.step.stage import StageModule, StepContext
 
 
 # ---------------------------------------------------------------------------------------------------- num_items
@@ -56,22 +57,18 @@ def test_activation_takes_the_place_of_the_first_input():
 
 
 def test_a_stage_before_the_last_must_return_tensors():
-    book = CallBook()
-    book.start([Call((torch.ones(2),), {})])
-    stage = StageModule(nn.Identity(), 0, 2, book, lambda *a: {"hidden": torch.ones(2)})
-    stage.chunk = 0
+    step = StepContext([Call((torch.ones(2),), {})], [2])
+    stage = StageModule(nn.Identity(), 0, 2, lambda *a: {"hidden": torch.ones(2)})
     with pytest.raises(PipelineUsageError, match="Pipeline stage 0 returned dict; a stage before the last must"):
-        stage()
+        stage(step=step, microbatch=0)
 
 
 def test_the_last_stage_packs_and_rebuilds_any_output():
-    book = CallBook()
-    book.start([Call((torch.ones(2, 3),), {})])
-    stage = StageModule(nn.Linear(3, 3), 1, 2, book, lambda body, a, k, r, f, last: {"y": body(r[0]), "tag": "x"})
-    stage.chunk = 0
-    tensors = stage(torch.ones(2, 3))
+    step = StepContext([Call((torch.ones(2, 3),), {})], [2])
+    stage = StageModule(nn.Linear(3, 3), 1, 2, lambda body, a, k, r, f, last: {"y": body(r[0]), "tag": "x"})
+    tensors = stage(torch.ones(2, 3), step=step, microbatch=0)
     assert isinstance(tensors, tuple) and tensors[0].requires_grad  # autograd graph kept for the loss
-    assert stage.final_output(0, tensors)["tag"] == "x"
+    assert step.final_output(0, tensors)["tag"] == "x"
 
 
 # ---------------------------------------------------------------------------------------------------- sharing
@@ -112,7 +109,7 @@ def test_device_mesh_exists_only_once_processes_start():
     [("cpu:gloo,cuda:nccl", {"cpu", "cuda"}), ("nccl", {"cuda"}), ("gloo", {"cpu"}), ("NCCL", {"cuda"})],
 )
 def test_backends_serve_their_device_types(backend, types):
-    from lightning_pipe import collectives
+    from lightning_pipe.comm import collectives
 
     assert collectives.served_device_types(backend) == types
 
@@ -120,7 +117,7 @@ def test_backends_serve_their_device_types(backend, types):
 def test_tensors_go_where_the_backend_serves_them(monkeypatch):
     """A CPU tensor sent over a pure NCCL group goes to the current CUDA device (NCCL rejects CPU tensors); a CUDA
     tensor over gloo goes to the CPU; a device the backend serves stays. Checked without a GPU by faking the group."""
-    from lightning_pipe import collectives
+    from lightning_pipe.comm import collectives
 
     monkeypatch.setattr(collectives, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -139,7 +136,7 @@ def test_tensors_go_where_the_backend_serves_them(monkeypatch):
 
 
 def test_the_default_backend_on_cuda_serves_cpu_tensors_too():
-    from lightning_pipe.strategy import default_backend
+    from lightning_pipe.comm.collectives import default_backend
 
     assert default_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert default_backend(torch.device("cpu")) == "gloo"

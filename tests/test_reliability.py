@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_pipe import PipelinePeerFailure, failures
-from lightning_pipe.board import Board, Failure, describe_exit, pid_alive
+from lightning_pipe import PipelinePeerFailure
+from lightning_pipe.reliability import failures
+from lightning_pipe.reliability.board import Board, Failure, describe_exit, pid_alive
 from tests.faults import ACTIONS, LAUNCHERS, ci_matrix, run_fault, scenario_id
 from tests.launch import clean_env, free_port, run_script
 
@@ -186,7 +187,7 @@ def test_a_broken_connection_without_any_news_stays_as_it_is(store):
 
 
 def test_which_launcher_a_rank_must_not_outlive(monkeypatch):
-    from lightning_pipe import watchdog
+    from lightning_pipe.reliability import watchdog
 
     for key in ("TORCHELASTIC_RUN_ID", failures.LAUNCHER_PID, "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -210,7 +211,7 @@ def test_which_launcher_a_rank_must_not_outlive(monkeypatch):
 
 _ORPHAN = """
 import os, signal, subprocess, sys
-code = "from lightning_pipe import watchdog; import time; watchdog.start(); time.sleep(120)"
+code = "from lightning_pipe.reliability import watchdog; import time; watchdog.start(); time.sleep(120)"
 env = {**os.environ, "LIGHTNING_PIPE_LAUNCHER_PID": str(os.getpid()), "LOCAL_RANK": "1"}
 child = subprocess.Popen([sys.executable, "-c", code], env=env)
 print(child.pid, flush=True)
@@ -238,7 +239,7 @@ def test_a_rank_whose_launcher_died_exits_on_its_own(tmp_path):
 _JOIN = """
 import subprocess, sys
 from datetime import timedelta
-from lightning_pipe import watchdog
+from lightning_pipe.reliability import watchdog
 child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
 watchdog.watch_children([child], first_rank=1, timeout=timedelta(seconds=30))
 print("rank 0 done", flush=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipe.interception import LoggedValue
-from lightning_pipe.protocol import Outcome
-from lightning_pipe.sharing import OutcomeChannel, flatten, rebuild
+from lightning_pipe.step.interception import LoggedValue
+from lightning_pipe.step.protocol import Outcome
+from lightning_pipe.step.sharing import OutcomeChannel, flatten, rebuild
 from tests.launch import run_script
 
 

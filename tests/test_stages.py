@@ -1,4 +1,4 @@
-"""Module surgery without a process group: pruning, views, materialization, ownership checks, tracing."""
+"""Module surgery without a process group: pruning, views, ownership checks, tracing."""
 
 from __future__ import annotations
 
@@ -6,30 +6,19 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.builder import resolve_module, split_module
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
-from lightning_pipe.partition import find_layout, stage_units
-from lightning_pipe.stages import check_ownership, materialize, merge, prune, stage_view
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.split.builder import resolve_module, split_module
+from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.surgery import check_ownership, merge, prune, stage_view
 from tests.models import LitLM, TinyLM
 
 
-def _build(lm, **overrides):
-    kwargs = dict(
-        module_name="auto",
-        frontend="modules",
-        blocks="auto",
-        split_points=None,
-        balance="blocks",
-        pipeline_size=2,
-        pipeline_rank=0,
-        stages_per_rank=1,
-        schedule="1F1B",
-        microbatches="auto",
-        microbatch_size=None,
-        device=torch.device("cpu"),
-    )
-    kwargs.update(overrides)
-    return split_module(lm, **kwargs)
+def _build(lm, pipeline_rank=0, **overrides):
+    settings = dict(module="auto", frontend="modules", balance="blocks", pipeline_size=2, schedule="1F1B")
+    settings.update(overrides)
+    resolved = PipelineSettings(**settings).resolve(settings["pipeline_size"])
+    return split_module(lm, resolved, pipeline_rank=pipeline_rank, device=torch.device("cpu"))
 
 
 def test_prune_keeps_global_names_and_frees_other_units():
@@ -58,32 +47,8 @@ def test_stage_view_shares_parameters_and_hides_other_stage():
     torch.testing.assert_close(third(x), model.layers._modules["2"](x))
 
 
-def test_materialize_is_deterministic_per_module_name():
-    with torch.device("meta"):
-        a, b = TinyLM(n_layers=4), TinyLM(n_layers=4)
-    layout = find_layout(b)
-    prune(b, stage_units(layout, [2, 2])[1], layout.units)
-    materialize(a, torch.device("cpu"), seed=7)
-    materialize(b, torch.device("cpu"), seed=7)
-    full = dict(a.named_parameters())
-    for name, p in b.named_parameters():
-        assert torch.equal(p, full[name]), name
-
-
-def test_materialize_refuses_modules_without_reset_parameters():
-    class Custom(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.empty(3))
-
-    with torch.device("meta"):
-        model = nn.Sequential(Custom(), nn.Linear(3, 3))
-    with pytest.raises(PipelineModelError, match=r"have no `reset_parameters\(\)`"):
-        materialize(model, torch.device("cpu"), 0)
-
-
 def test_ties_across_stages_are_planned():
-    from lightning_pipe.tied import aliases, plan_ties
+    from lightning_pipe.split.tied import aliases, plan_ties
 
     model = TinyLM(n_layers=2)
     model.head.weight = model.embed.weight  # tie (shapes are vocab x dim for both)

@@ -16,7 +16,7 @@ import torch
 from lightning_pipe.callbacks import PipelineTimeline
 from lightning_pipe.callbacks.timeline import draw_gantt
 from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.timeline import (
+from lightning_pipe.measure.timeline import (
     Event,
     StepSummary,
     TimelineRecorder,

@@ -2,7 +2,7 @@
 
 Add it to the Trainer's callbacks; it is off unless added. Each rank records when each forward, backward,
 weight-gradient and loss action of its stages ran, and its point-to-point operations
-(:mod:`lightning_pipe.timeline`). At the end of training the pipeline's first rank writes
+(:mod:`lightning_pipe.measure.timeline`). At the end of training the pipeline's first rank writes
 
 - ``timeline.json``: a Chrome-trace/Perfetto file (open it in https://ui.perfetto.dev or ``chrome://tracing``) with
   one track per rank, of the ``trace_steps`` steps after the first ``skip_steps``;
@@ -10,7 +10,8 @@ weight-gradient and loss action of its stages ran, and its point-to-point operat
   microbatch number in each box, idle time left empty;
 
 and every ``log_every_n_steps`` steps the loggers receive ``pipeline/bubble`` (the measured idle fraction of the
-steps since the last report) beside ``pipeline/bubble_theory`` (see :func:`lightning_pipe.timeline.theoretical_bubble`).
+steps since the last report) beside ``pipeline/bubble_theory`` (see
+:func:`lightning_pipe.measure.timeline.theoretical_bubble`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_pipe import collectives
+from lightning_pipe.comm import collectives
 from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.timeline import (
+from lightning_pipe.measure.timeline import (
     COMPUTE,
     Event,
     StepSummary,
@@ -95,9 +96,8 @@ class PipelineTimeline(pl.Callback):
     # ------------------------------------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_pipe.strategy import PipelineParallelStrategy
-
-        if not isinstance(trainer.strategy, PipelineParallelStrategy):
+        # By the registered name, not the class: callbacks sit below the strategy in the package's layers.
+        if getattr(trainer.strategy, "strategy_name", None) != "pipeline":
             raise PipelineConfigError(
                 f"PipelineTimeline records pipeline schedules, but the Trainer's strategy is"
                 f" {type(trainer.strategy).__name__}. Use `Trainer(strategy='pipeline')` (PipelineParallelStrategy),"
@@ -111,7 +111,7 @@ class PipelineTimeline(pl.Callback):
         strategy = trainer.strategy
         self._strategy = strategy
         # One time axis for all ranks: each takes its origin right after the same barrier.
-        collectives.barrier(strategy.pipeline_group if strategy.pipeline_size > 1 else None)
+        collectives.barrier(strategy.pipeline_group)
         self._recorder = TimelineRecorder()
         self._step, self._pending, self._traced = 0, [], []
         strategy.runtime.attach_timeline(self._recorder)
@@ -158,7 +158,7 @@ class PipelineTimeline(pl.Callback):
     # ------------------------------------------------------------------------------------------------ reports
     def _group(self) -> Any:
         strategy = self._strategy
-        return strategy.pipeline_group if strategy.pipeline_size > 1 else None
+        return strategy.pipeline_group
 
     def _report(self, trainer: pl.Trainer, log: bool = True) -> None:
         """Gather the pending step summaries of every rank of the pipeline; record and log their bubbles."""

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe import collectives
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
+from lightning_pipe.comm import collectives
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
@@ -36,8 +36,8 @@ class Topology:
     data_parallel_size: int
     stages_per_rank: int
     schedule: str
-    #: this rank's pipeline process group (``None`` without a process group)
-    pipeline_group: Any | None = None
+    #: this rank's pipeline process group (one rank for a one-process pipeline)
+    pipeline_group: Any = None
     #: ``{name: first name}`` of tied parameters (held by several stages, stored once under their first name)
     aliases: Mapping[str, str] = field(default_factory=dict)
     #: whether parameters and optimizer state are sharded over the data-parallel ranks (FSDP DTensors)
@@ -46,7 +46,8 @@ class Topology:
 
 # ---------------------------------------------------------------------------------------------------- collectives
 def _gather(obj: Any) -> list[Any]:
-    return collectives.all_gather_object(obj)
+    """Every rank's ``obj``: checkpoints are saved and loaded by the whole world."""
+    return collectives.all_gather_object(obj, collectives.world_group())
 
 
 def _agree(problems: Sequence[str], what: str) -> None:
@@ -149,9 +150,9 @@ def save(
     # Replicated stages hold identical states: only the first replica's pipeline writes. Sharded ones: every rank
     # writes its shards (an entry several ranks hold whole, such as a step count, is written once).
     if topo.sharded or topo.data_parallel_rank == 0:
-        group = None if topo.sharded else topo.pipeline_group
-        # A one-rank pipeline of replicated stages writes alone (its group would be the whole world otherwise).
-        alone = not topo.sharded and group is None
+        group = collectives.world_group() if topo.sharded else topo.pipeline_group
+        # A one-rank pipeline of replicated stages writes alone.
+        alone = collectives.group_size(group) == 1
         writer = dcp.FileSystemWriter(tmp)
         _local(problems, lambda: dcp.save(state, storage_writer=writer, process_group=group, no_dist=alone))
     if schedulers is not None and topo.data_parallel_rank == 0:

@@ -14,7 +14,6 @@ the split; :func:`localize` and :func:`to_native` translate between the two form
 from __future__ import annotations
 
 import bisect
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -200,19 +199,21 @@ def full_param_groups(module: Any) -> ParamGroups:
 def record_param_groups(module: Any) -> None:
     """Keep :func:`full_param_groups` of ``module`` on it, for this and later Trainer entries (which find it split).
 
-    This calls the user's ``configure_optimizers`` once more than Lightning does; if that fails, the fit goes on
-    without the record (with a warning), and only single-device conversions of its optimizer state are refused.
+    This calls the user's ``configure_optimizers`` once more than Lightning does, on the full (meta-device) model; an
+    error it raises propagates, with a note saying why the call happened.
     """
+    module.__dict__.pop(_RECORD_ATTR, None)
     try:
         module.__dict__[_RECORD_ATTR] = full_param_groups(module)
     except Exception as err:
-        module.__dict__.pop(_RECORD_ATTR, None)
-        warnings.warn(
-            f"`configure_optimizers` failed on the full model before the split ({type(err).__name__}: {err}), so the"
-            " optimizers' single-device parameter order is not recorded: `fit(ckpt_path=<single-device .ckpt>)`"
-            " and `consolidate --with-optimizer` of this run's checkpoints will be refused.",
-            stacklevel=2,
+        note = (
+            "lightning-pipe: raised by `configure_optimizers`, which the strategy calls once on the full model before"
+            " it splits it, to record the optimizers' single-device parameter order (for single-device checkpoints)."
+            " It must work on the model as `configure_model` built it."
         )
+        if hasattr(err, "add_note"):
+            err.add_note(note)
+        raise
 
 
 def recorded_param_groups(module: Any) -> ParamGroups | None:

@@ -7,9 +7,9 @@ outside Lightning can rely on it; they are imported here only, so an upgrade has
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 # Process-group set-up as `DDPStrategy.setup_distributed` does it; public replacement: none in Lightning 2.6.
-from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device as default_process_group_backend_for_device,
 )
@@ -26,11 +26,14 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
 # The launcher that re-runs the script once per local rank, as `DDPStrategy._configure_launcher` uses it; subclassed
-# by `watchdog.PipelineLauncher` for its child spawning (`_call_children_scripts`), `kill` and `procs`.
-# Public replacement: none (Lightning has no public launcher to subclass).
+# by `reliability.launcher.PipelineLauncher` for its `kill` and `procs`. Public replacement: none (Lightning has no
+# public launcher to subclass).
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
+
+# Raised by Lightning's Tuner to end the trial `fit` of `lr_find`/`scale_batch_size`: control flow, not a failure.
+from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerExitException
 
 
 def called_from_model_summary(depth: int = 8) -> bool:
@@ -49,6 +52,24 @@ def called_from_model_summary(depth: int = 8) -> bool:
     return False
 
 
+def start_children(launcher: SubprocessScriptLauncher) -> None:
+    """Start the other local ranks by re-running the script, as ``_SubprocessScriptLauncher.launch`` does before it
+    calls the Trainer's function (``_call_children_scripts``: sets ``launcher.procs``). Public replacement: none."""
+    launcher._call_children_scripts()
+
+
+class LauncherHook:
+    """Mixin for a strategy: Lightning asks a strategy for its launcher through the private ``_configure_launcher``
+    (called by the accelerator connector; ``Strategy.launcher`` reads ``_launcher``). The strategy implements the
+    public :meth:`make_launcher` instead. Public replacement: none in Lightning 2.6."""
+
+    def make_launcher(self) -> Any:
+        raise NotImplementedError
+
+    def _configure_launcher(self) -> None:
+        self._launcher = self.make_launcher()
+
+
 def set_device_mesh(lightning_module: object, mesh: object) -> None:
     """Expose ``mesh`` as ``LightningModule.device_mesh`` (a read-only property over ``_device_mesh``), as
     ``ModelParallelStrategy.setup_environment`` does, so ``configure_model`` can use it."""
@@ -56,13 +77,15 @@ def set_device_mesh(lightning_module: object, mesh: object) -> None:
 
 
 __all__ = [
+    "LauncherHook",
     "SubprocessScriptLauncher",
+    "TunerExitException",
     "called_from_model_summary",
     "default_process_group_backend_for_device",
-    "distributed_is_initialized",
     "init_dist_connection",
     "optimizers_to_device",
     "set_device_mesh",
     "set_num_threads_if_needed",
+    "start_children",
     "sync_ddp_if_available",
 ]

@@ -10,6 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 
+def is_metric(value: Any) -> bool:
+    """Whether ``value`` is a ``torchmetrics.Metric`` (public class; tested by name, without importing torchmetrics
+    when the user does not)."""
+    return any(cls.__name__ == "Metric" and cls.__module__.startswith("torchmetrics") for cls in type(value).__mro__)
+
+
+def is_metric_container(value: Any) -> bool:
+    """A torchmetrics object of any kind (a metric or a ``MetricCollection``): holds state, never a pipeline unit."""
+    return any(cls.__module__.startswith("torchmetrics") for cls in type(value).__mro__)
+
+
 def forward_value(metric: Any) -> Any:
     """The value of the metric's last ``forward`` (``metric._forward_cache``): what Lightning logs as the step value of
     a logged metric object. No public getter."""

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lightning_pipe
-from lightning_pipe import memory
 from lightning_pipe.checkpoint import io as ckpt_io
+from lightning_pipe.measure import memory
 from tests.eval_models import LitEvalLM
 from tests.models import VOCAB, LitLM
 from tests.scripts.ckpt_common import LitLMScheduled

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.interception import LoggedValue
-from lightning_pipe.protocol import Outcome
-from lightning_pipe.sharing import OutcomeChannel
+from lightning_pipe.step.interception import LoggedValue
+from lightning_pipe.step.protocol import Outcome
+from lightning_pipe.step.sharing import OutcomeChannel
 
 STEPS = [
     ("first", Outcome(loss=torch.tensor(1.5), key_checksum=7), True),

@@ -1,0 +1,194 @@
+"""Every ``torch.distributed`` communication call of lightning-pipe, with its tensors on a device the group serves.
+
+NCCL serves CUDA tensors only (a CPU tensor in an NCCL collective raises "No backend type associated with device type
+cpu"); gloo serves CPU tensors (and CUDA ones by copying). A group whose backend is a per-device mix
+(``"cpu:gloo,cuda:nccl"``, the strategy's default on CUDA) serves both. Each function here moves what it sends to a
+device the group serves and hands results back on the caller's device, so no other module needs to know the backend.
+``tests/test_architecture.py`` fails if a ``torch.distributed`` communication call appears anywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: A ``dist.ProcessGroup``. Every function takes the group it communicates over: ``None`` never stands for "the
+#: world" (:func:`world_group` is that group) nor for "nobody" (a one-rank group makes every call a no-op).
+Group = Any
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_group() -> Group:
+    """The default process group (``None`` before one exists): a new one means every subgroup must be rebuilt."""
+    return dist.group.WORLD if is_initialized() else None
+
+
+def world_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def group_ranks(group: Group) -> list[int]:
+    """Global ranks of ``group`` in group-rank order."""
+    if not is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group)
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def default_backend(device: torch.device) -> str:
+    """``"cpu:gloo,cuda:nccl"`` on CUDA: NCCL moves activations and gradients, gloo the CPU tensors a step sends
+    (a pure NCCL group raises on them); Lightning's default for any other device."""
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    from lightning_pipe.compat.lightning import default_process_group_backend_for_device
+
+    return default_process_group_backend_for_device(device)
+
+
+def served_device(group: Group, preferred: torch.device) -> torch.device:
+    """The device for tensors sent over ``group``: ``preferred`` if the group's backend serves its type, else one it
+    serves (NCCL: the current CUDA device; gloo: the CPU)."""
+    if not is_initialized():
+        return preferred
+    if preferred.type in served_device_types(str(dist.get_backend(group))):
+        return preferred
+    if "cuda" in served_device_types(str(dist.get_backend(group))) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def served_device_types(backend: str) -> set[str]:
+    """Device types a backend string serves: ``"cpu:gloo,cuda:nccl"`` both, ``"nccl"`` CUDA, ``"gloo"`` CPU."""
+    backend = backend.lower()
+    if ":" in backend:
+        return {part.split(":", 1)[0].strip() for part in backend.split(",")}
+    return {"nccl": {"cuda"}, "gloo": {"cpu"}, "mpi": {"cpu", "cuda"}}.get(backend, {"cpu", "cuda"})
+
+
+def _on(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    return tensor.to(served_device(group, tensor.device))
+
+
+def new_group(ranks: list[int]) -> Group:
+    """A process group of global ``ranks`` (collective: every rank calls it, for every group, in the same order)."""
+    return dist.new_group(ranks)
+
+
+# ---------------------------------------------------------------------------------------------------- collectives
+def all_reduce_(tensor: torch.Tensor, group: Group, op: Any = None) -> torch.Tensor:
+    """Sum (or ``op``) ``tensor`` over ``group`` in place."""
+    if group_size(group) == 1:
+        return tensor
+    moved = _on(tensor, group)
+    dist.all_reduce(moved, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_reduce_start(tensor: torch.Tensor, group: Group) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Start summing ``tensor`` over ``group`` (asynchronously, in place); :func:`all_reduce_finish` completes it.
+
+    Several started reductions run back to back on the group while the caller prepares the next one.
+    """
+    moved = _on(tensor, group)
+    work = dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group, async_op=True) if group_size(group) > 1 else None
+    return work, moved, tensor
+
+
+def all_reduce_finish(handle: tuple[Any, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Wait for a reduction :func:`all_reduce_start` began; the result is in its tensor, which is returned."""
+    work, moved, tensor = handle
+    if work is not None:
+        work.wait()
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """Overwrite ``tensor`` with global rank ``src``'s, in place."""
+    if group_size(group) == 1:
+        return tensor
+    moved = _on(tensor, group)
+    dist.broadcast(moved, src, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int, group: Group, device: torch.device | None = None) -> Any:
+    """``obj`` of global rank ``src``, on every rank of ``group`` (pickled)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group, device=served_device(group, device or torch.device("cpu")))
+    return box[0]
+
+
+def all_gather(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on the caller's device."""
+    if group_size(group) == 1:
+        return [tensor]
+    moved = _on(tensor, group)
+    out = [torch.empty_like(moved) for _ in range(group_size(group))]
+    dist.all_gather(out, moved, group=group)
+    return [t.to(tensor.device) for t in out]
+
+
+def all_gather_object(obj: Any, group: Group, device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``obj``, in group-rank order (pickled)."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    if device is not None and device.type == "cuda":
+        # all_gather_object communicates on the current CUDA device under NCCL.
+        with torch.cuda.device(device):
+            dist.all_gather_object(out, obj, group=group)
+    else:
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Group, device: torch.device | None = None) -> None:
+    if not is_initialized():
+        return
+    if device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower():
+        dist.barrier(group=group, device_ids=[device.index if device.index is not None else 0])
+    else:
+        dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------------- point to point
+def isend(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0) -> tuple[Any, torch.Tensor]:
+    """Post a non-blocking send to global rank ``dst``; returns ``(work, buffer)``: keep both until :func:`wait`."""
+    moved = _on(tensor.contiguous(), group)
+    return dist.isend(moved, dst, group=group, tag=tag), moved
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0) -> tuple[Any, torch.Tensor]:
+    """Post a non-blocking receive from global rank ``src`` into ``tensor``, which must be on a device ``group`` serves
+    (:func:`served_device`); returns ``(work, tensor)``: the data is there after :func:`wait`."""
+    return dist.irecv(tensor, src, group=group, tag=tag), tensor
+
+
+def recv_(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+    moved = _on(tensor, group)
+    dist.recv(moved, src, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def wait(pending: list[tuple[Any, torch.Tensor]]) -> None:
+    for work, _buffer in pending:
+        work.wait()

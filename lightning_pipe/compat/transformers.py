@@ -1,0 +1,28 @@
+"""Private transformers names used by lightning-pipe, one function each (checked with transformers 4.54-4.57, 5.x).
+
+transformers is optional: nothing here imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+#: The per-module initialisation hook of ``PreTrainedModel`` (``_init_weights(module)``), which nanoGPT / GPT-2 style
+#: models copy (``self.apply(self._init_weights)``). A model's own convention, read where the model defines it.
+INIT_WEIGHTS = "_init_weights"
+
+
+def init_weights_hook(module: Any) -> Optional[Callable[[Any], Any]]:
+    """The module's ``_init_weights(module)`` when it defines one."""
+    hook = getattr(module, INIT_WEIGHTS, None)
+    return hook if callable(hook) else None
+
+
+def head_pp_plan(model: Any) -> dict[str, Any]:
+    """The task model's pipeline plan entries (``lm_head``): the class's ``_pp_plan`` with the instance's on top.
+
+    The instance's ``_pp_plan`` holds the user's changes and also the base model's entries, prefixed (transformers >= 5)
+    or not (4.x, whose ``post_init`` drops the class's heads from it). Public replacement: none (``model.pp_plan`` in
+    5.x merges both in an order that puts the heads first).
+    """
+    return {**(getattr(type(model), "_pp_plan", None) or {}), **(model.__dict__.get("_pp_plan") or {})}

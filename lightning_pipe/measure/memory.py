@@ -1,0 +1,325 @@
+"""Memory per rank, measured: model state, activations saved for backward, and peak during a block of code.
+
+Three figures answer "will this layout fit":
+
+- :func:`state_bytes`: parameters, gradients and optimizer state a rank holds (each storage counted once, so tied
+  or viewed tensors are not counted twice);
+- :class:`SavedTensorBytes` / :func:`saved_bytes`: bytes autograd keeps for backward during a forward, which a
+  stage holds once per microbatch in flight (what activation checkpointing reduces);
+- :class:`PeakMemory`: the most bytes allocated at once during a block of code, e.g. model construction.
+
+On CUDA the peak is the caching allocator's ``max_memory_allocated``. torch has no CPU allocator statistics (torch
+2.13: ``torch.accelerator.memory_stats`` refuses the CPU, ``torch.cpu`` has none), so on the CPU the peak is
+counted from the tensors themselves: a dispatch mode sees every tensor an operator returns and a finaliser on its
+storage sees it freed. That counts exactly what torch allocates (the figure that matches ``max_memory_allocated``),
+not the Python heap or the allocator's slack; the process's peak resident set (Linux ``VmHWM``, reset through
+``/proc/self/clear_refs``) is reported beside it where the kernel allows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.compat import torch as torch_compat
+from lightning_pipe.structures import tensors_in
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``3.0 KiB``, ``1.50 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    s = t.untyped_storage()
+    if t.device.type == "meta":
+        # Meta storages all have address 0; the storage object itself is kept alive by the caller while it counts.
+        return ("meta", id(s))
+    return (t.device, s.data_ptr())
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[Any, ...], int] = {}
+    for t in tensors:
+        # A DTensor (FSDP) counts what this rank holds: its local shard.
+        t = t.to_local() if hasattr(t, "to_local") else t
+        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+# ------------------------------------------------------------------------------------------------ model state
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state one rank holds."""
+
+    parameters: int
+    """Parameters and buffers of the rank's stages."""
+    gradients: int
+    """``.grad`` of those parameters (0 before the first backward)."""
+    optimizer_state: int
+    """Tensors in the optimizers' ``state`` (e.g. Adam's two moments and step)."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def report(self, rank: int, stages: Sequence[int]) -> str:
+        """One line for the log: rank, stages and each figure."""
+        return (
+            f"rank {rank} stages {list(stages)}: parameters {format_bytes(self.parameters)}, gradients"
+            f" {format_bytes(self.gradients)}, optimizer state {format_bytes(self.optimizer_state)}, total"
+            f" {format_bytes(self.total)}"
+        )
+
+
+def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
+    """Parameter (and buffer), gradient and optimizer-state bytes of ``module`` and ``optimizers``.
+
+    Optimizer state is walked from ``optimizer.state``, so it counts only what the optimizer has created (Adam
+    creates its moments at the first ``step``).
+    """
+    params = list(module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [
+        value
+        for optimizer in optimizers
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return StateBytes(
+        parameters=_unique_bytes([*params, *module.buffers()]),
+        gradients=_unique_bytes(grads),
+        optimizer_state=_unique_bytes(state),
+    )
+
+
+# ------------------------------------------------------------------------------------------ saved for backward
+def _storage_key_or_none(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """The storage key of ``t``, its local shard's for a DTensor, or None for a tensor without live storage (an FSDP
+    parameter whose unsharded storage is freed between steps)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    try:
+        return _storage_key(t)
+    except RuntimeError:
+        return None
+
+
+class SavedTensorBytes:
+    """Context manager: bytes of the tensors autograd saves for backward inside it, each storage counted once.
+
+    Storages of ``exclude`` (a module's parameters and buffers, which the stage holds anyway) are not counted.
+    Inside ``torch.utils.checkpoint`` regions only the checkpoint's inputs are saved, and that is what is counted.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {key for key in map(_storage_key_or_none, exclude) if key is not None}
+        self._seen: dict[tuple[Any, ...], tuple[int, Any]] = {}
+        self._hooks: Any = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for n, _ in self._seen.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._exclude and key not in self._seen:
+            # Holding the storage keeps its address from being reused by another tensor while we count.
+            storage = t.untyped_storage()
+            self._seen[key] = (storage.nbytes(), storage)
+        return t
+
+    def __enter__(self) -> SavedTensorBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        # Keep the byte counts, drop the storages: the caller may free the graph now.
+        self._seen = {k: (n, None) for k, (n, _) in self._seen.items()}
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def saved_bytes(module: nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> int:
+    """Bytes ``module(*args, **kwargs)`` saves for backward (activations only: its own parameters are excluded)."""
+    with torch.enable_grad(), SavedTensorBytes(exclude=_own_tensors(module)) as meter:
+        module(*args, **(kwargs or {}))
+    return meter.bytes
+
+
+class SavedBytesRecorder:
+    """Records the saved-for-backward bytes of the first forward of ``module`` run with gradients enabled.
+
+    Meant for a stage module during the first training step: ``bytes`` is then the bytes the stage keeps per
+    microbatch in flight. The hooks remove themselves after that forward.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.bytes: int | None = None
+        self._module = module
+        self._meter: SavedTensorBytes | None = None
+        self._handles = [
+            module.register_forward_pre_hook(self._start),
+            module.register_forward_hook(self._stop),
+        ]
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if self.bytes is None and self._meter is None and torch.is_grad_enabled():
+            self._meter = SavedTensorBytes(exclude=_own_tensors(module)).__enter__()
+
+    def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self.bytes, self._meter = self._meter.bytes, None
+            self.remove()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+# ------------------------------------------------------------------------------------------------------ peak
+def _rss_peak_reset() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _rss_now() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _CPUTensorTracker:
+    """Live and peak bytes of the CPU tensors created while it is active (see the module docstring)."""
+
+    def __init__(self) -> None:
+        TorchDispatchMode = torch_compat.dispatch_mode_class()
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                tracker.track(out, (args, kwargs))
+                return out
+
+        self.live = 0
+        self.peak = 0
+        self._ids: set[int] = set()
+        self.mode = _Mode()
+
+    def track(self, out: Any, inputs: Any) -> None:
+        # Views and in-place results share an input's storage: not an allocation (the input may predate us).
+        shared = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+        for t in tensors_in(out):
+            if t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            if id(storage) in self._ids or storage.data_ptr() in shared:
+                continue
+            n = storage.nbytes()
+            self._ids.add(id(storage))
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, id(storage), n)
+
+    def _free(self, key: int, n: int) -> None:
+        if key in self._ids:
+            self._ids.discard(key)
+            self.live -= n
+
+
+class PeakMemory:
+    """Context manager: the most bytes allocated at once on ``device`` inside it, above what was allocated before.
+
+    ``bytes``: CUDA's ``max_memory_allocated`` (minus the allocation at entry), or on the CPU the peak of the live
+    bytes of tensors created inside (tensors that existed before are not counted, as on CUDA). ``rss_bytes``
+    (CPU, Linux): the process's peak resident set above the resident set at entry, or None where it cannot be read.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.bytes = 0
+        self.rss_bytes: int | None = None
+        self._base = 0
+        self._tracker: _CPUTensorTracker | None = None
+        self._rss_base: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif self.device.type == "cpu":
+            self._rss_base = _rss_now() if _rss_peak_reset() else None
+            self._tracker = _CPUTensorTracker()
+            self._tracker.mode.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        elif self._tracker is not None:
+            self._tracker.mode.__exit__(exc_type, exc, tb)
+            self.bytes = self._tracker.peak
+            peak = _rss_peak()
+            if self._rss_base is not None and peak is not None:
+                self.rss_bytes = max(peak - self._rss_base, 0)
+
+
+# ----------------------------------------------------------------------------------------------------- report
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one rank measured at startup; ``saved_per_microbatch`` maps stage index to bytes."""
+
+    rank: int
+    stages: tuple[int, ...]
+    state: StateBytes
+    saved_per_microbatch: dict[int, int]
+    construction_peak: int | None
+
+    def lines(self) -> list[str]:
+        """The log lines: one for the model state, one per stage's saved bytes, one for construction."""
+        out = [self.state.report(self.rank, self.stages)]
+        for stage, n in sorted(self.saved_per_microbatch.items()):
+            out.append(f"rank {self.rank} stage {stage}: {format_bytes(n)} saved for backward per microbatch")
+        if self.construction_peak is not None:
+            out.append(f"rank {self.rank}: peak {format_bytes(self.construction_peak)} allocated during construction")
+        return out

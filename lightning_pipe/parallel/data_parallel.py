@@ -1,0 +1,92 @@
+"""Data parallelism across pipeline replicas: ``"ddp"`` (replicated stages, bucketed all-reduce) or ``"fsdp"``
+(FSDP2 ``fully_shard`` over the mesh's ``"dp"`` axis).
+
+``"ddp"`` keeps every stage's parameters, gradients and optimizer state whole on each replica; gradients are averaged
+once per optimizer step by :class:`~lightning_pipe.parallel.grads.GradientSync` (buckets of at most ``bucket_bytes``).
+
+``"fsdp"`` shards each stage over its replicas: every block of the stage is one ``fully_shard`` unit, and the stage
+module is the root unit holding the rest (the embedding on the first stage, norm and head on the last). Parameters,
+gradients and optimizer state are DTensors sharded on dim 0 over ``"dp"``; names do not change. A unit's parameters
+are gathered (all-gather) at its first forward of a schedule step and stay whole until the step's end. torch's
+``PipelineStage`` recognises the FSDP root and runs the reduce-scatter itself once all microbatches of a schedule step
+went backward (one per unit: the units are the buckets);
+:meth:`~lightning_pipe.strategy.PipelineParallelStrategy.block_backward_sync` defers it, with the unsharded gradients,
+to the last batch of an accumulation window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.split.surgery import find_block
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def shard_stage(stage_module: nn.Module, block_names: Sequence[str], mesh: DeviceMesh) -> list[str]:
+    """``fully_shard`` the blocks of ``block_names`` that ``stage_module`` holds, then ``stage_module`` as the root
+    unit; return the sharded blocks' names.
+
+    ``mesh`` is the one-axis ``"dp"`` mesh. No unit reshards after its forward: a schedule step keeps the stage's
+    parameters gathered from its first forward to the reduce-scatter after its last backward (as torchtitan does with
+    pipelining). The split-backward schedules need it: their weight gradients of a microbatch are computed after later
+    microbatches' forwards, against the gathered parameters. :func:`reshard` frees them after an evaluation step.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = []
+    for name in block_names:
+        block = find_block(stage_module, name)
+        if block is not None:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+            sharded.append(name)
+    fully_shard(stage_module, mesh=mesh, reshard_after_forward=False)
+    return sharded
+
+
+def reshard(stages: Iterable[nn.Module]) -> None:
+    """Free the gathered parameters of every FSDP unit of ``stages`` (after a forward-only step, which has no backward
+    to do it), so that the optimizer, checkpoints and the next step find the sharded parameters registered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for stage in stages:
+        for module in stage.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def check_token_weighting(settings: PipelineSettings, accumulate: int, grad_scale: Any) -> None:
+    """Refuse a token-weighted step (``num_items``) that FSDP would average wrongly over an accumulation window.
+
+    FSDP accumulates the window's unsharded gradients and reduce-scatters their sum once; each batch's
+    ``1 / num_items`` can then no longer be applied to its own part.
+    """
+    if grad_scale is not None and accumulate > 1 and settings.sharded:
+        raise PipelineConfigError(
+            f"`data_parallel='fsdp'` with `accumulate_grad_batches={accumulate}` cannot weight a step's gradients by"
+            " the `num_items` its `training_step` returned: FSDP sums the window's unsharded gradients before any"
+            " batch's item count is known. Use `data_parallel='ddp'`, or `accumulate_grad_batches=1` with a larger"
+            " batch (more microbatches), or return the loss without `num_items`."
+        )
+
+
+def parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters of ``modules`` as they are now (each once)."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())

@@ -1,0 +1,306 @@
+"""The strategy's settings: one frozen object, validated once when it is made, with every ``"auto"`` resolved later.
+
+:class:`PipelineSettings` holds every argument of ``PipelineParallelStrategy``. Its constructor checks each value and
+each combination that needs no world size, so a bad configuration fails before any process starts, with an error that
+names the argument, the value and the fix. :meth:`PipelineSettings.resolve` returns a copy in which the world-size
+dependent ``"auto"`` values are decided; the layers below receive that copy instead of long parameter lists.
+
+Pure: no process group, no step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+# An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
+# is reported as a parse error naming the key instead of failing later inside the strategy.
+from jsonargparse.typing import NonNegativeInt as NonNegativeInt
+from jsonargparse.typing import PositiveInt as PositiveInt
+
+from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+
+ScheduleName = Literal[
+    "auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
+#: Every schedule torch ships, by its canonical name.
+SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+#: Schedules that drive exactly one stage per rank.
+SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
+#: Schedules that place two stages per rank in a V: stage s and stage 2*P-1-s share a rank, so the last stage is on
+#: pipeline rank 0.
+V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
+BALANCE_MODES = ("auto", "params", "blocks")
+FRONTENDS = ("auto", "modules", "trace")
+DataParallelMode = Literal["ddp", "fsdp"]
+DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
+DP, PP = "dp", "pp"
+#: Which mesh axis holds consecutive ranks (ranks on one node when the launcher fills nodes in order).
+InnerAxis = Literal["dp", "pp"]
+
+#: Default ``timeout`` of the strategy's process group: a third of torch's 30 minutes. A rank that raises or dies no
+#: longer makes the others wait for it (the failure board and the watchdog end the run within seconds, on any
+#: backend), so the timeout only bounds waits on a rank that hangs without failing: a deadlock, a lost node, an NCCL
+#: hang. It must still exceed the longest legitimate one-sided wait, e.g. the other ranks waiting in a barrier while
+#: one loads or writes a multi-GB checkpoint on slow storage, compiles its stages on the first step, or runs a
+#: rank-0-only callback. 10 minutes is Megatron-LM's default (``--distributed-timeout-minutes``).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def canonical_schedule(name: str) -> str:
+    """Map a schedule name, in any letter case, to its canonical spelling (``"auto"`` stays ``"auto"``)."""
+    lookup = {s.lower(): s for s in (*SCHEDULES, "auto")}
+    try:
+        return lookup[str(name).lower()]
+    except KeyError:
+        raise PipelineConfigError(
+            f"Unknown `schedule={name!r}`. Choose one of {', '.join(SCHEDULES)} or 'auto'."
+        ) from None
+
+
+def resolve_schedule(schedule: str, stages_per_rank: Union[int, str]) -> tuple[str, int]:
+    """Resolve ``schedule`` and ``stages_per_rank`` together.
+
+    ``schedule="auto"`` is ``"1F1B"`` with one stage per rank and ``"Interleaved1F1B"`` with more.
+    ``stages_per_rank="auto"`` is 1 for GPipe/1F1B and 2 for every multi-stage schedule.
+    """
+    name = canonical_schedule(schedule)
+    if stages_per_rank != "auto" and (not _is_int(stages_per_rank) or stages_per_rank < 1):  # type: ignore[operator]
+        raise PipelineConfigError(f"`stages_per_rank` must be 'auto' or an int >= 1, got {stages_per_rank!r}.")
+    if name == "auto":
+        spr = 1 if stages_per_rank == "auto" else int(stages_per_rank)
+        return ("1F1B" if spr == 1 else "Interleaved1F1B"), spr
+    if stages_per_rank == "auto":
+        return name, 1 if name in SINGLE_STAGE else 2
+    if name in SINGLE_STAGE and stages_per_rank != 1:
+        raise PipelineConfigError(
+            f"`schedule={name!r}` runs one stage per rank but `stages_per_rank={stages_per_rank}`. Use"
+            " `stages_per_rank=1`, or a multi-stage schedule such as 'Interleaved1F1B'."
+        )
+    if name in V_SHAPED and stages_per_rank != 2:
+        raise PipelineConfigError(
+            f"`schedule={name!r}` places exactly two stages per rank (V shape) but `stages_per_rank={stages_per_rank}`."
+            " Use `stages_per_rank=2` or 'auto'."
+        )
+    return name, int(stages_per_rank)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_pipeline_size(pipeline_size: Union[int, str]) -> None:
+    """Validate ``pipeline_size`` on its own (the world size is checked in :func:`resolve_pipeline_size`)."""
+    if pipeline_size != "auto" and (not _is_int(pipeline_size) or pipeline_size < 1):  # type: ignore[operator]
+        raise PipelineConfigError(f"`pipeline_size` must be 'auto' or an int >= 1, got {pipeline_size!r}.")
+
+
+def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int) -> tuple[int, int]:
+    """Return ``(pipeline_size, data_parallel_size)``; ``"auto"`` makes every process one stage of one pipeline."""
+    check_pipeline_size(pipeline_size)
+    if pipeline_size == "auto":
+        return world_size, 1
+    size = int(pipeline_size)
+    if world_size % size != 0:
+        raise PipelineConfigError(
+            f"The world size ({world_size} processes) is not divisible by `pipeline_size={size}`: every"
+            " data-parallel replica needs a whole pipeline. Set `pipeline_size` to a divisor of the world size, or"
+            " change `devices`/`num_nodes`."
+        )
+    return size, world_size // size
+
+
+def check_microbatch_settings(microbatches: Union[int, str], microbatch_size: Union[int, None]) -> None:
+    """Validate the constructor's microbatch arguments before any batch is seen."""
+    if microbatches != "auto" and (not _is_int(microbatches) or microbatches < 1):  # type: ignore[operator]
+        raise PipelineConfigError(f"`microbatches` must be 'auto' or an int >= 1, got {microbatches!r}.")
+    if microbatch_size is not None:
+        if not _is_int(microbatch_size) or microbatch_size < 1:
+            raise PipelineConfigError(f"`microbatch_size` must be None or an int >= 1, got {microbatch_size!r}.")
+        if microbatches != "auto":
+            raise PipelineConfigError(
+                f"Set either `microbatches` ({microbatches}) or `microbatch_size` ({microbatch_size}), not both."
+            )
+
+
+def check_eval_microbatches(value: object) -> None:
+    """Validate ``eval_microbatches``."""
+    if value != "auto" and (not _is_int(value) or value < 1):  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`eval_microbatches` must be 'auto' or an int >= 1, got {value!r}. 'auto' uses one microbatch per"
+            " process of the pipeline."
+        )
+
+
+def check_balance_setting(balance: Union[str, Sequence[int]]) -> None:
+    """Validate ``balance`` on its own (its length and sum are checked against the model in the builder)."""
+    if isinstance(balance, str):
+        if balance not in BALANCE_MODES:
+            raise PipelineConfigError(
+                f"`balance={balance!r}` is not one of 'auto', 'params', 'blocks' or a list of blocks per stage."
+            )
+        return
+    if not isinstance(balance, (list, tuple)) or not all(_is_int(n) for n in balance):
+        raise PipelineConfigError(
+            f"`balance` must be 'auto', 'params', 'blocks' or a list of ints (blocks per stage), got {balance!r}."
+        )
+
+
+def check_data_parallel(data_parallel: str) -> None:
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise PipelineConfigError(
+            f"`data_parallel={data_parallel!r}` is not one of 'ddp', 'fsdp'. Use 'ddp' to replicate each stage on"
+            " every data-parallel rank, or 'fsdp' to shard its parameters, gradients and optimizer state."
+        )
+
+
+def check_inner_axis(inner_axis: str) -> None:
+    if inner_axis not in (PP, DP):
+        raise PipelineConfigError(
+            f"`inner_axis={inner_axis!r}` is not one of 'dp', 'pp'. Use 'dp' to keep each stage's data-parallel"
+            " replicas on consecutive ranks (one node), or 'pp' to keep each pipeline's stages there."
+        )
+
+
+def resolve_every(activation_checkpointing: Union[bool, int]) -> int:
+    """Which blocks are checkpointed: every ``k``-th; ``True`` is 1 (every block), ``False`` is 0 (none)."""
+    if isinstance(activation_checkpointing, bool):
+        return int(activation_checkpointing)
+    if not _is_int(activation_checkpointing) or activation_checkpointing < 0:
+        raise PipelineConfigError(
+            f"`activation_checkpointing={activation_checkpointing!r}` must be a bool or an int >= 0 (k checkpoints"
+            " every k-th block). Use True for every block, False or 0 for none, or a positive int."
+        )
+    return activation_checkpointing
+
+
+# ---------------------------------------------------------------------------------------------------- the settings
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Every argument of ``PipelineParallelStrategy`` (documented there), validated once, when it is made.
+
+    Values are normalised: ``schedule`` to its canonical spelling, ``frontend="auto"`` to ``"modules"``, lists to
+    tuples, ``activation_checkpointing`` to the block interval. ``world_size`` is ``None`` until :meth:`resolve`
+    decides the ``"auto"`` values that depend on it.
+    """
+
+    pipeline_size: Union[Literal["auto"], int] = "auto"
+    schedule: str = "auto"
+    microbatches: Union[Literal["auto"], int] = "auto"
+    microbatch_size: Optional[int] = None
+    stages_per_rank: Union[Literal["auto"], int] = "auto"
+    module: str = "auto"
+    frontend: str = "auto"
+    blocks: str = "auto"
+    split_points: Optional[tuple[str, ...]] = None
+    balance: Union[str, tuple[int, ...]] = "auto"
+    process_group_backend: Optional[str] = None
+    timeout: Optional[timedelta] = DEFAULT_TIMEOUT
+    init_weights: Optional[Path] = None
+    eval_microbatches: Union[Literal["auto"], int] = "auto"
+    data_parallel: str = "ddp"
+    inner_axis: str = DP
+    #: checkpoint every k-th block of the block stack (0: none)
+    activation_checkpointing: int = 0
+    #: the processes of the run; ``None`` until :meth:`resolve`
+    world_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_pipeline_size(self.pipeline_size)
+        resolve_schedule(self.schedule, self.stages_per_rank)
+        check_microbatch_settings(self.microbatches, self.microbatch_size)
+        check_eval_microbatches(self.eval_microbatches)
+        check_balance_setting(self.balance)
+        if self.split_points is not None and not isinstance(self.balance, str):
+            raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
+        if self.frontend not in FRONTENDS:
+            raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'trace'.")
+        check_data_parallel(self.data_parallel)
+        check_inner_axis(self.inner_axis)
+        normal = {
+            "schedule": canonical_schedule(self.schedule),
+            "frontend": "modules" if self.frontend == "auto" else self.frontend,
+            "split_points": None if self.split_points is None else tuple(self.split_points),
+            "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
+            "activation_checkpointing": resolve_every(self.activation_checkpointing),
+            "init_weights": None if self.init_weights is None else Path(self.init_weights),
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+    def resolve(self, world_size: int) -> PipelineSettings:
+        """A copy with ``pipeline_size``, ``schedule`` and ``stages_per_rank`` decided for ``world_size`` processes."""
+        pipeline_size, _ = resolve_pipeline_size(self.pipeline_size, world_size)
+        schedule, stages_per_rank = resolve_schedule(self.schedule, self.stages_per_rank)
+        return dataclasses.replace(
+            self,
+            pipeline_size=pipeline_size,
+            schedule=schedule,
+            stages_per_rank=stages_per_rank,
+            world_size=world_size,
+        )
+
+    # ------------------------------------------------------------------------------------------ resolved values
+    @property
+    def resolved(self) -> bool:
+        return self.world_size is not None
+
+    def _require(self, what: str) -> None:
+        if not self.resolved:
+            raise PipelineUsageError(f"`{what}` is resolved when the processes start (setup_environment).")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Pipelines (data-parallel replicas): ``world_size / pipeline_size``."""
+        self._require("data_parallel_size")
+        return int(self.world_size) // int(self.pipeline_size)  # type: ignore[arg-type]
+
+    @property
+    def num_stages(self) -> int:
+        self._require("pipeline_size")
+        return int(self.pipeline_size) * int(self.stages_per_rank)
+
+    @property
+    def placement(self) -> str:
+        """How stages sit on the ranks of a pipeline: ``"v"`` (there and back) for V schedules, else ``"loop"``."""
+        self._require("schedule")
+        return "v" if self.schedule in V_SHAPED else "loop"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether stages are sharded over data-parallel replicas (``"fsdp"`` with more than one replica)."""
+        return self.data_parallel == "fsdp" and self.data_parallel_size > 1
+
+    def split_key(self) -> tuple:
+        """The settings that decide which units each stage holds and where it lives: two Trainers whose keys are
+        equal can share one split (another schedule of the same placement and stages per rank, other activation
+        checkpointing, other data parallelism)."""
+        return (
+            self.module,
+            self.frontend,
+            self.blocks,
+            self.split_points,
+            self.balance,
+            self.pipeline_size,
+            self.stages_per_rank,
+            self.placement,
+        )
+
+    def describe_split(self) -> str:
+        """The split key's settings by name, for messages."""
+        names = ("module", "frontend", "blocks", "split_points", "balance", "pipeline_size", "stages_per_rank")
+        parts = [f"{n}={v!r}" for n, v in zip(names, self.split_key())]
+        return ", ".join([*parts, f"placement={self.placement!r} (schedule {self.schedule})"])

@@ -1,0 +1,119 @@
+"""Training: one ``torch.distributed.pipelining`` schedule step per batch."""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.microbatch import resolve_microbatches
+from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
+from lightning_pipe.step.runtime import PipelineRuntime
+from lightning_pipe.step.stage import STEP, StepContext, chunk_aware_stage_class
+
+_MAX_CACHED_SCHEDULES = 8
+
+
+def _zero_loss(output: Any) -> torch.Tensor:
+    # torch infers backward shapes by back-propagating one loss through the first microbatch; any scalar that depends
+    # on the output gives the same shapes, and a constant zero keeps the user's step (and its side effects) out of it.
+    leaves = [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
+    return sum((t.float().sum() * 0.0 for t in leaves if t.is_floating_point()), torch.zeros(()))
+
+
+def step_options(schedule: Any) -> dict[str, Any]:
+    """Keyword arguments for ``schedule.step``: the last stage's outputs are not kept nor merged (each microbatch's
+    output already reached the user's step through the loss function), where this torch has ``return_outputs``.
+
+    Checked on the signature: torch versions without the option would pass it to the model as a keyword argument.
+    """
+    parameters = inspect.signature(type(schedule).step).parameters
+    return {"return_outputs": False} if "return_outputs" in parameters else {}
+
+
+class ScheduleExecutor:
+    """Runs a batch's microbatches through a torch schedule; gradients accumulate into the stages' ``.grad``.
+
+    Schedules are cached per microbatch count and call signature: torch infers stage shapes once per schedule, so a
+    batch of another shape (a short last batch, a longer sequence) gets a schedule of its own.
+    """
+
+    def __init__(self, runtime: PipelineRuntime, settings: PipelineSettings) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+
+    def plan(self, size: int) -> list[int]:
+        """Equal microbatch sizes for a batch of ``size`` samples (torch's schedules need equal shapes)."""
+        s = self.settings
+        n = resolve_microbatches(s.microbatches, s.microbatch_size, size, self.runtime.num_stages, "microbatches")
+        return [size // n] * n
+
+    def run(self, key: tuple, step: StepContext) -> None:
+        n = len(step.calls)
+        schedule, options = self._schedule(key, n)
+        # Every stage's forward receives the step as a keyword argument, the loss function too.
+        options = {**options, STEP: step, "loss_kwargs": {STEP: step}}
+        try:
+            if self.runtime.has_last:
+                # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
+                schedule.step(target=torch.arange(n), **options)
+            else:
+                schedule.step(**options)
+        except Exception as err:
+            # torch wraps an error of a stage's forward in its own RuntimeError; the stage's error is the one to see.
+            if step.failure is not None and step.failure is not err:
+                raise step.failure from None
+            raise
+
+    def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any]]:
+        """The schedule for ``key`` and the options of its ``step``."""
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        stage_cls = chunk_aware_stage_class()
+        runtime = self.runtime
+        stages = [
+            stage_cls(module, index, runtime.num_stages, runtime.device, group=runtime.group)
+            for index, module in runtime.stages.items()
+        ]
+        name = self.settings.schedule
+        cls = get_schedule_class(name)
+        try:
+            if name in SINGLE_STAGE:
+                schedule = cls(stages[0], n, loss_fn=self._loss, scale_grads=False)
+            else:
+                schedule = cls(stages, n, loss_fn=self._loss, scale_grads=False)
+        except ValueError as err:
+            raise PipelineConfigError(
+                f"torch's {name} schedule rejects {n} microbatches for {runtime.num_stages}"
+                f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it."
+            ) from err
+        self._schedules[key] = (schedule, step_options(schedule))
+        if len(self._schedules) > _MAX_CACHED_SCHEDULES:
+            self._schedules.popitem(last=False)
+        return self._schedules[key]
+
+    def _loss(self, output: Any, target: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The schedule's loss function: the microbatch's output goes to the user's step (``step.on_output``), whose
+        loss the schedule back-propagates. ``target`` carries the microbatch index; ``step`` comes as a keyword
+        argument of ``schedule.step(loss_kwargs=...)``."""
+        if step.inference_output:
+            # torch's backward shape inference, right after its forward shape inference (not a real microbatch).
+            step.inference_output = False
+            return _zero_loss(output)
+        assert step.on_output is not None, "the last stage's step has an output handler"
+        microbatch = int(target)  # a one-element chunk of torch.arange(n)
+        last = self.runtime.stages[self.runtime.num_stages - 1]
+        recorder = last.recorder
+        if recorder is None:
+            return step.on_output(microbatch, step.final_output(microbatch, output))
+        start = recorder.now()
+        loss = step.on_output(microbatch, step.final_output(microbatch, output))
+        recorder.compute("L", last.index, microbatch, start)
+        return loss

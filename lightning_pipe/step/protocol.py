@@ -1,0 +1,303 @@
+"""The step protocol: every training, validation, test and predict step of a pipelined LightningModule runs as
+
+    capture -> execute -> settle -> share -> replay
+
+1. **capture** (every rank): split the batch into microbatches and run the user's step on each until it calls the
+   network; the calls go into the rank's call book (the pipeline's input and every stage's side inputs).
+2. **execute**: an executor runs the microbatches through the stages (training: the torch schedule; evaluation: the
+   forward-only pass). On the last stage each microbatch's output answers the network call of one more run of the
+   user's step, which computes the loss (back-propagated by the schedule) and logs.
+3. **settle** (last stage): the step's loss, logs, metric step values and outputs for the whole batch
+   (:mod:`lightning_pipe.step.merging`, :mod:`lightning_pipe.step.metrics`).
+4. **share**: one collective per step sends that outcome to every rank of the pipeline
+   (:mod:`lightning_pipe.step.sharing`).
+5. **replay** (every rank): metric state mirrored, the step's logs logged, so loggers, the progress bar and callbacks
+   see the same values on every rank.
+
+Training and evaluation differ only in the executor they plug in.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_pipe.comm import collectives
+from lightning_pipe.errors import MicrobatchError, PipelineUsageError
+from lightning_pipe.microbatch import batch_size, signature, split_batch
+from lightning_pipe.step.executors.base import Executor
+from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue, recording_logs
+from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
+from lightning_pipe.step.metrics import MetricMirror, MetricUpdate, StepMetrics
+from lightning_pipe.step.rng import RngStreams
+from lightning_pipe.step.runtime import PipelineRuntime
+from lightning_pipe.step.sharing import OutcomeChannel
+from lightning_pipe.step.stage import StepContext
+from lightning_pipe.structures import map_structure
+
+TRAINING = "training_step"
+NUM_ITEMS = "num_items"
+DIFFERENT_BATCHES = (
+    "The ranks of one pipeline received batches of different shapes. Every stage must see the same batch: use"
+    " Lightning's default distributed sampler (`use_distributed_sampler=True`) or shard data only by"
+    " `trainer.strategy.distributed_sampler_kwargs` (data-parallel rank, not global rank)."
+)
+
+
+@dataclass
+class Outcome:
+    """What a step produced, identical on every rank of the pipeline after :meth:`StepProtocol.run`."""
+
+    #: the step's loss (training), averaged over the batch as one device would have
+    loss: torch.Tensor | None = None
+    #: ``1 / total num_items`` when the step returned ``num_items`` (gradients are scaled by it), else ``None``
+    grad_scale: float | None = None
+    logs: list[LoggedValue] = field(default_factory=list)
+    metric_updates: list[MetricUpdate] = field(default_factory=list)
+    #: the merged step output where it holds only scalars (every rank), else only on the last-stage rank
+    output: Any = None
+    output_shared: bool = False
+    #: checksum of the step's microbatching and call shapes on the last-stage rank
+    key_checksum: int = 0
+
+
+@dataclass
+class _Record:
+    """The last stage's per-microbatch results while a step runs."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    logs: dict[int, list[LoggedValue]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    items: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=64)
+def _checksum(key: tuple) -> int:
+    # crc32, not hash(): str hashes are salted per process. Cached: a run has a handful of keys, seen every step.
+    return zlib.crc32(repr(key).encode())
+
+
+class StepProtocol:
+    """Runs one LightningModule hook on one batch through the pipeline (see the module docstring)."""
+
+    def __init__(
+        self,
+        lightning_module: Any,
+        runtime: PipelineRuntime,
+        interceptor: CallInterceptor,
+        mirror: MetricMirror,
+        rng: RngStreams,
+    ) -> None:
+        self.lightning_module = lightning_module
+        self.runtime = runtime
+        self.interceptor = interceptor
+        self.mirror = mirror
+        self.rng = rng
+        self.channel = OutcomeChannel(runtime.group, runtime.last_stage_global_rank, runtime.device)
+        self._agreed: set[int] = set()
+
+    def close(self) -> None:
+        """Take off what this protocol installed on the LightningModule (the network's call interceptor, the metrics'
+        hooks) and wait for its last sends."""
+        self.interceptor.remove()
+        self.mirror.close()
+        self.channel.close()
+
+    def run(
+        self, hook: str, batch: Any, extra_args: tuple[Any, ...], executor: Executor, accumulate: int = 1
+    ) -> Outcome:
+        """Run ``hook`` on ``batch``; on the last stage each training microbatch's loss is scaled for
+        ``accumulate`` accumulated batches (Lightning's own division happens before the schedule's backward)."""
+        runtime = self.runtime
+        self.channel.expect()
+        size = batch_size(batch)
+        sizes = executor.plan(size)
+        n = len(sizes)
+        microbatches = split_batch(batch, n, sizes, size=size)
+        self.interceptor.hook = hook
+        with self.rng.compute():
+            calls = self._capture(hook, microbatches, extra_args)
+            key = (hook == TRAINING, n, signature([(c.args, c.kwargs) for c in calls]))
+            self._check_agreement(key)
+            step = StepContext(calls, sizes)
+            local = None
+            if runtime.has_last:
+                record = _Record()
+                scale = 1.0 / (n * accumulate)
+                with self.mirror.step(record_step_values=n > 1) as metrics:
+
+                    def on_output(m: int, output: Any) -> Any:
+                        return self._microbatch(hook, microbatches[m], extra_args, output, m, record, scale, accumulate)
+
+                    step.on_output = on_output
+                    executor.run(key, step)
+                    # Settled and sent after the schedule, not as soon as the last microbatch's loss is known: work
+                    # there delays the last backwards, which the other stages wait for (measured: +1.2 ms a step on
+                    # the small benchmark network). The other ranks' receive was posted when the step started.
+                    local = self._settle(hook, record, sizes, metrics, _checksum(key))
+            else:
+                executor.run(key, step)
+        shared = self.channel.share(self._portable(local) if local is not None else None)
+        if shared.key_checksum != _checksum(key):
+            raise MicrobatchError(DIFFERENT_BATCHES)
+        outcome = local if local is not None else shared
+        if local is None:
+            self.mirror.apply(shared.metric_updates, runtime.device)
+        self._replay(outcome.logs)
+        return outcome
+
+    # ------------------------------------------------------------------------------------------------ capture
+    def _capture(self, hook: str, microbatches: list[Any], extra_args: tuple[Any, ...]) -> list[Call]:
+        step = getattr(self.lightning_module, hook)
+        calls = []
+        # Logs of these partial runs are dropped: the full runs on the last stage log.
+        with recording_logs(self.lightning_module, []):
+            for mb in microbatches:
+                calls.append(self.interceptor.capture(lambda mb=mb: step(mb, *extra_args)))
+        return calls
+
+    def _check_agreement(self, key: tuple) -> None:
+        """Before the first step of each new shape: fail loudly, instead of hanging in a send/recv, when the ranks of
+        one pipeline got batches of different shapes. (Later steps are checked after the fact by the outcome.)"""
+        checksum = _checksum(key)
+        if checksum in self._agreed or self.runtime.pipeline_size == 1:
+            return
+        mine = torch.tensor([checksum], dtype=torch.int64)
+        everyone = collectives.all_gather(mine, self.runtime.group)
+        if len({int(t) for t in everyone}) != 1:
+            raise MicrobatchError(DIFFERENT_BATCHES)
+        self._agreed.add(checksum)
+
+    # ------------------------------------------------------------------------------------------------ last stage
+    def run_user_step(self, hook: str, microbatch: Any, extra_args: tuple, output: Any) -> tuple[Any, list]:
+        """Run the user's ``hook`` on one microbatch with the network's call answered by ``output``; record its logs."""
+        logs: list[LoggedValue] = []
+        with self.interceptor.responding(output), recording_logs(self.lightning_module, logs):
+            result = getattr(self.lightning_module, hook)(microbatch, *extra_args)
+        return result, logs
+
+    def _microbatch(
+        self,
+        hook: str,
+        microbatch: Any,
+        extra_args: tuple,
+        output: Any,
+        m: int,
+        record: _Record,
+        scale: float,
+        accumulate: int,
+    ) -> Any:
+        result, logs = self.run_user_step(hook, microbatch, extra_args, output)
+        record.results[m], record.logs[m] = result, logs
+        if hook != TRAINING:
+            items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
+            record.items[m] = None if items is None else torch.as_tensor(items).detach()
+            return None
+        loss, items = _loss_and_items(hook, result)
+        record.losses[m], record.items[m] = loss.detach(), items
+        if items is None:
+            return loss * scale
+        # Token-weighted: the sum of this microbatch's item losses; gradients are divided by the batch's total
+        # num_items once it is known (Outcome.grad_scale), which gives the batch's item mean as on one device.
+        return loss * items.to(loss.dtype) / accumulate
+
+    def _settle(self, hook: str, record: _Record, sizes: list[int], metrics: StepMetrics, checksum: int) -> Outcome:
+        n = len(sizes)
+        items = [record.items.get(m) for m in range(n)]
+        weighted = _check_items(hook, items)
+        weights = [float(i) for i in items] if weighted else [float(s) for s in sizes]
+        metrics.settle()
+        logs = merge_microbatch_logs(
+            [record.logs[m] for m in range(n)], weights=weights, step_value_of=metrics.step_value_of
+        )
+        outcome = Outcome(logs=logs, metric_updates=metrics.updates(), key_checksum=checksum)
+        if hook == TRAINING:
+            outcome.loss = _weighted_mean([record.losses[m] for m in range(n)], weights)
+            if weighted:
+                outcome.grad_scale = 1.0 / sum(weights)
+        if hook == TRAINING and not any(isinstance(r, Mapping) for r in record.results.values()):
+            # A bare loss (the usual training step): the step's output is the loss just computed.
+            output: Any = outcome.loss
+        else:
+            results = [map_structure(record.results[m], _detached) for m in range(n)]
+            output = merge_outputs(results, weights, hook)
+            if hook == TRAINING:
+                output = {**output, "loss": outcome.loss}
+        outcome.output = output
+        outcome.output_shared = hook != "predict_step" and is_scalar_structure(output)
+        return outcome
+
+    def _portable(self, outcome: Outcome) -> Outcome:
+        """The outcome as the other ranks receive it: metric objects as references, bulky outputs left out."""
+        return Outcome(
+            loss=outcome.loss,
+            grad_scale=outcome.grad_scale,
+            logs=[LoggedValue(e.name, self.mirror.portable(e.value), e.kwargs) for e in outcome.logs],
+            metric_updates=outcome.metric_updates,
+            output=outcome.output if outcome.output_shared else None,
+            output_shared=outcome.output_shared,
+            key_checksum=outcome.key_checksum,
+        )
+
+    # ------------------------------------------------------------------------------------------------ replay
+    def _replay(self, logs: list[LoggedValue]) -> None:
+        """Log, on this rank, the values the last stage's step logged."""
+        device = self.runtime.device
+        for entry in logs:
+            value = self.mirror.resolve(entry.value, entry.name)
+            if isinstance(value, torch.Tensor):
+                value = value.to(device)
+            self.lightning_module.log(entry.name, value, **entry.kwargs)
+
+
+def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The microbatch losses' mean weighted by ``weights``, computed in float64, in the losses' dtype."""
+    stacked = torch.stack(losses).double()
+    if all(w == weights[0] for w in weights):
+        return stacked.mean().to(losses[0].dtype)
+    w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
+    return ((stacked * w).sum() / w.sum()).to(losses[0].dtype)
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _loss_and_items(hook: str, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise PipelineUsageError(
+            f"`{hook}` must return a scalar loss tensor (or a dict with a 'loss' tensor) under"
+            f" PipelineParallelStrategy, got {type(loss).__name__}."
+        )
+    items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
+    if items is None:
+        return loss, None
+    items = torch.as_tensor(items, device=loss.device).detach()
+    if items.numel() != 1 or items.is_floating_point() and bool(items != items.round()):
+        raise PipelineUsageError(
+            f"`{hook}` returned `num_items={items.tolist()}`; it must be the number of items (e.g. tokens) the loss"
+            " averages over: one non-negative integer, e.g. `(labels != -100).sum()`."
+        )
+    return loss, items.reshape(())
+
+
+def _check_items(hook: str, items: list[torch.Tensor | None]) -> bool:
+    """Whether the step weighted its microbatches by ``num_items`` (all of them, or none)."""
+    given = [i is not None for i in items]
+    if any(given) and not all(given):
+        raise PipelineUsageError(
+            f"`{hook}` returned `num_items` for some microbatches of a batch but not for others. Return it from every"
+            " step (or from none)."
+        )
+    if all(given) and items and float(sum(float(i) for i in items)) <= 0:  # type: ignore[arg-type]
+        raise PipelineUsageError(
+            f"`{hook}` returned `num_items` that sum to 0 over the batch, so its item mean is undefined. Batches"
+            " need at least one counted item (e.g. one label that is not -100)."
+        )
+    return bool(items) and all(given)

@@ -1,0 +1,88 @@
+"""What the user is told before the first step: the whole model's size beside the model summary, and a training
+loader whose batches cannot be split into microbatches (at ``fit`` start, once, instead of at the end of the epoch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pipe.comm import collectives
+from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
+from lightning_pipe.microbatch import epoch_batch_sizes, resolve_microbatches
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.split.builder import Split
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return str(n)
+
+
+def announce_parameters(trainer: Any, module: Any, pipeline_group: Any, split: Split) -> None:
+    """Before Lightning's model summary (which counts the parameters rank 0 holds): say that it shows rank 0's
+    stages only, and how many parameters the whole model has (a parameter shared by several stages counted once).
+
+    Collective over the pipeline group; says nothing without a model summary.
+    """
+    from lightning.pytorch.callbacks import ModelSummary
+
+    if not any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+        return
+    copies = {split.prefix + name for tie in split.ties for name in tie.names[1:]}
+    params = {id(p): p for name, p in module.named_parameters(remove_duplicate=False) if name not in copies}
+    mine = (sorted(split.bodies), sum(p.numel() for p in params.values()))
+    everyone = collectives.all_gather_object(mine, pipeline_group)
+    total = sum(n for _, n in everyone)
+    if total == mine[1]:
+        return
+    stages = ", ".join(f"stages {s} {_count(n)}" for s, n in everyone)
+    rank_zero_info(
+        f"lightning-pipe: the model summary below counts the parameters of this rank's stages {mine[0]} only; the"
+        f" whole model has {_count(total)} parameters ({stages})."
+    )
+
+
+def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank: int) -> None:
+    """Refuse, before the first step, a training loader with a batch (usually the last, short one) that cannot be
+    split into the configured microbatches. Rank 0 raises with the whole explanation, the others with a pointer to it.
+
+    Only plain ``DataLoader``s whose size is known are checked; others fail at the batch itself, as before.
+    """
+    sizes = epoch_batch_sizes(trainer.train_dataloader)
+    if sizes is None:
+        return
+    for which, size in sizes:
+        try:
+            resolve_microbatches(
+                settings.microbatches, settings.microbatch_size, size, settings.num_stages, "microbatches"
+            )
+        except MicrobatchError as err:
+            if global_rank != 0:
+                raise MicrobatchError(
+                    "The training DataLoader yields a batch that cannot be split into microbatches; rank 0 says why."
+                ) from None
+            raise MicrobatchError(
+                f"The training DataLoader's {which} has {size} samples: {err} (Checked before the first step.)"
+            ) from None
+
+
+def check_supported(lightning_module: Any, precision_plugin: Any) -> None:
+    """Refuse what a pipeline cannot run: manual optimization, a gradient scaler."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if not lightning_module.automatic_optimization:
+        raise PipelineUsageError(
+            "PipelineParallelStrategy needs automatic optimization: the schedule runs forward and backward for"
+            " you, so `manual_backward` has nothing to act on. Remove `self.automatic_optimization = False` and"
+            " return the loss from `training_step`."
+        )
+    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
+        raise PipelineConfigError(
+            f"`precision={precision_plugin.precision!r}` needs a gradient scaler whose inf/NaN checks would"
+            " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
+            " 'bf16-true')."
+        )

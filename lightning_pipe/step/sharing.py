@@ -1,0 +1,207 @@
+"""One collective per step: the last stage's outcome (loss, logs, metric state changes, small outputs) to every rank.
+
+An outcome is split into a *schema* (its structure: names, log options, tensor shapes and dtypes, list lengths) and
+its *values* (every tensor and number, flattened into one float64 tensor). Steps of a run almost always share one
+schema, so after the first step only the values travel, as a single tensor broadcast of known size. When the schema
+changes (a new key is logged, a concatenating metric grows) a flag in that tensor says so and the schema and values
+follow as one pickled object. float64 holds every float32/bfloat16/float16 value and every integer up to 2**53
+exactly; larger integers send the outcome as an object instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_pipe.comm import collectives
+from lightning_pipe.structures import NAMEDTUPLE_FIELDS
+
+_EXACT_INT = 2**53
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _NumberSlot:
+    kind: type
+
+
+class _Inexact(Exception):
+    """A value float64 cannot carry exactly: the outcome goes as an object."""
+
+
+def _flatten(obj: Any, values: list[Any]) -> Any:
+    """The schema of ``obj``; its tensors and numbers are appended to ``values``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_complex() or (
+            not obj.is_floating_point() and obj.dtype != torch.bool and obj.numel() and _too_large(obj)
+        ):
+            raise _Inexact
+        values.append(obj.detach())
+        return _TensorSlot(tuple(obj.shape), obj.dtype)
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, (int, float)):
+        if isinstance(obj, int) and abs(obj) > _EXACT_INT:
+            raise _Inexact
+        values.append(obj)
+        return _NumberSlot(type(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _flatten(getattr(obj, f.name), values) for f in dataclasses.fields(obj)}
+        return (type(obj), tuple(fields.items()))
+    if isinstance(obj, Mapping):
+        return (type(obj), tuple((k, _flatten(v, values)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_flatten(v, values) for v in obj))
+    return obj  # anything else travels in the schema (pickled when the schema changes)
+
+
+def _too_large(t: torch.Tensor) -> bool:
+    return bool(t.abs().max() > _EXACT_INT)
+
+
+def _pack_values(values: list[Any], device: torch.device) -> torch.Tensor:
+    parts = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            parts.append(v.reshape(-1).to(device=device, dtype=torch.float64))
+        else:
+            parts.append(torch.tensor([float(v)], dtype=torch.float64, device=device))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.device) -> Any:
+    if isinstance(schema, _TensorSlot):
+        n = 1
+        for d in schema.shape:
+            n *= d
+        part = flat[offset[0] : offset[0] + n]
+        offset[0] += n
+        return part.reshape(schema.shape).to(device=device, dtype=schema.dtype)
+    if isinstance(schema, _NumberSlot):
+        value = float(flat[offset[0]])
+        offset[0] += 1
+        return schema.kind(value) if schema.kind is not float else value
+    if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
+        kind, items = schema
+        if dataclasses.is_dataclass(kind):
+            return kind(**{k: _rebuild(v, flat, offset, device) for k, v in items})
+        if issubclass(kind, Mapping):
+            rebuilt = {k: _rebuild(v, flat, offset, device) for k, v in items}
+            return rebuilt if kind is dict else kind(rebuilt)
+        if issubclass(kind, tuple) and hasattr(kind, NAMEDTUPLE_FIELDS):
+            return kind(*(_rebuild(v, flat, offset, device) for v in items))
+        return kind(_rebuild(v, flat, offset, device) for v in items)
+    return schema
+
+
+def flatten(obj: Any) -> tuple[Any, list[Any]]:
+    """``(schema, values)`` of ``obj``; raises nothing (an inexact value makes the schema ``None``)."""
+    values: list[Any] = []
+    try:
+        return _flatten(obj, values), values
+    except _Inexact:
+        return None, []
+
+
+def rebuild(schema: Any, flat: torch.Tensor, device: torch.device) -> Any:
+    return _rebuild(schema, flat, [0], device)
+
+
+class OutcomeChannel:
+    """Sends an object from one rank of a group to the others, sending only values while the schema holds.
+
+    Every rank of ``group`` calls :meth:`expect` when a step starts and :meth:`share` once per step, in the same
+    order; ``src`` is the sending global rank.
+
+    While the schema holds, the values travel point to point on CPU groups: each receiver posts its receive in
+    :meth:`expect`, so when the sender finishes its step first (the last stage usually does) the values are already
+    there when the receiver asks, and no rank waits for the other in a collective. Elsewhere (NCCL) they are one
+    tensor broadcast.
+    """
+
+    def __init__(self, group: Any, src: int, device: torch.device) -> None:
+        self.group, self.src = group, src
+        self.device = collectives.served_device(group, device)
+        self.local_device = device
+        self._schema: Any = None
+        self._size: int | None = None
+        #: values point to point (a tag of their own, apart from the schedule's messages), else a broadcast
+        self.point_to_point = self.device.type == "cpu"
+        self._receive: tuple[Any, torch.Tensor] | None = None
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        #: how many steps needed the object path (tests and benchmarks read it)
+        self.object_steps = 0
+
+    def expect(self) -> None:
+        """A step starts: a receiver posts the receive of the step's values (when their size is known)."""
+        if not self.point_to_point or self._size is None or self._receive is not None:
+            return
+        if collectives.group_size(self.group) == 1 or collectives.world_rank() == self.src:
+            return
+        buffer = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
+        self._receive = collectives.irecv(buffer, self.src, self.group, tag=VALUES_TAG)
+
+    def share(self, obj: Any) -> Any:
+        """``obj`` as sent by ``src``; ``obj`` is ignored on the other ranks."""
+        if collectives.group_size(self.group) == 1:
+            return obj
+        sender = collectives.world_rank() == self.src
+        schema, values = flatten(obj) if sender else (None, [])
+        same = sender and schema is not None and schema == self._schema
+        if self._size is not None:
+            header = torch.zeros(self._size + 1, dtype=torch.float64, device=self.device)
+            if same:
+                header[0] = 1.0
+                header[1:] = _pack_values(values, self.device)
+            header = self._values(header, sender)
+            if header[0] == 1.0:
+                return obj if sender else rebuild(self._schema, header[1:], self.local_device)
+        # The schema changed (or this is the first step): schema and values as one object.
+        self.object_steps += 1
+        payload = (schema, _pack_values(values, torch.device("cpu")), obj if schema is None else None)
+        schema, flat, whole = collectives.broadcast_object(
+            payload if sender else None, self.src, self.group, self.device
+        )
+        if schema is None:
+            self._schema, self._size = None, None
+            return obj if sender else whole
+        self._schema, self._size = schema, int(flat.numel())
+        return obj if sender else rebuild(schema, flat, self.local_device)
+
+    def _values(self, header: torch.Tensor, sender: bool) -> torch.Tensor:
+        """The sender's ``header`` (flag, then values) on every rank."""
+        if not self.point_to_point:
+            return collectives.broadcast_(header, self.src, self.group)
+        if sender:
+            self._send(header)
+            return header
+        self.expect()  # posted when the step started, unless the caller skipped it
+        receive, self._receive = self._receive, None
+        assert receive is not None
+        collectives.wait([receive])
+        return receive[1]
+
+    def close(self) -> None:
+        """Wait for this rank's sends in flight (their receivers already have them): none is left when the channel
+        goes, e.g. at the end of a Trainer entry."""
+        collectives.wait(self._sends)
+        self._sends = []
+
+    def _send(self, header: torch.Tensor) -> None:
+        # The previous step's sends completed long ago (their receivers used them); waiting keeps them bounded.
+        collectives.wait(self._sends)
+        others = [r for r in collectives.group_ranks(self.group) if r != self.src]
+        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in others]
+
+
+#: tag of the outcome values' point-to-point messages (torch's schedules and the evaluation pass send with tag 0)
+VALUES_TAG = 0x0C0

@@ -1,0 +1,267 @@
+"""The stage adapter: each stage runs with its own microbatch's network call, captured on its own rank.
+
+Every rank captures the network call of every microbatch (:class:`~lightning_pipe.step.interception.CallInterceptor`).
+A :class:`StageModule` is what torch's ``PipelineStage`` drives: it receives only the activation of the previous stage
+(nothing on the first stage), takes every other argument of the call (masks, position ids, a rope cache, ``None``,
+numbers, a ``BlockMask``) from the step's :class:`StepContext` for the microbatch being run, and calls the stage
+through the split's *stage call* (:mod:`lightning_pipe.split.calls`), which knows how the network takes an activation in
+place of its input. Only the activation crosses ranks; side inputs never enter backward, so the split-backward
+(zero-bubble) schedules work.
+
+Per-step state is an argument, never an attribute: torch passes the keyword arguments of ``schedule.step(**kwargs)``
+to every stage's forward, so the step's :class:`StepContext` arrives as ``step=`` and the microbatch index as
+``microbatch=`` (added by :class:`ChunkAwareStage`; absent in torch's shape inference).
+
+On the last stage the network's output (a tensor, a tuple, a dict, a ``ModelOutput``) is flattened to its tensors for
+torch and rebuilt before the user's step sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_pipe.comm import collectives
+from lightning_pipe.comm.transport import pack, unpack
+from lightning_pipe.errors import PipelineUsageError
+from lightning_pipe.split.calls import StageCall, activation_argument
+from lightning_pipe.step.interception import Call
+
+DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"
+#: the keyword arguments under which a stage's forward receives the step and the microbatch
+STEP, MICROBATCH = "step", "microbatch"
+#: the skeleton of a last stage's output that is one tensor
+_TENSOR = object()
+#: StageModule attributes that are never parameters, buffers or modules
+_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients"})
+
+#: ``on_output(microbatch, output) -> loss to back-propagate`` (training) or ``None`` (evaluation)
+OnOutput = Callable[[int, Any], Any]
+
+
+@dataclass
+class StepContext:
+    """One step on one rank: the network calls of its microbatches and what the last stage produced for them.
+
+    Made by the step protocol for each step and handed to the executor, which passes it to every stage call.
+    """
+
+    #: this rank's network call of every microbatch
+    calls: list[Call]
+    #: the size of every microbatch (samples)
+    sizes: list[int]
+    #: on the last stage: what receives each microbatch's output (``None`` on other ranks)
+    on_output: OnOutput | None = None
+    #: output structure of the last stage per microbatch (its tensors travel through torch)
+    skeletons: dict[int, Any] = field(default_factory=dict)
+    #: the first exception raised inside a stage during the step, re-raised as is by the executor
+    failure: BaseException | None = None
+    #: the last stage ran torch's shape inference: its loss function is next, on no real microbatch
+    inference_output: bool = False
+
+    def final_output(self, microbatch: int, tensors: Any) -> Any:
+        """The network's output for ``microbatch`` rebuilt from the tensors the last stage returned."""
+        tensors = list(tensors) if isinstance(tensors, (tuple, list)) else [tensors]
+        skeleton = self.skeletons[microbatch]
+        if skeleton is _TENSOR:
+            return tensors[0]
+        return unpack(skeleton, tensors)
+
+
+@contextmanager
+def eval_mode(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Every module in eval mode (dropout off, BatchNorm on running statistics); each one's own flag restored after.
+
+    Stage views are shallow copies of the network, so their containers carry ``training`` flags of their own that
+    ``LightningModule.eval()`` does not reach.
+    """
+    flags = [(m, m.training) for root in modules for m in root.modules()]
+    for m, _ in flags:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+class StageModule(nn.Module):
+    """One pipeline stage as torch's ``PipelineStage`` drives it (see the module docstring).
+
+    A forward without a microbatch index is torch's shape inference, which runs on the first microbatch's call in eval
+    mode (on stages after the first, torch feeds it uninitialised tensors that must not reach BatchNorm's running
+    statistics).
+    """
+
+    def __init__(
+        self, body: nn.Module, index: int, num_stages: int, stage_call: StageCall, absent_units: Sequence[str] = ()
+    ) -> None:
+        super().__init__()
+        self.body = body
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.absent_units = tuple(absent_units)
+        #: whether torch's data-parallel reduction (FSDP) runs at the end of this schedule step; off for the
+        #: batches of an accumulation window before its last
+        self.sync_gradients = True
+        #: a :class:`~lightning_pipe.measure.timeline.TimelineRecorder` while a timeline is recorded, else ``None``
+        self.recorder: Any = None
+        # Not a submodule: shared by every stage of the rank, and not part of any state dict.
+        self.__dict__["stage_call"] = stage_call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Plain attributes skip nn.Module's search of parameters, buffers and submodules.
+        if name in _PLAIN_ATTRIBUTES:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, *received: torch.Tensor, step: StepContext, microbatch: int | None = None) -> Any:
+        call = step.calls[0 if microbatch is None else microbatch]
+        activation = None if self.is_first else tuple(received)
+        try:
+            if microbatch is None:
+                with eval_mode([self.body]):
+                    output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
+            else:
+                output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
+        except Exception as err:
+            step.failure = step.failure or err
+            add_note(err, self.describe_failure(call, activation, microbatch))
+            raise
+        if not self.is_last:
+            return self._activation(output)
+        step.inference_output = microbatch is None
+        slot = 0 if microbatch is None else microbatch
+        if isinstance(output, torch.Tensor):  # the usual output: no structure to pack
+            step.skeletons[slot] = _TENSOR
+            return (output,)
+        skeleton, tensors = pack(output, detach=False)
+        step.skeletons[slot] = skeleton
+        return tuple(tensors)
+
+    def _activation(self, output: Any) -> Any:
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise PipelineUsageError(
+                f"Pipeline stage {self.index} returned {type(output).__name__}"
+                f"{'' if not isinstance(output, (tuple, list)) else ' of ' + _types(leaves)}; a stage before the last"
+                " must return its activation as a tensor or a tuple of tensors (only the activation travels to the"
+                " next stage; masks and other arguments reach every stage from the step's own call). Make the"
+                " network's forward return the hidden state when its head is absent (None)."
+            )
+        return tuple(leaves) if isinstance(output, (tuple, list)) else output
+
+    def describe_failure(self, call: Call, activation: tuple | None, microbatch: int | None) -> str:
+        where = (
+            f"lightning-pipe: raised on rank {collectives.world_rank()} in pipeline stage {self.index} of"
+            f" {self.num_stages}"
+            + (" during torch's shape inference" if microbatch is None else f" (microbatch {microbatch})")
+            + "."
+        )
+        parts = [where]
+        if self.absent_units:
+            shown = ", ".join(self.absent_units[:8]) + (" ..." if len(self.absent_units) > 8 else "")
+            parts.append(f"Units held by other stages are absent (None) here: {shown}.")
+        if activation is not None:
+            parts.append(
+                f"On this stage {activation_argument(self.body, call.args, len(activation))} holds the activation"
+                f" received from stage {self.index - 1} ({_types(activation)}), not the network's input."
+            )
+        parts.append(
+            "The network's forward must skip absent units and code that only applies to the network's input"
+            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}."
+        )
+        return " ".join(parts)
+
+
+def _types(values: Sequence[Any]) -> str:
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"tensor {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+        return type(v).__name__
+
+    return ", ".join(one(v) for v in values)
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """Attach ``note`` to ``err`` keeping its type and traceback (PEP 678; older Pythons get it in the message)."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    elif err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+
+
+def chunk_aware_stage_class() -> type:
+    """``PipelineStage`` that tells its :class:`StageModule` which microbatch each forward runs.
+
+    torch calls ``forward_one_chunk(fwd_chunk_id, args, kwargs)`` for every real forward, in every schedule, with the
+    keyword arguments of ``schedule.step`` (the step's context); its shape inference calls the module directly. The
+    override adds the microbatch index to those keyword arguments: that is how a stage knows which microbatch's side
+    inputs to use.
+
+    The same public methods (and the backward ones, and those that hand the schedule its point-to-point operations)
+    report to the stage's timeline recorder when one is attached (:mod:`lightning_pipe.measure.timeline`); without
+    one, each costs one attribute check.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class ChunkAwareStage(PipelineStage):
+        def forward_one_chunk(
+            self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **options: Any
+        ) -> Any:
+            kwargs = {**(kwargs or {}), MICROBATCH: fwd_chunk_id}
+            return _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, (args, kwargs, *rest), options)
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            # torch reduce-scatters an FSDP stage's gradients after the step's last backward. Inside an accumulation
+            # window the unsharded gradients keep accumulating instead (FSDP left them unsynchronised and the
+            # parameters unsharded during each backward), so the window synchronises once, at its last batch.
+            if self.submod.sync_gradients:
+                super().perform_reduce_grad(grad_scale_factor)
+            elif grad_scale_factor != 1:
+                self.scale_grads(grad_scale_factor)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return _timed(self, "B", bwd_chunk_id, super().backward_one_chunk, args, kwargs)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return _timed(self, "W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+            return _posted(self, super().get_fwd_recv_ops(fwd_chunk_id), "recv", "F", fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+            return _posted(self, super().get_bwd_recv_ops(bwd_chunk_id), "recv", "B", bwd_chunk_id)
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+            return _posted(self, super().get_fwd_send_ops(fwd_chunk_id), "send", "F", fwd_chunk_id)
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+            return _posted(self, super().get_bwd_send_ops(bwd_chunk_id), "send", "B", bwd_chunk_id)
+
+    return ChunkAwareStage
+
+
+def _timed(stage: Any, kind: str, chunk: int, action: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run a schedule action of ``stage``, reporting it to the stage's timeline recorder if one is attached."""
+    recorder = stage.submod.recorder
+    if recorder is None:
+        return action(chunk, *args, **kwargs)
+    start = recorder.now()
+    result = action(chunk, *args, **kwargs)
+    recorder.compute(kind, stage.stage_index, chunk, start)
+    return result
+
+
+def _posted(stage: Any, ops: list, op: str, kind: str, chunk: int) -> list:
+    """Pass ``ops`` on; tell the timeline recorder (if any) that they were posted."""
+    recorder = stage.submod.recorder
+    if recorder is not None and ops:
+        recorder.posted(op, kind, stage.stage_index, chunk)
+    return ops
