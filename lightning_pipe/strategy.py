@@ -347,6 +347,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         if self.data_parallel_size == 1:
             # Every rank logs the same values of one batch: Lightning's advice to sync them across devices is noise.
             self._run.enter_context(ignoring(SYNC_DIST_ADVICE, PossibleUserWarning))
+        if self.global_rank != 0:
+            # Libraries' deprecation notices are the same on every rank: rank 0 shows them once.
+            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+                self._run.enter_context(ignoring("", category))
         # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
         announce_parameters(trainer, module, self.pipeline_group, split)

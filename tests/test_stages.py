@@ -10,7 +10,7 @@ from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import resolve_module, split_module
 from lightning_pipe.split.partition import find_layout, stage_units
-from lightning_pipe.split.surgery import check_ownership, merge, prune, stage_view
+from lightning_pipe.split.surgery import check_ownership, merge, prune, stage_view, trace_stages
 from tests.models import LitLM, TinyLM
 
 
@@ -149,3 +149,21 @@ def test_placeholder_stands_in_for_units_a_stage_does_not_hold():
     prune(model, stages[1], layout.units, placeholder)
     assert model.embed is None and isinstance(model.layers[0], nn.Identity)
     assert list(model.layers._modules) == ["0", "1", "2", "3"] and model.layers[2] is not None
+
+
+def test_out_of_memory_while_tracing_is_reported_as_out_of_memory(monkeypatch):
+    import torch.distributed.pipelining as pipelining
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(pipelining, "pipeline", exhausted)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        trace_stages(TinyLM(n_layers=2), (torch.zeros(2, 4, dtype=torch.long),), {}, ["layers.1"])
+
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("data-dependent control flow")
+
+    monkeypatch.setattr(pipelining, "pipeline", unreadable)
+    with pytest.raises(PipelineModelError, match="torch's tracer could not split TinyLM"):
+        trace_stages(TinyLM(n_layers=2), (torch.zeros(2, 4, dtype=torch.long),), {}, ["layers.1"])

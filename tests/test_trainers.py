@@ -1,0 +1,85 @@
+"""Trainers one after another on one LightningModule: what each installs ends with it (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+
+from tests.launch import run_script
+from tests.models import LitLM, quiet_trainer
+from tests.reference import assert_parity, load_ranks
+
+
+def _single_device_two_fits() -> tuple[list[float], dict]:
+    """The same two fits on one device: the second Trainer makes a new optimizer and restarts the data."""
+    L.seed_everything(0)
+    model = LitLM(n_layers=8)
+    for _ in range(2):
+        quiet_trainer(devices=1, max_steps=3).fit(model)
+    return model.step_losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def second_trainer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("second")
+    proc = run_script("second_trainer.py", str(out), nprocs=2)
+    return load_ranks(out, "second"), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_second_trainer_with_another_schedule_equals_one_device(second_trainer):
+    ranks, _ = second_trainer
+    losses, state = _single_device_two_fits()
+    assert len(losses) == 6
+    assert_parity(ranks, losses, state)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_is_on_then_off(second_trainer):
+    ranks, _ = second_trainer
+    for r in ranks:
+        with_checkpointing, without = r["saved"]
+        assert r["checkpointed"][0] and r["checkpointed"][1] == []
+        # Every block of the second Trainer keeps its activations: more saved for backward, per stage.
+        for stage, saved in without.items():
+            assert saved > 2 * with_checkpointing[stage], (stage, saved, with_checkpointing[stage])
+        # The checkpointing forwards were removed when each Trainer ended.
+        assert r["forwards_after"] == [0, 0]
+
+
+@pytest.mark.slow
+def test_other_stages_are_refused_and_nothing_trains(second_trainer):
+    ranks, _ = second_trainer
+    for r in ranks:
+        assert "already split into other pipeline stages" in r["refused"]
+        assert "placement='loop' (schedule Interleaved1F1B)" in r["refused"] and "stages_per_rank=2" in r["refused"]
+        assert r["steps_after_refusal"] == 6
+
+
+@pytest.mark.slow
+def test_an_unsplittable_last_batch_fails_when_fit_starts(second_trainer):
+    ranks, _ = second_trainer
+    by_rank = {r["pipeline_rank"]: r for r in ranks}
+    assert by_rank[0]["short_batch"].startswith("The training DataLoader's last batch of each epoch (60 samples")
+    assert "has 4 samples: A batch of 4 samples does not split into `microbatches=8`" in by_rank[0]["short_batch"]
+    assert by_rank[1]["short_batch"] == (
+        "The training DataLoader yields a batch that cannot be split into microbatches; rank 0 says why."
+    )
+    assert all(r["short_batch_steps"] == 0 for r in ranks)  # before the first step
+
+
+@pytest.mark.slow
+def test_the_model_summary_says_it_counts_one_rank(second_trainer):
+    _, output = second_trainer
+    whole = sum(p.numel() for p in LitLM(n_layers=8).parameters())
+    line = next(line for line in output.splitlines() if "the model summary below counts" in line)
+    assert f"the whole model has {whole / 1e3:.1f} K parameters" in line and "stages [0]" in line
+    assert "Total params" in output
+
+
+@pytest.mark.slow
+def test_library_warnings_are_shown_once_not_once_per_rank(second_trainer):
+    _, output = second_trainer
+    notices = [line for line in output.splitlines() if "deprecated" in line]
+    assert notices  # torch 2.13 deprecates the pytree `LeafSpec` that Lightning 2.6 uses: one notice is expected
+    assert len(notices) == len(set(notices)), notices
