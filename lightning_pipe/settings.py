@@ -43,7 +43,7 @@ SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
 #: pipeline rank 0.
 V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
 BALANCE_MODES = ("auto", "params", "blocks")
-FRONTENDS = ("auto", "modules", "trace")
+FRONTENDS = ("auto", "modules", "dataflow", "trace")
 DataParallelMode = Literal["ddp", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
 DP, PP = "dp", "pp"
@@ -159,6 +159,22 @@ def check_balance_setting(balance: Union[str, Sequence[int]]) -> None:
         )
 
 
+def check_blocks(blocks: Union[str, Sequence[str]], frontend: str) -> None:
+    """Validate ``blocks``: a container name, ``"auto"``, or (``frontend="dataflow"`` only) a list of them."""
+    if isinstance(blocks, str):
+        return
+    if not isinstance(blocks, (list, tuple)) or not blocks or not all(isinstance(b, str) for b in blocks):
+        raise PipelineConfigError(
+            f"`blocks` must be 'auto', the name of a container of blocks, or a list of such names, got {blocks!r}."
+        )
+    if frontend != "dataflow":
+        raise PipelineConfigError(
+            f"`blocks={list(blocks)}` names several block stacks, which only `frontend='dataflow'` pipelines (the"
+            f" {frontend if frontend != 'auto' else 'modules'} frontend passes one activation through one stack)."
+            " Pass `frontend='dataflow'`, or name one container."
+        )
+
+
 def check_data_parallel(data_parallel: str) -> None:
     if data_parallel not in DATA_PARALLEL_MODES:
         raise PipelineConfigError(
@@ -204,7 +220,7 @@ class PipelineSettings:
     stages_per_rank: Union[Literal["auto"], int] = "auto"
     module: str = "auto"
     frontend: str = "auto"
-    blocks: str = "auto"
+    blocks: Union[str, tuple[str, ...]] = "auto"
     split_points: Optional[tuple[str, ...]] = None
     balance: Union[str, tuple[int, ...]] = "auto"
     process_group_backend: Optional[str] = None
@@ -227,13 +243,17 @@ class PipelineSettings:
         if self.split_points is not None and not isinstance(self.balance, str):
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if self.frontend not in FRONTENDS:
-            raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'trace'.")
+            raise PipelineConfigError(
+                f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'dataflow', 'trace'."
+            )
+        check_blocks(self.blocks, self.frontend)
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
         normal = {
             "schedule": canonical_schedule(self.schedule),
             "frontend": "modules" if self.frontend == "auto" else self.frontend,
             "split_points": None if self.split_points is None else tuple(self.split_points),
+            "blocks": self.blocks if isinstance(self.blocks, str) else tuple(self.blocks),
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),

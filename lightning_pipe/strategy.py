@@ -88,9 +88,13 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         stages_per_rank: Stages each process holds. ``"auto"``: 1 for ``GPipe``/``1F1B``, 2 for the others (round
             robin, or a V for ``ZBVZeroBubble``/``DualPipeV``).
         module: Attribute holding the network. ``"auto"``: the only child with parameters, else the LightningModule.
-        frontend: ``"modules"`` (the network's forward skips units set to ``None``) or ``"trace"`` (torch's tracer
-            cuts an unmodified network from ``example_input_array``). ``"auto"``: ``"modules"``.
-        blocks: The container of repeated blocks inside ``module``. ``"auto"``: the largest by parameter count.
+        frontend: ``"modules"`` (the network's forward skips units set to ``None``), ``"dataflow"`` (an unmodified
+            forward runs on every stage and each value a unit computes goes to the stages that read it: encoder-
+            decoders, U-Nets) or ``"trace"`` (torch's tracer cuts an unmodified network from
+            ``example_input_array``). ``"auto"``: ``"modules"``.
+        blocks: The container of repeated blocks inside ``module``, or a list of them (``"dataflow"``: an encoder's
+            and a decoder's layers). ``"auto"``: the largest by parameter count; with ``"dataflow"``, every
+            container of repeated blocks.
         split_points: Names of the blocks that begin stages 1..N-1. Default ``None``: use ``balance``.
         balance: ``"params"`` (fewest parameters on the largest stage), ``"blocks"`` (even split) or blocks per stage
             (``[3, 5]``). ``"auto"``: by measured cost when the LightningModule has ``example_input_array``, else
@@ -122,8 +126,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         microbatch_size: Optional[PositiveInt] = None,
         stages_per_rank: Union[Literal["auto"], PositiveInt] = "auto",
         module: str = "auto",
-        frontend: Literal["auto", "modules", "trace"] = "auto",
-        blocks: str = "auto",
+        frontend: Literal["auto", "modules", "dataflow", "trace"] = "auto",
+        blocks: Union[str, list[str]] = "auto",
         split_points: Optional[list[str]] = None,
         balance: Union[Literal["auto", "params", "blocks"], list[PositiveInt]] = "auto",
         process_group_backend: Optional[str] = None,

@@ -26,3 +26,19 @@ def head_pp_plan(model: Any) -> dict[str, Any]:
     5.x merges both in an order that puts the heads first).
     """
     return {**(getattr(type(model), "_pp_plan", None) or {}), **(model.__dict__.get("_pp_plan") or {})}
+
+
+def recorded_by(model: Any, output: str) -> Optional[tuple[type, ...]]:
+    """The module classes whose forward results transformers records as ``output`` (e.g. ``"router_logits"``) while
+    the model runs, from the model class's ``_can_record_outputs`` (4.54+ and 5.x); ``None`` where the model does not
+    record it that way or names the modules otherwise. Public replacement: none."""
+    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get(output)
+    if spec is None:
+        return None
+    classes = []
+    for entry in spec if isinstance(spec, list) else [spec]:
+        target = entry if isinstance(entry, type) else getattr(entry, "target_class", None)
+        if not isinstance(target, type) or getattr(entry, "layer_name", None):
+            return None
+        classes.append(target)
+    return tuple(classes)

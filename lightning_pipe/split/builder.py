@@ -21,6 +21,7 @@ from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_ba
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.split.calls import StageCall, call_traced, call_with_activation
+from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.hf import hf_layout, hf_placeholder, hf_stage_call, is_hf_model
 from lightning_pipe.split.initialization import initialize, warn_whole_model
 from lightning_pipe.split.partition import Layout, counts_from_split_points, find_layout, stage_to_rank, stage_units
@@ -137,9 +138,14 @@ class _Frontend:
     stage_call: StageCall
 
 
-def _frontend(network: nn.Module, settings: PipelineSettings) -> _Frontend:
+def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.device) -> _Frontend:
     if settings.frontend == "trace":
         return _Frontend(find_layout(network, settings.blocks), None, call_traced)
+    if settings.frontend == "dataflow":
+        # Every stage runs the whole forward; what stands in for absent units and the routes need the whole network.
+        layout = dataflow_layout(network, settings.blocks)
+        placeholder, stage_call = dataflow_frontend(network, layout, device)
+        return _Frontend(layout, placeholder, stage_call)
     if is_hf_model(network):
         # Hugging Face models carry their own pipeline plan and need their own stage call.
         return _Frontend(hf_layout(network), hf_placeholder(network), hf_stage_call)
@@ -200,7 +206,7 @@ def split_module(
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
     num_stages = settings.num_stages
-    plan = _frontend(network, settings)
+    plan = _frontend(network, settings, device)
     layout = plan.layout
     if len(layout.blocks) < num_stages:
         raise PipelineConfigError(
@@ -244,6 +250,8 @@ def split_module(
         # Views share the kept units (and their parameters) with `network`; made before the interceptor is installed
         # so that they keep the network's own forward.
         bodies = {s: stage_view(network, units_per_stage[s], layout.units, placeholder=plan.placeholder) for s in local}
+        if isinstance(plan.stage_call, DataflowCall):
+            plan.stage_call.bind(units_per_stage, bodies, network)
         split = Split(bodies=bodies, network=network, construction_peak=construction_peak, **common)
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split

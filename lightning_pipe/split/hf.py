@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.compat.transformers import head_pp_plan
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
+from lightning_pipe.split import router_logits
 from lightning_pipe.split.partition import CONTAINERS, Layout
 from lightning_pipe.split.surgery import Placeholder
 
@@ -122,13 +123,25 @@ def _check_version() -> None:
 
 def _block_stack(network: nn.Module, plan: _Plan) -> str:
     stacks = [name for name in plan if isinstance(_find(network, name), CONTAINERS)]
-    if len(stacks) != 1:
+    if len(stacks) > 1:
         raise PipelineModelError(
-            f"The pipeline plan of {type(network).__name__} names {len(stacks)} block lists ({stacks}); lightning-pipe"
-            " needs exactly one (an nn.ModuleList such as `model.layers`). Set `config.base_model_pp_plan` to name"
-            " only the blocks that run in sequence, or pipeline another model family."
+            f"The pipeline plan of {type(network).__name__} names {len(stacks)} block lists ({stacks}): an encoder and"
+            " a decoder, whose every layer reads the encoder's output. The default frontend passes one activation"
+            " from stage to stage; pass `frontend='dataflow'`, which sends each value to the stages that read it."
+        )
+    if not stacks:
+        raise PipelineModelError(
+            f"The pipeline plan of {type(network).__name__} names no block list; lightning-pipe needs one (an"
+            " nn.ModuleList such as `model.layers`). Set `config.base_model_pp_plan` to name the blocks that run in"
+            " sequence, or pipeline another model family."
         )
     return stacks[0]
+
+
+def plan_order(network: nn.Module) -> list[str]:
+    """The entries of the model's pipeline plan in execution order, relative to ``network``; raises
+    ``PipelineModelError`` for a model without a plan."""
+    return list(_require_plan(network))
 
 
 def _find(network: nn.Module, name: str) -> nn.Module | None:
@@ -214,20 +227,22 @@ def hf_stage_call(
     Stages before the last return the hidden states tensor; the last returns what the call returns on one device
     (``CausalLMOutputWithPast`` with ``loss`` when ``labels`` are given).
     """
-    call = _bind(view, args, kwargs)
-    _refuse_unsupported(view, call)
-    call["use_cache"] = False
-    hidden = None
+    call = prepare_call(view, args, kwargs)
+    hidden, carried = None, ()
     if not is_first:
-        hidden = _received_tensor(received)
+        hidden, carried = _received(received)
         call.pop("input_ids", None)
         call["inputs_embeds"] = hidden
-    if is_last:
-        with _boundary_checks(view, entry=hidden, record_exit=False):
-            return view(**call)
     base = getattr(view, "base_model", view)
+    if is_last:
+        with (
+            _boundary_checks(view, entry=hidden, record_exit=False),
+            router_logits.prepended(view, base, call, carried),
+        ):
+            return view(**call)
     with _boundary_checks(view, entry=hidden, record_exit=True) as exits:
-        out = base(**_base_call(view, base, call))[0]
+        outputs = base(**_base_call(view, base, call))
+    out = outputs[0]
     if out is not exits[-1]:
         raise PipelineModelError(
             f"The forward of {type(base).__name__} does not return its last block's output"
@@ -235,7 +250,16 @@ def hf_stage_call(
             f" plan, or its blocks return tuples (transformers < {MIN_TRANSFORMERS}). A stage would send other"
             " activations than the model computes. Upgrade transformers or pipeline another model family."
         )
-    return out
+    return router_logits.stage_output(view, call, out, outputs, carried)
+
+
+def prepare_call(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The network call ``view(*args, **kwargs)`` by argument name, with ``use_cache=False``; refuses what a stage
+    cannot compute (cached decoding, every layer's hidden states or attentions)."""
+    call = _bind(view, args, kwargs)
+    _refuse_unsupported(view, call)
+    call["use_cache"] = False
+    return call
 
 
 def _bind(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -273,16 +297,17 @@ def _refuse_unsupported(view: nn.Module, call: dict[str, Any]) -> None:
             )
 
 
-def _received_tensor(received: tuple[Tensor, ...] | Tensor | None) -> Tensor:
+def _received(received: tuple[Tensor, ...] | Tensor | None) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The previous stage's hidden states, and the router logits carried with them (mixture-of-experts models)."""
     if isinstance(received, Tensor):
-        return received
-    if received is None or len(received) != 1 or not isinstance(received[0], Tensor):
+        return received, ()
+    if not received or not all(isinstance(r, Tensor) for r in received):
         kind = None if received is None else [type(r).__name__ for r in received]
         raise PipelineUsageError(
-            f"A stage of a transformers model after the first needs the previous stage's hidden states as one tensor,"
+            f"A stage of a transformers model after the first needs the previous stage's hidden states as a tensor,"
             f" got {kind}."
         )
-    return received[0]
+    return received[0], tuple(received[1:])
 
 
 @contextmanager
