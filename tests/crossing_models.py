@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.models import quiet_trainer
 
 VOCAB, SEQ = 48, 8
+#: microbatches of the pipelined runs (batches of 8 samples)
+MICROBATCHES = 4
 
 
 def token_pairs(samples: int, seed: int, vocab: int = VOCAB, seq: int = SEQ) -> TensorDataset:
@@ -47,13 +49,14 @@ class DemoTransformer(LightningTransformer):
     """Lightning's demo, unchanged but for synthetic text instead of WikiText-2, dropout off, and the validation and
     predict steps the demo does not have."""
 
-    def __init__(self, vocab_size: int = VOCAB) -> None:
+    def __init__(self, vocab_size: int = VOCAB, batch_size: int = 8) -> None:
         super().__init__(vocab_size=vocab_size)
         dropout_off(self.model)
+        self.batch_size = batch_size
         self.step_losses: list[float] = []
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(token_pairs(32, 0), batch_size=8, shuffle=True)
+        return DataLoader(token_pairs(32, 0), batch_size=self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(token_pairs(12, 1), batch_size=4)
@@ -71,12 +74,6 @@ class DemoTransformer(LightningTransformer):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.step_losses.append(float(outputs["loss"]))
-
-    def configure_optimizers(self):
-        # The demo's SGD with a smaller step: microbatches sum gradients in another order than one whole batch
-        # (~1e-7), which the demo's lr=0.1 magnifies to 1.4e-6 in 4 steps (measured; the pipeline itself is bitwise
-        # equal to one device accumulating the same microbatches).
-        return torch.optim.SGD(self.model.parameters(), lr=0.02)
 
     def prepare_data(self) -> None:  # the demo downloads WikiText-2 here
         pass
@@ -225,6 +222,24 @@ def fit_validate_predict(model: L.LightningModule, strategy=None, devices: int =
     None."""
     kwargs = dict(strategy=strategy) if strategy is not None else {}
     trainer = quiet_trainer(devices=devices, max_steps=max_steps, val_check_interval=2, **kwargs)
+    return _run(trainer, model)
+
+
+def accumulated_demo(microbatches: int, max_steps: int = 4) -> dict:
+    """The demo on one device accumulating gradients over the pipeline's microbatches (batches of 8 / microbatches,
+    drawn in the same order): the same sums in the same order as the pipeline. ``losses`` per optimizer step."""
+    L.seed_everything(0)
+    model = DemoTransformer(batch_size=8 // microbatches)
+    trainer = quiet_trainer(devices=1, max_steps=max_steps, accumulate_grad_batches=microbatches, limit_val_batches=0)
+    trainer.fit(model)
+    per_batch = model.step_losses  # Lightning reports each accumulated batch's loss divided by `microbatches`
+    return {
+        "losses": [sum(per_batch[i : i + microbatches]) for i in range(0, len(per_batch), microbatches)],
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _run(trainer: L.Trainer, model: L.LightningModule) -> dict:
     trainer.fit(model)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     validated = trainer.validate(model, verbose=False)

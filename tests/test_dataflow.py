@@ -388,3 +388,39 @@ def test_refuses_a_network_that_cannot_be_copied():
     settings = PipelineSettings(frontend="dataflow").resolve(2)
     with pytest.raises(PipelineModelError, match=r"copies Locked with fake parameters to plan its routes, and the"):
         split_module(Holder(network), settings, pipeline_rank=0, device=torch.device("cpu"))
+
+
+def test_t5_with_its_shared_embedding_equals_the_whole_model():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=32,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    holder = Holder(transformers.T5ForConditionalGeneration(config))
+    reference = copy.deepcopy(holder.model)
+    src, tgt = torch.randint(1, 32, (2, 6)), torch.randint(1, 32, (2, 5))
+    kwargs = dict(input_ids=src, attention_mask=torch.ones_like(src), labels=tgt, use_cache=False)
+    loss_of = lambda out: out.loss  # noqa: E731
+    splits = split_all(holder, 2, frontend="dataflow", schedule="ZBVZeroBubble")
+    _assert_same(run_stages(splits, (), kwargs, loss_of), whole_network_grads(reference, (), kwargs, loss_of))
+    sends = splits[0].stage_call.plan((), kwargs).sends
+    # The first encoder block's relative position bias feeds the second encoder block on the next stage.
+    assert ("encoder.block.0", 0, 1) in sends[0]
+
+
+def test_an_error_inside_a_stage_is_described_for_the_dataflow_frontend():
+    from lightning_pipe.step.stage import StageModule
+
+    split = split_all(LitUNet(), 2, frontend="dataflow")[0]
+    stage = StageModule(split.bodies[0], 0, 2, split.stage_call)
+    note = stage.describe_failure(None, None, 0)
+    assert "raised on rank 0 in pipeline stage 0 of 2 (microbatch 0)" in note
+    assert "every stage runs the network's whole forward" in note and "(up.0, up.1, outc)" in note

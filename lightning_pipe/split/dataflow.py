@@ -183,6 +183,16 @@ class DataflowCall:
             self._plans[key] = plan
         return plan
 
+    def describe_failure(self, stage: int) -> str:
+        """What an error raised inside ``stage`` should be read with (a note the stage adapter adds)."""
+        absent = [u for u, s in self.owner.items() if s != stage]
+        shown = ", ".join(absent[:8]) + (" ..." if len(absent) > 8 else "")
+        return (
+            "With `frontend='dataflow'` every stage runs the network's whole forward on the microbatch's own"
+            f" arguments; the units other stages hold ({shown}) are stand-ins that return their outputs as received,"
+            f" or shapes without values where this stage does not read them. See {DOCS}."
+        )
+
     def full_backward(self, stage: int) -> bool:
         """Whether ``stage`` must run whole backward passes (:func:`~lightning_pipe.split.routing.off_input`) under
         the routes planned so far (every plan is made in the first forward of its signature, before any backward)."""
@@ -311,8 +321,8 @@ class _Run:
 # ------------------------------------------------------------------------------------------------ the frontend
 def dataflow_layout(network: nn.Module, blocks: str | Sequence[str]) -> Layout:
     """The units of a network for the dataflow frontend: every block stack (:func:`find_stacks`) in one layout; a
-    transformers model's from its pipeline plan, in the plan's order (which is the order its forward runs)."""
-    if is_hf_model(network) and blocks == "auto":
+    transformers model's from its pipeline plan where it has one, in the plan's order (the order its forward runs)."""
+    if is_hf_model(network) and blocks == "auto" and getattr(network.config, "base_model_pp_plan", None):
         order = plan_order(network)
         stacks = {name for name in order if isinstance(network.get_submodule(name), CONTAINERS)}
         units = [n for n in order if n in stacks or any(True for _ in network.get_submodule(n).parameters())]

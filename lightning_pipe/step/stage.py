@@ -165,6 +165,9 @@ class StageModule(nn.Module):
             + "."
         )
         parts = [where]
+        describe = getattr(self.stage_call, "describe_failure", None)
+        if describe is not None:  # a frontend with other stages than "the activation in place of the input"
+            return " ".join([*parts, describe(self.index)])
         if self.absent_units:
             shown = ", ".join(self.absent_units[:8]) + (" ..." if len(self.absent_units) > 8 else "")
             parts.append(f"Units held by other stages are absent (None) here: {shown}.")

@@ -10,14 +10,16 @@ import lightning.pytorch as L
 import torch
 
 import lightning_pipe
-from tests.crossing_models import MODELS, fit_validate_predict
+from tests.crossing_models import MICROBATCHES, MODELS, fit_validate_predict
 
 
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     for cfg in configs:
         L.seed_everything(0)
-        strategy = lightning_pipe.PipelineParallelStrategy(frontend="dataflow", schedule=cfg["schedule"])
+        strategy = lightning_pipe.PipelineParallelStrategy(
+            frontend="dataflow", schedule=cfg["schedule"], microbatches=MICROBATCHES
+        )
         result = fit_validate_predict(MODELS[cfg["model"]](), strategy, devices=2)
         torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
 
