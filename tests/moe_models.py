@@ -47,11 +47,14 @@ def build_moe(family: str, layers: int = 8):
     raise ValueError(family)
 
 
-#: the router of the first MoE layer (held by the first stage) in each family
-FIRST_ROUTER = {
-    "mixtral": "model.model.layers.0.block_sparse_moe.gate.weight",
-    "qwen3_moe": "model.model.layers.0.mlp.gate.weight",
-}
+def first_router(state: dict, prefix: str = "model.") -> str:
+    """The name of the first MoE layer's router weight (held by the first stage), whatever the family calls its MoE
+    block (``block_sparse_moe`` in transformers 4.x Mixtral, ``mlp`` elsewhere)."""
+    return next(
+        name
+        for name in state
+        if name.startswith(f"{prefix}model.layers.0.") and name.endswith("gate.weight") and "experts" not in name
+    )
 
 
 class LitMoE(L.LightningModule):

@@ -21,11 +21,17 @@ from tests.stage_sim import run_stages, split_all, whole_network_grads
 
 
 def _assert_same(result, reference):
+    """Loss and gradients bitwise equal; a parameter tied across stages sums its copies' gradients in another
+    order, so it is equal within float rounding."""
     ref_loss, ref_grads = reference
     assert torch.equal(result.loss.detach(), ref_loss)
     grads = result.grads()
+    tied = {name for tie in result.splits[0].ties for name in tie.names}
     for name, grad in ref_grads.items():
-        assert torch.equal(grads[name], grad), name
+        if name in tied:
+            torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-9)
+        else:
+            assert torch.equal(grads[name], grad), name
 
 
 def _demo_call():
@@ -71,7 +77,9 @@ def test_a_module_reachable_under_two_names_is_one_unit_placed_once():
     config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2)
     t5 = transformers.T5ForConditionalGeneration(config)
     layout = find_stacks_layout(t5, find_stacks(t5))
-    assert layout.pre == ("shared", "encoder.embed_tokens", "decoder.embed_tokens")
+    # transformers 4.x: the encoder's and decoder's `embed_tokens` are the `shared` module itself (one unit, placed
+    # with it); 5.x: the decoder's is a module of its own whose weight is tied to it (a tie between stages).
+    assert layout.pre[:2] == ("shared", "encoder.embed_tokens")
     assert unit_params(t5, layout).pre == t5.shared.weight.numel()
 
 

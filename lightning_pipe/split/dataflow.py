@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import itertools
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.compat import torch as torch_compat
+from lightning_pipe.compat.transformers import head_pp_plan
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 from lightning_pipe.split import router_logits
 from lightning_pipe.split.hf import is_hf_model, plan_order, prepare_call
@@ -37,6 +39,8 @@ from lightning_pipe.split.routing import DOCS, OUTPUT, Key, RoutePlan, leaf_map,
 from lightning_pipe.split.surgery import STANDS_IN, Placeholder
 from lightning_pipe.structures import map_structure, tensors_in
 
+#: route plans kept per stage call (one per call signature and mode, like the schedules the executor keeps)
+_MAX_PLANS = 16
 #: the run of the stage call in progress (the stand-ins answer from it)
 _ACTIVE: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("lightning_pipe_dataflow_run", default=None)
 
@@ -156,7 +160,9 @@ class DataflowCall:
         self.network: nn.Module | None = None
         self._stage_of: dict[int, int] = {}
         self._local: dict[int, dict[str, nn.Module]] = {}
-        self._plans: dict[tuple, RoutePlan] = {}
+        self._plans: OrderedDict[tuple, RoutePlan] = OrderedDict()
+        #: stages that run whole backward passes under some plan made so far (kept when the plan is evicted)
+        self._needs_whole_backward: set[int] = set()
 
     def bind(
         self, units_per_stage: Sequence[Sequence[str]], bodies: Mapping[int, nn.Module], network: nn.Module
@@ -181,6 +187,10 @@ class DataflowCall:
             units = {u: self.skeleton.get_submodule(u) for u in self.owner}
             plan = plan_routes(self.skeleton, units, self.owner, self.num_stages, args, dict(kwargs), self._probe)
             self._plans[key] = plan
+            self._needs_whole_backward |= {s for s, off in enumerate(plan.off_input) if off}
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
         return plan
 
     def describe_failure(self, stage: int) -> str:
@@ -196,7 +206,7 @@ class DataflowCall:
     def full_backward(self, stage: int) -> bool:
         """Whether ``stage`` must run whole backward passes (:func:`~lightning_pipe.split.routing.off_input`) under
         the routes planned so far (every plan is made in the first forward of its signature, before any backward)."""
-        return any(plan.off_input[stage] for plan in self._plans.values())
+        return stage in self._needs_whole_backward
 
     def __call__(
         self, body: nn.Module, args: tuple, kwargs: dict, received: tuple | None, is_first: bool, is_last: bool
@@ -322,12 +332,42 @@ class _Run:
 def dataflow_layout(network: nn.Module, blocks: str | Sequence[str]) -> Layout:
     """The units of a network for the dataflow frontend: every block stack (:func:`find_stacks`) in one layout; a
     transformers model's from its pipeline plan where it has one, in the plan's order (the order its forward runs)."""
-    if is_hf_model(network) and blocks == "auto" and getattr(network.config, "base_model_pp_plan", None):
-        order = plan_order(network)
+    order = _hf_plan_order(network) if is_hf_model(network) and blocks == "auto" else None
+    if order:
         stacks = {name for name in order if isinstance(network.get_submodule(name), CONTAINERS)}
         units = [n for n in order if n in stacks or any(True for _ in network.get_submodule(n).parameters())]
         return ordered_layout(network, units, stacks)
     return find_stacks_layout(network, find_stacks(network, blocks))
+
+
+def _hf_plan_order(network: nn.Module) -> list[str] | None:
+    """A transformers model's pipeline plan in execution order: its own, or (an encoder-decoder whose plans are on
+    its encoder's and decoder's configs, T5Gemma in transformers 5) its sub-models' in definition order, then its
+    heads; ``None`` without any."""
+    if getattr(network.config, "base_model_pp_plan", None):
+        return plan_order(network)
+    parts: list[tuple[str, nn.Module]] = []
+    for name, sub in network.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in parts)
+        if name and not inside and is_hf_model(sub) and getattr(sub.config, "base_model_pp_plan", None):
+            parts.append((name, sub))
+    if not parts:
+        return None
+    # The task model's own entries (its heads); in transformers 5 its instance plan also lists the sub-models'.
+    heads = [
+        name
+        for name in head_pp_plan(network)
+        if _has_submodule(network, name) and not any(name.startswith(f"{part}.") for part, _ in parts)
+    ]
+    return [f"{name}.{entry}" for name, sub in parts for entry in plan_order(sub)] + heads
+
+
+def _has_submodule(network: nn.Module, name: str) -> bool:
+    try:
+        network.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def prepare_hf_call(view: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

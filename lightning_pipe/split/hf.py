@@ -99,6 +99,12 @@ def _plan(network: nn.Module) -> _Plan:
 
 def _require_plan(network: nn.Module) -> _Plan:
     _check_version()
+    if not getattr(network.config, "base_model_pp_plan", None) and getattr(network.config, "is_encoder_decoder", False):
+        raise PipelineModelError(
+            f"{type(network).__name__} is an encoder-decoder without a pipeline plan of its own: every decoder layer"
+            " reads the encoder's output, which the default frontend cannot pass from stage to stage. Pass"
+            " `frontend='dataflow'`, which sends each value to the stages that read it."
+        )
     if not getattr(network.config, "base_model_pp_plan", None):
         raise PipelineModelError(
             f"{type(network).__name__} has no pipeline plan (`{type(network.config).__name__}.base_model_pp_plan` is"
