@@ -233,9 +233,12 @@ def accumulated_demo(microbatches: int, max_steps: int = 4) -> dict:
     trainer = quiet_trainer(devices=1, max_steps=max_steps, accumulate_grad_batches=microbatches, limit_val_batches=0)
     trainer.fit(model)
     per_batch = model.step_losses  # Lightning reports each accumulated batch's loss divided by `microbatches`
+    evaluator = quiet_trainer(devices=1)
     return {
         "losses": [sum(per_batch[i : i + microbatches]) for i in range(0, len(per_batch), microbatches)],
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "validated": evaluator.validate(model, verbose=False),
+        "predictions": [p.detach().clone() for p in evaluator.predict(model)],
     }
 
 

@@ -46,15 +46,14 @@ def test_crossing_two_processes(two_procs, cfg):
     ranks = load_ranks(two_procs, cfg["name"])
     ref = reference(cfg["model"])
     if cfg["model"] == "demo":
-        # The demo's own SGD (lr=0.1) turns the other summation order of microbatches (~1e-7) into 1.4e-6 apart
-        # from one whole batch in 4 steps (measured, and equally between one device with and without accumulation):
-        # its weights are compared with one device accumulating the same microbatches, losses with the whole batch.
-        accumulated = accumulated_demo(MICROBATCHES)
-        assert_parity(ranks, accumulated["losses"], accumulated["state"], rtol=TOL, atol=1e-7)
+        # The demo's own SGD (lr=0.1) turns the other summation order of microbatches (~1e-7) into weights 1.4e-6
+        # apart from one whole batch after 4 steps, and predictions up to 7e-5 (measured, and alike between one
+        # device with and without accumulation): weights, final validation and predictions are compared with one
+        # device accumulating the same microbatches, losses and validation during fit with the whole batch.
         for r in ranks:
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=TOL, atol=0)
-    else:
-        assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-7)
+        ref = {**ref, **accumulated_demo(MICROBATCHES)}
+    assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-7)
     for r in ranks:
         assert r["metrics"].keys() == ref["metrics"].keys()
         for key, value in ref["metrics"].items():

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.compat.transformers import head_pp_plan
@@ -163,6 +164,8 @@ class DataflowCall:
         self._plans: OrderedDict[tuple, RoutePlan] = OrderedDict()
         #: stages that run whole backward passes under some plan made so far (kept when the plan is evicted)
         self._needs_whole_backward: set[int] = set()
+        #: received tensors whose gradients are made contiguous
+        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def bind(
         self, units_per_stage: Sequence[Sequence[str]], bodies: Mapping[int, nn.Module], network: nn.Module
@@ -216,11 +219,13 @@ class DataflowCall:
             args, kwargs = self.prepare(body, args, kwargs)
         plan = self.plan(args, kwargs)
         for t in received or ():
-            if t.requires_grad:
+            if t.requires_grad and t not in self._hooked:
                 # torch allocates the previous stage's gradient buffers with the strides of the gradient computed
                 # here (its metadata inference); communication needs them contiguous, and a value read through a
-                # transpose (attention over an encoder's output) gets a strided gradient.
+                # transpose (attention over an encoder's output) gets a strided gradient. torch reuses its receive
+                # buffers step after step: one hook each.
                 t.register_hook(_contiguous)
+                self._hooked[t] = True
         run = _Run(plan, stage, self.owner, received or (), is_last)
         handles = []
         for unit, module in self._local[stage].items():
