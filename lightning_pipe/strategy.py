@@ -40,7 +40,7 @@ from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, stat
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
-from lightning_pipe.reliability import failures, watchdog
+from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
 from lightning_pipe.scope import ignoring, replaced
 from lightning_pipe.settings import (
@@ -284,6 +284,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         kwargs: dict[str, Any] = {"timeout": self._settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if (store := restart.attempt_store(self._settings.timeout)) is not None:
+            kwargs["store"] = store  # a restarted torchrun worker: this attempt's keys only
         pl_compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._settings = dataclasses.replace(self._settings, process_group_backend=backend).resolve(self.world_size)
         self._mesh = self._meshes.build(self._settings, self.root_device.type)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -51,6 +52,28 @@ def restart_count() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+def attempt_store(timeout: Optional[timedelta]) -> Any:
+    """Under torchrun, from the second attempt on: the agent's store under a prefix of this attempt, to create the
+    process group with; ``None`` otherwise (the default rendezvous is right).
+
+    torchrun's agent keeps its store across restarts and the workers' default rendezvous uses it without a prefix
+    (torch 2.13), so a restarted worker reads the previous attempt's addresses and fails to connect ("Gloo
+    connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712, #167288). ``--standalone`` happens not to
+    share it.
+    """
+    import torch.distributed as dist
+
+    if restart_count() == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout if timeout is not None else timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"lightning_pipe/attempt{restart_count()}", store)
 
 
 def supervised_parent() -> Optional[int]:
