@@ -238,7 +238,8 @@ class ResumableLoader(PassLoader):
                 self.continuation.restore(point["streams"])
                 return iterator
             self.continuation.restore(point["streams"])
-        start = EpochStart(torch.get_rng_state(), _generator_state(self.loader), _generator_state(self.index_sampler.inner))
+        sampler = self.index_sampler.inner
+        start = EpochStart(torch.get_rng_state(), _generator_state(self.loader), _generator_state(sampler))
         return self._start_epoch(start, skip=0)
 
     def _start_epoch(self, start: EpochStart, skip: int) -> Iterator[Any]:
