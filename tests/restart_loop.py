@@ -82,9 +82,10 @@ def summary(results: list[dict]) -> None:
             continue
         times = [r["failure_to_first_step"] for r in rows]
         again = [r["recomputed"] for r in rows]
+        name, middle = launcher or "all", statistics.median(times)
         print(
-            f"{launcher or 'all'} ({len(rows)}): failure -> first step after resume median {statistics.median(times):.1f} s,"
-            f" max {max(times):.1f} s; steps recomputed median {statistics.median(again)}, max {max(again)}"
+            f"{name} ({len(rows)}): failure -> first step after resume median {middle:.1f} s, max {max(times):.1f} s;"
+            f" steps recomputed median {statistics.median(again)}, max {max(again)}"
         )
 
 

@@ -128,6 +128,3 @@ def reference(root: Path, devices: int) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"the reference run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return out
-
-
-

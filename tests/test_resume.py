@@ -124,6 +124,16 @@ def test_settings_of_restarts_and_asynchronous_saves():
         lightning_pipe.PipelineParallelStrategy(max_restarts=1.5)
 
 
+def test_max_restarts_under_lightnings_launcher_is_for_one_node():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_pipe.reliability.launcher import PipelineLauncher
+
+    launcher = PipelineLauncher(LightningEnvironment(), 2, 2, None, max_restarts=2)
+    with pytest.raises(PipelineConfigError, match=r"`max_restarts=2`.*`num_nodes=2`.*--max-restarts=2"):
+        launcher._supervise()
+
+
 def test_restart_count_and_the_run_record(tmp_path, monkeypatch):
     for name in ("TORCHELASTIC_RESTART_COUNT", restart.RESTART_COUNT, restart.RUN_RECORD):
         monkeypatch.delenv(name, raising=False)
