@@ -11,6 +11,7 @@ back.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -45,6 +46,8 @@ def inspect_complete(path: Path) -> Optional[Found]:
     path = Path(path)
     try:
         manifest = _manifest(path)
+        if manifest is None:
+            return None
         metadata = dcp.FileSystemReader(path).read_metadata() if (path / fmt.DCP_METADATA).is_file() else None
         ends = torch_compat.storage_extents(metadata) if metadata is not None else []
         if metadata is None or fmt.missing_files(path, manifest, ends):
@@ -55,15 +58,15 @@ def inspect_complete(path: Path) -> Optional[Found]:
         return None
 
 
-def _manifest(path: Path) -> dict[str, Any]:
-    if fmt.is_transient(path):  # read_manifest refuses these by name; here they are candidates to finish
-        import json
-
+def _manifest(path: Path) -> Optional[dict[str, Any]]:
+    """The manifest of ``path`` if it is one this version reads (a transient directory's too, which
+    ``fmt.read_manifest`` refuses by name: here it is a candidate to finish), else ``None``."""
+    try:
         manifest = json.loads((path / fmt.MANIFEST).read_text())
-        if manifest.get("format") != fmt.FORMAT_NAME or manifest.get("version") != fmt.FORMAT_VERSION:
-            raise PipelineCheckpointError(f"{str(path)!r} has no readable manifest")
-        return manifest
-    return fmt.read_manifest(path)
+    except (OSError, ValueError):
+        return None
+    readable = isinstance(manifest, dict) and manifest.get("format") == fmt.FORMAT_NAME
+    return manifest if readable and manifest.get("version") == fmt.FORMAT_VERSION else None
 
 
 def progress(path: Path, manifest: dict[str, Any]) -> tuple[int, int]:
