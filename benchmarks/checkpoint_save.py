@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 WIDTH = 1024
 BLOCKS = 4
@@ -28,16 +29,12 @@ STEPS = 40
 EVERY = 10
 
 
-def child(mode: str, out: Path) -> None:
+def module() -> Any:
+    """The LightningModule: an MLP of residual blocks, Adam."""
     import lightning.pytorch as L
     import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-
-    import lightning_pipe
-
-    torch.set_num_threads(1)
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -66,6 +63,18 @@ def child(mode: str, out: Path) -> None:
 
         def train_dataloader(self):
             return DataLoader(TensorDataset(torch.randn(8 * STEPS, WIDTH)), batch_size=8)
+
+    return Module()
+
+
+def child(mode: str, out: Path) -> None:
+    import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_pipe
+
+    torch.set_num_threads(1)
 
     class Timed(lightning_pipe.PipelineParallelStrategy):
         records: list = []
@@ -102,9 +111,9 @@ def child(mode: str, out: Path) -> None:
         enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=out / mode, every_n_train_steps=EVERY, save_top_k=-1), steps],
     )
-    module = Module()
-    trainer.fit(module)
-    state = sum(p.numel() * 4 * 3 for p in module.parameters())  # parameters and Adam's two moments
+    model = module()
+    trainer.fit(model)
+    state = sum(p.numel() * 4 * 3 for p in model.parameters())  # parameters and Adam's two moments
     result = {"rank": trainer.global_rank, "state_bytes": state, "saves": strategy.records, "steps": steps.times}
     (out / f"{mode}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -112,9 +121,8 @@ def child(mode: str, out: Path) -> None:
 def report(out: Path) -> None:
     total = sum(json.loads((out / f"sync.rank{r}.json").read_text())["state_bytes"] for r in range(2))
     print(f"state saved per checkpoint: {total / 1e6:.0f} MB (2 ranks)")
-    print(
-        "| mode | rank | blocked per save (median, max) | write in its thread (median) | step (median) | step after a save (median) |"
-    )
+    columns = ["mode", "rank", "blocked per save (median, max)", "write in its thread (median)", "step (median)"]
+    print("| " + " | ".join([*columns, "step after a save (median)"]) + " |")
     print("|---|---|---|---|---|---|")
     for mode in ("sync", "async"):
         for rank in range(2):
