@@ -262,15 +262,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
 
     def make_launcher(self) -> PipelineLauncher:
         assert self.cluster_environment is not None
-        settings = self._settings
-        return PipelineLauncher(
-            self.cluster_environment,
-            self.num_processes,
-            self.num_nodes,
-            settings.timeout,
-            settings.max_restarts,
-            find_resume=ckpt_resume.find_resume,
-        )
+        environment, settings = self.cluster_environment, self._settings
+        restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
+        return PipelineLauncher(environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find)
 
     @override
     @failures.in_phase("during start-up")
