@@ -76,3 +76,50 @@ def dispatch_mode_class() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+# ---------------------------------------------------------------------------------------------------- operators
+# A dispatch mode sees ATen operators; what they read and write is in their schema (`OpOverload._schema`, private;
+# torch 2.13 has no public schema accessor).
+_UNINITIALISED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+
+def op_name(func: Any) -> str:
+    """The operator's name without namespace and overload (``aten::normal_`` -> ``normal_``)."""
+    return func._schema.name.split("::")[-1]
+
+
+def reads_values(func: Any) -> bool:
+    """Whether the operator reads its tensor inputs' values; ``*_like`` and ``new_*`` factories read only their shape,
+    dtype and device."""
+    name = op_name(func)
+    return not (name.endswith("_like") or name.startswith("new_") or name in _UNINITIALISED)
+
+
+def fills_nothing(func: Any) -> bool:
+    """Whether the operator allocates without setting values (``empty``, ``new_empty``, ...)."""
+    return op_name(func) in _UNINITIALISED
+
+
+def returns_view(func: Any) -> bool:
+    """Whether the operator returns a view of an input (``view``, ``t``, ``slice``, ...), not new values."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors the operator writes in place: ``self`` of ``normal_``, ``out=`` arguments, ...
+    (arguments whose schema alias annotation is a write, ``Tensor(a!)``)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            written += tensors_of(value)
+    return written
+
+
+def tensors_of(value: Any) -> list[Any]:
+    """The tensors in a nested structure of operator arguments or outputs (``torch.utils._pytree``)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]

@@ -21,7 +21,8 @@ from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_ba
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.split.calls import StageCall, call_traced, call_with_activation
-from lightning_pipe.split.hf import hf_layout, hf_placeholder, hf_stage_call, is_hf_model
+from lightning_pipe.split.hf import hf_layout, hf_placeholder, is_hf_model
+from lightning_pipe.split.hf_stage import hf_stage_call
 from lightning_pipe.split.initialization import initialize, warn_whole_model
 from lightning_pipe.split.partition import Layout, counts_from_split_points, find_layout, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
