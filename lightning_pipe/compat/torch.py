@@ -89,6 +89,13 @@ def op_name(func: Any) -> str:
     return func._schema.name.split("::")[-1]
 
 
+def is_operator(func: Any) -> bool:
+    """Whether ``func`` is an ATen operator overload (what a dispatch mode sees), not a Python function."""
+    from torch._ops import OpOverload
+
+    return isinstance(func, OpOverload)
+
+
 def reads_values(func: Any) -> bool:
     """Whether the operator reads its tensor inputs' values; ``*_like`` and ``new_*`` factories read only their shape,
     dtype and device."""
@@ -97,8 +104,8 @@ def reads_values(func: Any) -> bool:
 
 
 def fills_nothing(func: Any) -> bool:
-    """Whether the operator allocates without setting values (``empty``, ``new_empty``, ...)."""
-    return op_name(func) in _UNINITIALISED
+    """Whether ``func`` is an operator that allocates without setting values (``empty``, ``new_empty``, ...)."""
+    return is_operator(func) and op_name(func) in _UNINITIALISED
 
 
 def returns_view(func: Any) -> bool:
@@ -123,3 +130,63 @@ def tensors_of(value: Any) -> list[Any]:
     from torch.utils._pytree import tree_leaves
 
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------------------- nn.init on meta
+def _skipping_inits() -> dict[Any, tuple[Any, Any]]:
+    """``code object -> (function to replay, public function)`` of the ``torch.nn.init`` functions that torch 2.13
+    returns from at once on a meta tensor (``if tensor.is_meta: return tensor``), so no operator reaches a dispatch
+    mode. ``trunc_normal_`` checks in its private helper ``_no_grad_trunc_normal_``."""
+    from torch.nn import init
+
+    helper = init._no_grad_trunc_normal_
+    return {
+        helper.__code__: (helper, init.trunc_normal_),
+        init.dirac_.__code__: (init.dirac_, init.dirac_),
+        init.orthogonal_.__code__: (init.orthogonal_, init.orthogonal_),
+        init.sparse_.__code__: (init.sparse_, init.sparse_),
+    }
+
+
+def is_meta_check(func: Any) -> bool:
+    """Whether a torch-function-mode call is the ``Tensor.is_meta`` property read."""
+    import torch
+
+    return getattr(func, "__self__", None) is torch.Tensor.is_meta
+
+
+def skipped_init_call() -> tuple[Any, Any, dict[str, Any]] | None:
+    """From inside a torch function mode handling an ``is_meta`` read: when the reader is one of the ``nn.init``
+    functions that skip meta tensors, ``(function, tensor, other arguments)`` of its call, read from its frame
+    (``sys._getframe``; the function never reaches an operator, so its arguments are nowhere else)."""
+    import sys
+
+    functions = _skipping_inits()
+    frame = sys._getframe(1)
+    for _ in range(4):  # this function, the mode's handler, then the nn.init function reading `is_meta`
+        if frame is None:
+            return None
+        if frame.f_code in functions:
+            fn, _public = functions[frame.f_code]
+            names = frame.f_code.co_varnames[: frame.f_code.co_argcount]
+            arguments = {name: frame.f_locals[name] for name in names}
+            return fn, arguments.pop(names[0]), arguments
+        frame = frame.f_back
+    return None
+
+
+def user_frame(own_file: str) -> str:
+    """``file:line (function)`` of the nearest caller outside torch and ``own_file``: where user code made the
+    call being recorded (``sys._getframe``, CPython's documented frame access)."""
+    import os
+    import sys
+
+    import torch
+
+    torch_dir, skipped = os.path.dirname(torch.__file__), (own_file, __file__)
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename in skipped):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
