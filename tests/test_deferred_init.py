@@ -104,11 +104,11 @@ def test_hooks_fill_what_the_recording_left_unset():
                 nn.init.constant_(module.weight, 0.5)
 
     with torch.device("meta"), record_init() as recording:
-        net = WithHook()  # Linear's reset_parameters runs (recorded); `rot` is left empty
+        net = WithHook()  # Linear's reset_parameters runs (recorded as PyTorch's defaults); `rot` is left empty
         nn.init.normal_(net.blocks[0][1].weight, std=0.02)
     assert initialize(net, CPU, 0, recording=recording.finish(net)) == "_init_weights"
     assert net.blocks[0][1].weight.std().item() == pytest.approx(0.02, rel=0.1)  # recorded, kept
-    assert not torch.any(net.blocks[1][1].weight == 0.5)  # recorded reset_parameters, kept
+    assert torch.all(net.blocks[1][1].weight == 0.5)  # Linear's default init (recorded) yields to the model's hook
     assert torch.all(net.rot == 0.5)  # unset: the model's hook
     torch.testing.assert_close(net.inv_freq, torch.tensor([1.0, 0.1, 0.01, 0.001]))  # set: kept beside `rot`
 
@@ -135,7 +135,7 @@ def test_reading_another_parameter_is_refused_with_the_call():
     with pytest.raises(
         PipelineModelError,
         match=r"initialisation of `head.weight` in `configure_model` reads `emb.weight` \(`copy_.default` at"
-        r" .*test_deferred_init.py:\d+ \(copy_from_embedding\)\)",
+        r" .*test_deferred_init.py:\d+ \(copy_from_embedding\)\), whose values are drawn at random \(`normal_",
     ):
         initialize(net, CPU, 0, recording=recording)
 
@@ -177,3 +177,29 @@ def test_tied_parameters_replay_once_under_the_first_name():
     head_only.wte = None  # a last stage holds the head only: same values, seeded by the first name (`wte.weight`)
     initialize(head_only, CPU, 0, recording=recording)
     assert torch.equal(head_only.lm_head.weight, whole.wte.weight)
+
+
+def test_a_hugging_face_model_s_own_init_is_replayed():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4
+    )
+    with torch.device("meta"), record_init() as recording:
+        net = transformers.LlamaForCausalLM(config)
+    layout_counts = [2, 2]
+    from lightning_pipe.split.hf import hf_layout, hf_placeholder
+
+    layout = hf_layout(net)
+    prune(net, stage_units(layout, layout_counts)[1], layout.units, hf_placeholder(net))
+    initialize(net, CPU, 0, units=layout.units, recording=recording.finish(net))
+    for name, value in net.named_parameters():
+        if value.dim() == 2:
+            assert value.std().item() == pytest.approx(config.initializer_range, rel=0.15), name
+        else:
+            assert torch.all(value == 1), name
+    rotary = net.model.rotary_emb
+    expected = (
+        1.0 / (config.rope_theta ** (torch.arange(0, 8, 2).float() / 8)) if hasattr(config, "rope_theta") else None
+    )
+    if expected is not None:
+        torch.testing.assert_close(rotary.inv_freq, expected)

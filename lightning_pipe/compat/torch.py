@@ -108,6 +108,17 @@ def fills_nothing(func: Any) -> bool:
     return is_operator(func) and op_name(func) in _UNINITIALISED
 
 
+def is_random(func: Any) -> bool:
+    """Whether ``func`` draws from a random generator: an operator tagged ``nondeterministic_seeded`` (``normal_``,
+    ``uniform_``, ``randn``, ...), or one of the ``nn.init`` functions recorded whole (all but ``dirac_``)."""
+    import torch
+    from torch.nn import init
+
+    if is_operator(func):
+        return torch.Tag.nondeterministic_seeded in func.tags
+    return func is not init.dirac_
+
+
 def returns_view(func: Any) -> bool:
     """Whether the operator returns a view of an input (``view``, ``t``, ``slice``, ...), not new values."""
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
@@ -173,6 +184,23 @@ def skipped_init_call() -> tuple[Any, Any, dict[str, Any]] | None:
             return fn, arguments.pop(names[0]), arguments
         frame = frame.f_back
     return None
+
+
+def in_default_init() -> bool:
+    """Whether the running code is inside a ``torch.nn`` module's ``reset_parameters()`` (PyTorch's default init,
+    which every ``nn.Linear`` runs in ``__init__``), read from the call stack (``sys._getframe``)."""
+    import os
+    import sys
+
+    import torch
+
+    modules_dir = os.path.join(os.path.dirname(torch.__file__), "nn", "modules")
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "reset_parameters" and frame.f_code.co_filename.startswith(modules_dir):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def user_frame(own_file: str) -> str:

@@ -50,6 +50,8 @@ class _Op:
     reads: frozenset[int]
     outputs: list[Tensor]
     site: str
+    #: run by a ``torch.nn`` module's ``reset_parameters()`` (PyTorch's defaults), which a model's own init overrides
+    default: bool = False
 
     def describe(self) -> str:
         name = getattr(self.func, "__name__", str(self.func))
@@ -74,6 +76,8 @@ class InitRecording:
     roots: dict[str, _Root] = field(default_factory=dict)
     #: storage -> indices of the operators that create or write it
     writers: dict[int, list[int]] = field(default_factory=dict)
+    #: whether :meth:`replay` replays PyTorch's default init (``reset_parameters()`` of ``torch.nn`` modules)
+    defaults: bool = True
 
     def add(self, op: _Op) -> None:
         for key in op.writes | op.creates:
@@ -92,9 +96,12 @@ class InitRecording:
                 self.roots[name] = _Root(first[key], key, whole)
         return self
 
-    def replay(self, network: nn.Module, prefix: str, seed: int, device: torch.device) -> int:
+    def replay(self, network: nn.Module, prefix: str, seed: int, device: torch.device, *, defaults: bool = True) -> int:
         """Set ``network``'s allocated tensors (names under ``prefix`` in the full model) from their recorded
-        operators; returns how many tensors had any."""
+        operators; returns how many tensors had any. ``defaults=False`` leaves out what ``torch.nn`` modules'
+        ``reset_parameters()`` did: a model with its own init hook (``_init_weights``) overrides PyTorch's defaults,
+        and that hook then sets what nothing else did (transformers 5.x does not run it on the meta device)."""
+        self.defaults = defaults
         done: set[int] = set()
         replayed = 0
         for name, tensor in [*network.named_parameters(), *network.named_buffers()]:
@@ -118,27 +125,44 @@ class InitRecording:
     def _closure(self, root: _Root) -> list[int]:
         """Indices of the operators that set ``root``'s values: its writers and, before each, the writers of what
         it reads (values as they were at that point), in recorded order. A creation that fills nothing (``empty``)
-        sets no values."""
+        sets no values of ``root``."""
         names = {r.key: r.name for r in self.roots.values()}
+        needed = self._setting(root.key, len(self.ops), skip_empty=True)
+        for index in needed:
+            op = self.ops[index]
+            for read in op.reads - op.writes - op.creates:  # another tensor's own operators read it too
+                if read != root.key and read in names:
+                    self._check_deterministic(root, names[read], read, index)
+        return needed
+
+    def _setting(self, key: int, before: int, skip_empty: bool = False) -> list[int]:
+        """The operators before ``before`` that set storage ``key``'s values, with those of what they read."""
         needed: set[int] = set()
-        pending = [(root.key, len(self.ops))]
+        pending = [(key, before)]
         while pending:
-            key, before = pending.pop()
-            for index in self.writers.get(key, ()):
+            current, limit = pending.pop()
+            for index in self.writers.get(current, ()):
                 op = self.ops[index]
-                if index >= before or index in needed or (key == root.key and _fills_nothing(op)):
+                skipped = skip_empty and current == key and (_fills_nothing(op) or (op.default and not self.defaults))
+                if index >= limit or index in needed or skipped:
                     continue
                 needed.add(index)
-                for read in op.reads:
-                    if read != root.key and read in names:
-                        raise PipelineModelError(
-                            f"The initialisation of `{root.name}` in `configure_model` reads `{names[read]}`"
-                            f" ({op.describe()}): each rank replays a parameter's initialisation from its own"
-                            " operators, and the other may live on another stage. Share the Parameter itself (tied"
-                            " weights), or initialise it in `_init_weights(module)` / `reset_parameters()`."
-                        )
-                    pending.append((read, index))
+                pending += [(read, index) for read in op.reads]
         return sorted(needed)
+
+    def _check_deterministic(self, root: _Root, other: str, key: int, reader: int) -> None:
+        """Reading another parameter or buffer replays its operators too; refused when they draw random numbers: the
+        other's own replay draws them from its own seed, so the two would disagree (``b.copy_(a)`` after
+        ``a.normal_()``). Deterministic values (``original_inv_freq = inv_freq.clone()``) are recomputed."""
+        drawn = [self.ops[i] for i in self._setting(key, reader) if torch_compat.is_random(self.ops[i].func)]
+        if drawn:
+            raise PipelineModelError(
+                f"The initialisation of `{root.name}` in `configure_model` reads `{other}`"
+                f" ({self.ops[reader].describe()}), whose values are drawn at random ({drawn[-1].describe()}): each"
+                " rank replays a parameter's initialisation under that parameter's own seed, so the two would"
+                " disagree. Share the Parameter itself (tied weights), or initialise it in `_init_weights(module)` /"
+                " `reset_parameters()`."
+            )
 
 
 def _fills_nothing(op: _Op) -> bool:
@@ -205,8 +229,8 @@ class _Recorder(torch_compat.dispatch_mode_class()):  # type: ignore[misc]
             return out
         reads = frozenset(_key(t) for t in inputs if t.is_meta) if torch_compat.reads_values(func) else frozenset()
         creates = frozenset() if written else frozenset(_key(t) for t in outputs)
-        site = torch_compat.user_frame(__file__) if written else ""
-        self.recording.add(_Op(func, args, kwargs, written, creates, reads, list(outputs), site))
+        site, default = torch_compat.user_frame(__file__), bool(written) and torch_compat.in_default_init()
+        self.recording.add(_Op(func, args, kwargs, written, creates, reads, list(outputs), site, default))
         return out
 
 

@@ -208,7 +208,8 @@ def initialize(
         for module in network.modules():
             for _, t in _own_tensors(module):
                 _mark(t)
-        replayed = recording.replay(network, prefix, seed, device) if recording is not None else 0
+        defaults = hook == "reset_parameters"
+        replayed = recording.replay(network, prefix, seed, device, defaults=defaults) if recording is not None else 0
         if replayed and not any(_unset(t) for m in network.modules() for _, t in _own_tensors(m)):
             return "recorded"
         if hook == INIT_WEIGHTS:
