@@ -14,6 +14,7 @@ Some families cannot be cut at block boundaries; they are refused by name, with 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -114,12 +115,18 @@ class AbsentOutput(nn.Module):
         return self.unit
 
 
-def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    return {
+def _plain_attributes(module: nn.Module, depth: int = 2) -> dict[str, Any]:
+    """The module's plain attributes, and its children's as namespaces (transformers 4.57 OLMo-3 picks each block's
+    mask by ``decoder_layer.self_attn.attention_type``)."""
+    plain: dict[str, Any] = {
         key: value
         for key, value in vars(module).items()
         if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool, type(None)))
     }
+    if depth > 1:
+        for name, child in module.named_children():
+            plain[name] = SimpleNamespace(**_plain_attributes(child, depth - 1))
+    return plain
 
 
 def _base_prefix(network: nn.Module, base_plan: dict[str, Any]) -> str:
