@@ -135,6 +135,20 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     return written
 
 
+def operator_observer(observe: Any) -> Any:
+    """A dispatch mode (enter it with ``with``) that runs every operator, then calls ``observe(func, args, kwargs,
+    out)``: how the deferred initialisation records and the Hugging Face stage call traces."""
+
+    class _Observer(dispatch_mode_class()):  # type: ignore[misc]
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            observe(func, args, kwargs, out)
+            return out
+
+    return _Observer()
+
+
 def tensors_of(value: Any) -> list[Any]:
     """The tensors in a nested structure of operator arguments or outputs (``torch.utils._pytree``)."""
     import torch

@@ -18,6 +18,7 @@ that parameter may live on another rank), or a parameter that is a view into a l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -211,27 +212,18 @@ class _Replay:
         return self.bases[_key(meta)].as_strided(meta.size(), meta.stride(), meta.storage_offset())
 
 
-class _Recorder(torch_compat.dispatch_mode_class()):  # type: ignore[misc]
-    """Records every operator that touches a meta tensor; views are not recorded (replay maps aliases by storage)."""
-
-    def __init__(self, recording: InitRecording) -> None:
-        super().__init__()
-        self.recording = recording
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs, outputs = torch_compat.tensors_of((args, kwargs)), torch_compat.tensors_of(out)
-        if not any(t.is_meta for t in (*inputs, *outputs)):
-            return out
-        written = frozenset(_key(t) for t in torch_compat.written_tensors(func, args, kwargs))
-        if not written and torch_compat.returns_view(func):
-            return out
-        reads = frozenset(_key(t) for t in inputs if t.is_meta) if torch_compat.reads_values(func) else frozenset()
-        creates = frozenset() if written else frozenset(_key(t) for t in outputs)
-        site, default = torch_compat.user_frame(__file__), bool(written) and torch_compat.in_default_init()
-        self.recording.add(_Op(func, args, kwargs, written, creates, reads, list(outputs), site, default))
-        return out
+def _record(recording: InitRecording, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Record an operator that touched a meta tensor; views are not recorded (replay maps aliases by storage)."""
+    inputs, outputs = torch_compat.tensors_of((args, kwargs)), torch_compat.tensors_of(out)
+    if not any(t.is_meta for t in (*inputs, *outputs)):
+        return
+    written = frozenset(_key(t) for t in torch_compat.written_tensors(func, args, kwargs))
+    if not written and torch_compat.returns_view(func):
+        return
+    reads = frozenset(_key(t) for t in inputs if t.is_meta) if torch_compat.reads_values(func) else frozenset()
+    creates = frozenset() if written else frozenset(_key(t) for t in outputs)
+    site, default = torch_compat.user_frame(__file__), bool(written) and torch_compat.in_default_init()
+    recording.add(_Op(func, args, kwargs, written, creates, reads, list(outputs), site, default))
 
 
 class _SkippedInits(TorchFunctionMode):
@@ -259,6 +251,6 @@ def record_init() -> Iterator[InitRecording]:
     """Record what the enclosed code does to meta tensors (``configure_model`` under the strategy's meta device)."""
     recording = InitRecording()
     with ExitStack() as stack:
-        stack.enter_context(_Recorder(recording))
+        stack.enter_context(torch_compat.operator_observer(functools.partial(_record, recording)))
         stack.enter_context(_SkippedInits(recording))
         yield recording

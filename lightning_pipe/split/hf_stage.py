@@ -184,7 +184,7 @@ class _EmbeddingValues:
         for block in self.blocks:
             _hook(self.stack, block.register_forward_pre_hook(lambda module, args: self._enter()))
             _hook(self.stack, block.register_forward_hook(lambda module, args, out: self._leave()))
-        self.stack.enter_context(_Tracker(self))
+        self.stack.enter_context(torch_compat.operator_observer(self._observe))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -201,7 +201,8 @@ class _EmbeddingValues:
             if isinstance(t, Tensor):
                 self.derived[id(t)] = t
 
-    def seen(self, func: Any, inputs: list[Tensor], outputs: list[Tensor], written: list[Tensor]) -> None:
+    def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        inputs = torch_compat.tensors_of((args, kwargs))
         if not torch_compat.reads_values(func) or not any(id(t) in self.derived for t in inputs):
             return
         if self.depth > 0:
@@ -211,20 +212,7 @@ class _EmbeddingValues:
                 " first, the embedding belongs to another stage, so that value would be wrong. Pipeline another"
                 " model family."
             )
-        self._mark(outputs + written)
-
-
-class _Tracker(torch_compat.dispatch_mode_class()):  # type: ignore[misc]
-    def __init__(self, owner: _EmbeddingValues) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = torch_compat.tensors_of((args, kwargs))
-        self.owner.seen(func, inputs, torch_compat.tensors_of(out), torch_compat.written_tensors(func, args, kwargs))
-        return out
+        self._mark(torch_compat.tensors_of(out) + torch_compat.written_tensors(func, args, kwargs))
 
 
 def _bind(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
