@@ -33,7 +33,9 @@ def scenarios(runs: int, devices: int, seed: int) -> list[tuple[str, dict]]:
         where = "write" if i % 3 == 2 else "step"
         # A kill while writing needs a save still to come; one in a step any step after the first.
         step = rng.randint(1, STEPS - EVERY) if where == "write" else rng.randint(2, STEPS)
-        kill = {"rank": rng.randrange(devices), "step": step, "where": where}
+        # Only the first replica's pipeline writes shards (ranks 0 and 2 of 2 x 2, inner_axis="dp").
+        ranks = [0, 2] if where == "write" and devices == 4 else list(range(devices))
+        kill = {"rank": rng.choice(ranks), "step": step, "where": where}
         chosen.append((("torchrun", "lightning")[i % 2], {"devices": devices, "async": i % 4 < 2, "kill": kill}))
     return chosen
 

@@ -67,11 +67,13 @@ class Outcome:
         return self.completed - self.resumed_from
 
 
-def compare(out: Path, reference: Path, devices: int) -> Outcome:
+def compare(out: Path, reference: Path, devices: int, faulted: bool = True) -> Outcome:
     """Every step a faulted run trained (before the failure and after the resume) has the reference's loss, bit for
     bit, and its final weights are the reference's."""
     problems: list[str] = []
     injected = _json(out / "injected.json")
+    if faulted and injected is None:
+        problems.append("the failure was never injected")
     resumed = _json(out / "resumed.rank0.json")
     attempts = 1 + max((int(p.name.rsplit("attempt", 1)[1]) for p in out.glob("pid.rank0.attempt*")), default=0)
     for rank in range(devices):
