@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
+from lightning_pipe.checkpoint import resume as ckpt_resume
 from lightning_pipe.checkpoint.hooks import CheckpointHooks
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
@@ -39,7 +40,7 @@ from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, stat
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
-from lightning_pipe.reliability import failures
+from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
 from lightning_pipe.scope import ignoring, replaced
 from lightning_pipe.settings import (
@@ -108,6 +109,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
+        max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
+            time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
+        async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
+            memory. Default ``False``.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -134,6 +139,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
+        max_restarts: NonNegativeInt = 0,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
@@ -155,6 +162,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         #: what this Trainer entry installed on the user's objects, undone at teardown
         self._run = ExitStack()
         self.num_nodes = 1
+        # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
+        watchdog.start_if_launched()
 
     # ------------------------------------------------------------------ settings and topology
     @property
@@ -255,7 +264,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
 
     def make_launcher(self) -> PipelineLauncher:
         assert self.cluster_environment is not None
-        return PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._settings.timeout)
+        environment, settings = self.cluster_environment, self._settings
+        restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
+        return PipelineLauncher(environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find)
 
     @override
     @failures.in_phase("during start-up")
@@ -269,6 +280,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         kwargs: dict[str, Any] = {"timeout": self._settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if (store := restart.attempt_store(self._settings.timeout)) is not None:
+            kwargs["store"] = store  # a restarted torchrun worker: this attempt's keys only
         pl_compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._settings = dataclasses.replace(self._settings, process_group_backend=backend).resolve(self.world_size)
         self._mesh = self._meshes.build(self._settings, self.root_device.type)
@@ -359,6 +372,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
                 self._run.enter_context(ignoring("", category))
         # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
+        resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
+        self.open_checkpoints(trainer, self._rng, self._settings.async_checkpoint, resumed_from)
         announce_parameters(trainer, module, self.pipeline_group, split)
 
     @property
@@ -541,6 +556,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
+        self.close_checkpoints()  # pending saves complete (or are dropped after a failure)
         # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
         self._run.close()
         for recorder in self._saved.values():
