@@ -306,6 +306,9 @@ def test_a_ranks_own_communication_error_is_reported_as_its_own(store):
     assert not failures.is_broken_connection(own) and not failures.is_broken_connection(size)
     assert not failures.is_broken_connection(RuntimeError("DataLoader worker (pid 12) timed out after 5 seconds"))
     assert failures.is_broken_connection(RuntimeError("NCCL communicator was aborted on rank 1."))
+    # Rank 0 hosting the store could not bind its port: its own failure, not a peer's (seen under a loaded machine).
+    bind = dist.DistNetworkError("The server socket has failed to listen on any local network address. port: 39067")
+    assert not failures.is_broken_connection(bind)
     failures.describe(0, [0])
     Board.connect(2).record(failures.entry_index() + 1, Failure(1, (1,), "during training", "ValueError: theirs"))
     with pytest.raises(RuntimeError, match="invalid usage"):

@@ -58,6 +58,8 @@ _BROKEN_CONNECTION = (
     "communicator was aborted",  # NCCL: aborted after a peer's failure
     "ncclremoteerror",
 )
+# This rank could not open the store's port (taken by another process): its own failure, whatever the error's type.
+_OWN_PORT = ("failed to listen on any local network address", "address already in use")
 # A wait on a peer that ran out (gloo: "Timed out waiting 60000ms for recv operation", NCCL's watchdog: "collective
 # operation timeout"): only with a word that names a transfer, not any error that mentions a timeout.
 _TIMEOUT = ("timed out", "timeout")
@@ -301,7 +303,8 @@ def is_broken_connection(err: BaseException) -> bool:
     import torch.distributed as dist
 
     if isinstance(err, (dist.DistNetworkError, dist.DistStoreError)):
-        return True  # the connection to a peer or to the store broke
+        # The connection to a peer or to the store broke; not this rank failing to open its own port.
+        return not any(marker in str(err).lower() for marker in _OWN_PORT)
     if not isinstance(err, (RuntimeError, ConnectionError, TimeoutError)):  # DistBackendError is a RuntimeError
         return False
     text = str(err).lower()
