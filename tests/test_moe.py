@@ -88,7 +88,7 @@ def test_refuses_a_family_whose_router_logits_it_cannot_count():
     torch.manual_seed(0)
     holder = Holder("mixtral")
     splits = split_all(holder, 2)
-    base = splits[0].bodies[0].model
+    base = splits[1].bodies[1].model  # the last stage's base model: its output lists the router logits
 
     def drop_one(module, args, kwargs, output):
         output["router_logits"] = output["router_logits"][1:]
@@ -96,7 +96,9 @@ def test_refuses_a_family_whose_router_logits_it_cannot_count():
 
     handle = base.register_forward_hook(drop_one, with_kwargs=True)
     try:
-        with pytest.raises(PipelineModelError, match=r"holds 4 mixture-of-experts layers on this pipeline stage but"):
+        with pytest.raises(
+            PipelineModelError, match=r"\(it holds 4 mixture-of-experts layers on this stage but recorded 3\)"
+        ):
             run_stages(splits, (), _call(), lambda out: out.loss, backward=False)
     finally:
         handle.remove()

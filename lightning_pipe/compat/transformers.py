@@ -28,17 +28,18 @@ def head_pp_plan(model: Any) -> dict[str, Any]:
     return {**(getattr(type(model), "_pp_plan", None) or {}), **(model.__dict__.get("_pp_plan") or {})}
 
 
-def recorded_by(model: Any, output: str) -> Optional[tuple[type, ...]]:
-    """The module classes whose forward results transformers records as ``output`` (e.g. ``"router_logits"``) while
-    the model runs, from the model class's ``_can_record_outputs`` (4.54+ and 5.x); ``None`` where the model does not
-    record it that way or names the modules otherwise. Public replacement: none."""
+def recorded_by(model: Any, output: str) -> Optional[tuple[tuple[type, int], ...]]:
+    """The modules whose forward results transformers records as ``output`` (e.g. ``"router_logits"``) while the
+    model runs, from the model class's ``_can_record_outputs`` (4.54+ and 5.x): ``(class, index)`` pairs, ``index``
+    being the position of the value in the module's output tuple. ``None`` where the model does not record it that
+    way or names the modules otherwise. Public replacement: none."""
     spec = (getattr(type(model), "_can_record_outputs", None) or {}).get(output)
     if spec is None:
         return None
-    classes = []
+    found = []
     for entry in spec if isinstance(spec, list) else [spec]:
         target = entry if isinstance(entry, type) else getattr(entry, "target_class", None)
         if not isinstance(target, type) or getattr(entry, "layer_name", None):
             return None
-        classes.append(target)
-    return tuple(classes)
+        found.append((target, 1 if isinstance(entry, type) else int(getattr(entry, "index", 0))))
+    return tuple(found)

@@ -34,7 +34,8 @@ from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.compat.transformers import head_pp_plan
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 from lightning_pipe.split import router_logits
-from lightning_pipe.split.hf import is_hf_model, plan_order, prepare_call
+from lightning_pipe.split.hf import is_hf_model, plan_order
+from lightning_pipe.split.hf_stage import prepare_call
 from lightning_pipe.split.partition import CONTAINERS, Layout, find_stacks, find_stacks_layout, ordered_layout
 from lightning_pipe.split.routing import DOCS, OUTPUT, Key, RoutePlan, leaf_map, plan_routes
 from lightning_pipe.split.surgery import STANDS_IN, Placeholder

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from lightning_pipe.compat.transformers import recorded_by
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 
 ROUTER_LOGITS = "router_logits"
-_local_routers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def requested(view: nn.Module, call: Mapping[str, Any]) -> bool:
@@ -32,55 +32,79 @@ def requested(view: nn.Module, call: Mapping[str, Any]) -> bool:
     return bool(getattr(getattr(view, "config", None), "output_router_logits", False) if flag is None else flag)
 
 
-def stage_output(
-    view: nn.Module, call: Mapping[str, Any], hidden: Tensor, outputs: Any, carried: tuple[Tensor, ...]
-) -> Tensor | tuple[Tensor, ...]:
-    """What a stage before the last sends: its hidden states, then the router logits received and its own."""
-    if not requested(view, call):
-        return hidden
-    if not isinstance(outputs, Mapping):
-        raise PipelineUsageError(
-            f"{type(view).__name__} was called with `output_router_logits=True` and `return_dict=False`: a stage cannot"
-            " find its layers' router logits in a tuple. Call the model with `return_dict=True` (the default)."
-        )
-    own = tuple(outputs.get(ROUTER_LOGITS) or ())
-    _check_count(view, own)
-    return (hidden, *carried, *own)
+class Carry:
+    """The router logits of one stage call: those ``carried`` from earlier stages and the stage's own."""
 
+    def __init__(self, view: nn.Module, call: Mapping[str, Any], carried: tuple[Tensor, ...], is_last: bool) -> None:
+        self.view, self.carried, self.is_last = view, carried, is_last
+        self.requested = requested(view, call)
+        if call.get("return_dict") is False and self.requested:
+            raise PipelineUsageError(
+                f"{type(view).__name__} was called with `output_router_logits=True` and `return_dict=False`: a stage"
+                " cannot find its layers' router logits in a tuple. Call the model with `return_dict=True` (the"
+                " default)."
+            )
+        self.own: list[Tensor] = []
 
-@contextmanager
-def prepended(view: nn.Module, base: nn.Module, call: Mapping[str, Any], carried: tuple[Tensor, ...]) -> Iterator[None]:
-    """On the last stage: the base model's output lists the ``carried`` router logits before this stage's own."""
-    if not requested(view, call):
-        yield
-        return
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within the block, the stage's own router logits are recorded (a stage before the last leaves the forward
+        early, so they are taken from its MoE modules) or, on the last stage, put after the carried ones."""
+        if not self.requested:
+            yield
+            return
+        self.own = []
+        with ExitStack() as stack:
+            if self.is_last:
+                base = getattr(self.view, "base_model", self.view)
+                stack.callback(base.register_forward_hook(self._prepend, with_kwargs=True).remove)
+            else:
+                for module, index in _local_routers(self.view):
+                    record = lambda mod, args, out, i=index: self._record(out, i)  # noqa: E731
+                    stack.callback(module.register_forward_hook(record).remove)
+            yield
 
-    def prepend(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def output(self, out: Any) -> Any:
+        """What the stage returns: on a stage before the last, its hidden states and then every router logit."""
+        if not self.requested or self.is_last:
+            return out
+        _check_count(self.view, len(self.own))
+        return (out, *self.carried, *self.own)
+
+    def _record(self, out: Any, index: int) -> None:
+        self.own.append(out[index] if isinstance(out, tuple) else out)
+
+    def _prepend(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         own = tuple(output.get(ROUTER_LOGITS) or ()) if isinstance(output, Mapping) else ()
-        _check_count(view, own)
-        if carried:
-            output[ROUTER_LOGITS] = (*carried, *own)
+        _check_count(self.view, len(own))
+        if self.carried:
+            output[ROUTER_LOGITS] = (*self.carried, *own)
         return output
 
-    handle = base.register_forward_hook(prepend, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
+
+def _local_routers(view: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The modules of this stage whose outputs transformers records as router logits, with the output's index (found
+    once per stage view: its modules do not change)."""
+    found = _ROUTERS.get(view)
+    if found is None:
+        spec = recorded_by(view, ROUTER_LOGITS)
+        if spec is None:
+            raise _uncounted(view, "its router logits are recorded by module names")
+        found = _ROUTERS[view] = [(m, index) for m in view.modules() for cls, index in spec if isinstance(m, cls)]
+    return found
 
 
-def _check_count(view: nn.Module, own: tuple[Tensor, ...]) -> None:
+def _check_count(view: nn.Module, recorded: int) -> None:
     """Refuse a family that records router logits in a way this carry does not see: every MoE layer the stage holds
     must have given one tensor, or the loss would silently miss layers."""
-    expected = _local_routers.get(view)
-    if expected is None:
-        classes = recorded_by(view, ROUTER_LOGITS)
-        expected = -1 if classes is None else sum(isinstance(m, classes) for m in view.modules())
-        _local_routers[view] = expected
-    if expected >= 0 and expected != len(own):
-        raise PipelineModelError(
-            f"{type(view).__name__} holds {expected} mixture-of-experts layers on this pipeline stage but its forward"
-            f" recorded {len(own)} router logits: this transformers version records them in a way lightning-pipe"
-            " does not carry between stages, so the load-balancing loss would miss layers. Pass"
-            " `output_router_logits=False` (and add the auxiliary loss yourself), or use another transformers version."
-        )
+    expected = len(_local_routers(view))
+    if expected != recorded:
+        raise _uncounted(view, f"it holds {expected} mixture-of-experts layers on this stage but recorded {recorded}")
+
+
+def _uncounted(view: nn.Module, why: str) -> PipelineModelError:
+    return PipelineModelError(
+        f"{type(view).__name__} records router logits in a way lightning-pipe does not carry between pipeline stages"
+        f" ({why}), so the load-balancing loss would miss layers. Pass `output_router_logits=False` (and add the"
+        " auxiliary loss yourself), or use another transformers version."
+    )
