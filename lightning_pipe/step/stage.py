@@ -178,7 +178,8 @@ class StageModule(nn.Module):
             )
         parts.append(
             "The network's forward must skip absent units and code that only applies to the network's input"
-            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}."
+            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}. A forward that cannot (an nn.Transformer,"
+            " later units reading earlier units' outputs) runs unchanged with `frontend='dataflow'`."
         )
         return " ".join(parts)
 
