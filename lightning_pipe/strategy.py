@@ -35,7 +35,7 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes
+from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
@@ -149,6 +149,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._wrapped = Wrapped()
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
+        self._load_peak: Optional[PeakMemory] = None  # measured while `init_weights` was loaded
         self._rng = RngStreams()
         #: what this Trainer entry installed on the user's objects, undone at teardown
         self._run = ExitStack()
@@ -317,13 +318,14 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._settings.init_weights is not None:
-            ckpt_io.load_weights(
-                self._settings.init_weights,
-                self.checkpoint_topology(),
-                self.model,
-                network_prefix=split.prefix,
-                strict=module.strict_loading,
-            )
+            with PeakMemory(self.root_device) as self._load_peak:
+                ckpt_io.load_weights(
+                    self._settings.init_weights,
+                    self.checkpoint_topology(),
+                    self.model,
+                    network_prefix=split.prefix,
+                    strict=module.strict_loading,
+                )
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
         params = dict(module.named_parameters(remove_duplicate=False))
@@ -443,7 +445,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def memory_report(self) -> MemoryReport:
         """What this rank holds: parameter, gradient and optimizer-state bytes now, bytes saved for backward per
         microbatch by each local stage (measured on the first training forward), and the peak allocated while its
-        stages were built (``configure_model`` construction). Logged once, after the first optimizer step."""
+        stages were built (``configure_model`` construction) and while ``init_weights`` was loaded. Logged once, after
+        the first optimizer step."""
         assert self._split is not None
         return MemoryReport(
             rank=self.global_rank,
@@ -451,6 +454,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
+            load_peak=self._load_peak,
         )
 
     @contextmanager
@@ -488,6 +492,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return outcome.output if engine.runtime.has_last or outcome.output_shared else None
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint.hooks)
+    def checkpoint_network(self) -> tuple[str, Optional[torch.nn.Module]]:
+        return (self._split.network_attr, self._split.network) if self._split is not None else ("", None)
+
     def checkpoint_topology(self) -> ckpt_io.Topology:
         aliases = tied.aliases(self._split.ties, self._split.prefix) if self._split is not None else {}
         return ckpt_io.Topology(

@@ -197,7 +197,7 @@ def test_commit_replaces_previous_only_after_rename(tmp_path):
     (path / "old").write_text("old")
     tmp.mkdir()
     (tmp / "new").write_text("new")
-    io._commit(tmp, path, "1")
+    io.commit(tmp, path, "1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"] and (path / "new").exists()
 
 

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from torch import nn
 from typing_extensions import override
 
+from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import io, optim
 from lightning_pipe.reliability import failures
 
@@ -25,6 +27,11 @@ class CheckpointHooks:
 
     def checkpoint_topology(self) -> io.Topology:
         """Where this process sits, as the checkpoint code needs it (implemented by the strategy)."""
+        raise NotImplementedError
+
+    def checkpoint_network(self) -> tuple[str, Optional[nn.Module]]:
+        """The LightningModule's attribute holding the pipelined network (``""``: the module itself) and the network
+        (``None`` before the split; implemented by the strategy)."""
         raise NotImplementedError
 
     @property
@@ -73,7 +80,10 @@ class CheckpointHooks:
         module = self.lightning_module  # type: ignore[attr-defined]
         cls = type(module)
         groups = optim.recorded_param_groups(module)
-        io.save(checkpoint, path, self.checkpoint_topology(), token, f"{cls.__module__}.{cls.__qualname__}", groups)
+        attribute, network = self.checkpoint_network()
+        record = hf.network_record(network, attribute) if network is not None else None
+        topology = self.checkpoint_topology()
+        io.save(checkpoint, path, topology, token, f"{cls.__module__}.{cls.__qualname__}", groups, record)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -85,6 +95,9 @@ class CheckpointHooks:
         model, optimizers, topology = self.model, self.optimizers, self.checkpoint_topology()  # type: ignore[attr-defined]
         strict = module.strict_loading
         fitting = module.trainer.state.fn == TrainerFn.FITTING
+        if not fitting and hf.is_hf_directory(path):
+            prefix = self.checkpoint_network()[0]
+            return io.load_weights(path, topology, model, network_prefix=f"{prefix}." if prefix else "", strict=strict)
         if path.is_dir() or not path.exists():
             return io.load(
                 path, topology, model, optimizers if fitting else [], strict=strict, weights_only=weights_only

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.comm import collectives
 from lightning_pipe.compat import torch as torch_compat
@@ -124,6 +126,7 @@ def save(
     token: str,
     module_class: str,
     param_groups: optim.ParamGroups | None = None,
+    network_record: Mapping[str, Any] | None = None,
 ) -> None:
     """Write Lightning's ``checkpoint`` dict as the directory ``path``; atomic: the directory appears complete or not
     at all, and a previous checkpoint of the same name is replaced only once the new one is complete.
@@ -131,7 +134,7 @@ def save(
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` hold this rank's entries
     (:func:`model_state`, :func:`optimizer_state`); ``token`` is the same on every rank. ``param_groups``
     (:func:`optim.full_param_groups`) goes into the manifest with optimizer states, for ``consolidate
-    --with-optimizer``.
+    --with-optimizer``; ``network_record`` (:func:`huggingface.network_record`) too, for ``export-hf``.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -170,12 +173,14 @@ def save(
             aliases=topo.aliases,
             sharded=topo.sharded,
         )
+        if network_record is not None:
+            manifest[hf.RECORD] = dict(network_record)
         _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
         # The manifest is written last: a directory without one was never completely written.
         _local(problems, _write_manifest, manifest, tmp)
     _agree(problems, f"Saving checkpoint {str(path)!r} failed; the previous checkpoint of that name is untouched")
     if topo.global_rank == 0:
-        _local(problems, _commit, tmp, path, token)
+        _local(problems, commit, tmp, path, token)
     _agree(problems, f"Could not move the saved checkpoint into place at {str(path)!r}")
 
 
@@ -201,7 +206,7 @@ def _write_manifest(manifest: Mapping[str, Any], directory: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _commit(tmp: Path, path: Path, token: str) -> None:
+def commit(tmp: Path, path: Path, token: str) -> None:
     """Rename ``tmp`` to ``path``; a previous ``path`` is moved aside first and deleted only after the rename."""
     old = None
     if path.exists() or path.is_symlink():
@@ -252,6 +257,11 @@ def load(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
+    if hf.is_hf_directory(path):
+        raise PipelineCheckpointError(
+            f"{str(path)!r} is a Hugging Face model directory: it holds weights only, no optimizer or loop state to"
+            f" resume. Start a run from it with `PipelineParallelStrategy(init_weights={str(path)!r})`."
+        )
     problems: list[str] = []
     weights = model_state(module, topo.aliases)
     expected = _shapes("state_dict", weights)
@@ -357,18 +367,47 @@ def load_weights(
     strict: bool,
     weights_only: bool | None = True,
 ) -> dict[str, Any]:
-    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, or a
-    directory checkpoint. A file is memory-mapped: a rank reads only its own stages' tensors from it.
+    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, a
+    directory checkpoint or a Hugging Face model directory (:func:`load_hf`). A file is memory-mapped: a rank reads
+    only its own stages' tensors from it.
 
     Returns what else a single-file Lightning checkpoint holds (``{}`` for a plain state dict or a directory).
     """
     source = Path(source)
+    if hf.is_hf_directory(source):
+        load_hf(source, topo, module, network_prefix=network_prefix, strict=strict)
+        return {}
     if source.is_dir():
         load(source, topo, module, [], strict=strict)
         return {}
     weights, rest = _read_file(source, weights_only)
     _copy_weights(source, weights, module, network_prefix=network_prefix, strict=strict)
     return rest
+
+
+def load_hf(source: Path, topo: Topology, module: nn.Module, *, network_prefix: str, strict: bool) -> int:
+    """Load this rank's stages from the Hugging Face model directory ``source``; returns the bytes this rank read.
+
+    Each rank reads only its own stages' tensors (:mod:`lightning_pipe.checkpoint.huggingface`); a stored tensor is
+    read once however many of the rank's parameters it fills. The same error is raised on every rank: another model
+    type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
+    without ``strict`` those are a warning and missing weights keep the model's own initialisation.
+    """
+    problems: list[str] = []
+    plan = _local(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
+    _agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
+    used = {name for names in _gather(sorted(plan.targets)) for name in names}
+    missing = sorted({key for keys in _gather(plan.missing) for key in keys})
+    unexpected = sorted(set(plan.directory.files) - used - plan.ignorable)
+    if missing or unexpected:
+        message = hf.mismatch_message(Path(source), missing, unexpected, strict)
+        if strict:
+            raise PipelineCheckpointError(message)
+        if topo.global_rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+    read = _local(problems, hf.copy_into, plan)
+    _agree(problems, f"Reading the Hugging Face model directory {str(source)!r} failed")
+    return read
 
 
 def resume_from_file(
