@@ -96,8 +96,11 @@ class CheckpointHooks:
         strict = module.strict_loading
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if not fitting and hf.is_hf_directory(path):
+            from lightning.pytorch import __version__
+
             prefix = self.checkpoint_network()[0]
-            return io.load_weights(path, topology, model, network_prefix=f"{prefix}." if prefix else "", strict=strict)
+            io.load_weights(path, topology, model, network_prefix=f"{prefix}." if prefix else "", strict=strict)
+            return {"pytorch-lightning_version": __version__}  # weights only: nothing else for Lightning to restore
         if path.is_dir() or not path.exists():
             return io.load(
                 path, topology, model, optimizers if fitting else [], strict=strict, weights_only=weights_only

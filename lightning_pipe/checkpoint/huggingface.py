@@ -155,32 +155,36 @@ def resolve_names(
     network_prefix: str,
     groups: Iterable[Sequence[str]] = (),
     base_prefix: str = "",
-) -> dict[str, str]:
-    """Map each of this rank's state-dict keys (LightningModule names) to the stored name holding its value.
+) -> tuple[dict[str, str], set[str]]:
+    """Map each of this rank's state-dict keys (LightningModule names) to the stored name holding its value; also
+    return the stored names that tied parameters leave unread.
 
-    A key is looked up without ``network_prefix`` (the LightningModule's attribute, ``"model."``), then as the other
-    names of its tie group (``groups``: the names of one shared parameter; a tied ``lm_head.weight`` is stored as
-    ``model.embed_tokens.weight``), each also with ``base_prefix`` (the task model's base model, ``"model"``) removed
-    or added: a base model's directory loads into its task model and the other way round, as with transformers.
-    Keys found under no name are left out (the caller reports them).
+    A key is looked up without ``network_prefix`` (the LightningModule's attribute, ``"model."``), also with
+    ``base_prefix`` (the task model's base model, ``"model"``) removed or added: a base model's directory loads into
+    its task model and the other way round, as with transformers. A tied parameter (``groups``: the names of one
+    parameter, the first the one transformers keeps) takes the value stored under the first of its group's names
+    that the directory holds, whichever name it has on this rank (``lm_head.weight`` is stored as
+    ``model.embed_tokens.weight``): every copy of it on every rank starts equal, and the group's other stored names
+    are left unread, as transformers ties them too. Keys found under no name are left out (the caller reports them).
     """
     stored = set(stored)
-    group_of = {name: group for group in groups for name in group}
-    found = {}
+    group_of = {name: tuple(group) for group in groups for name in group}
+    found: dict[str, str] = {}
+    unread: set[str] = set()
     for key in local:
-        for name in _candidates(key, network_prefix, group_of.get(key, ()), base_prefix):
-            if name in stored:
-                found[key] = name
-                break
-    return found
+        present = [n for alias in group_of.get(key, (key,)) for n in _variants(alias, network_prefix, base_prefix)]
+        present = list(dict.fromkeys(n for n in present if n in stored))
+        if present:
+            found[key] = present[0]
+            unread.update(present[1:])
+    return found, unread - set(found.values())
 
 
-def _candidates(key: str, prefix: str, group: Sequence[str], base: str) -> Iterator[str]:
-    for alias in [key, *(name for name in group if name != key)]:
-        name = alias[len(prefix) :] if prefix and alias.startswith(prefix) else alias
-        yield name
-        if base:
-            yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
+def _variants(key: str, prefix: str, base: str) -> Iterator[str]:
+    name = key[len(prefix) :] if prefix and key.startswith(prefix) else key
+    yield name
+    if base:
+        yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
 
 
 def matching(names: Iterable[str], patterns: Sequence[str]) -> set[str]:
@@ -198,7 +202,8 @@ class LoadPlan:
     targets: dict[str, list[torch.Tensor]]
     #: this rank's state-dict keys found under no name (transformers' keys to ignore left out)
     missing: list[str]
-    #: stored names transformers does not report unexpected when loading this model
+    #: stored names not read but not unexpected: other names of tied parameters, and those transformers ignores
+    #: when loading this model (``_keys_to_ignore_on_load_unexpected``)
     ignorable: set[str]
 
 
@@ -217,7 +222,7 @@ def plan_load(
     across: dict[str, list[str]] = {}
     for name, first in aliases.items():
         across.setdefault(first, [first]).append(name)
-    names = resolve_names(
+    names, unread = resolve_names(
         local,
         directory.files,
         network_prefix=network_prefix,
@@ -233,7 +238,7 @@ def plan_load(
         filled = targets.setdefault(name, [])
         if all(t.data_ptr() != local[key].data_ptr() for t in filled):  # one copy per storage
             filled.append(local[key])
-    return LoadPlan(directory, targets, missing, matching(directory.files, skip_unexpected))
+    return LoadPlan(directory, targets, missing, unread | matching(directory.files, skip_unexpected))
 
 
 def base_model_prefix(network: nn.Module) -> str:
