@@ -21,6 +21,7 @@ by its parameters and one piece, not by the files' size nor by a tensor's.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -139,12 +140,15 @@ def _open(file: Path) -> Any:
 
 def _load_bin(file: Path) -> Mapping[str, torch.Tensor]:
     try:
-        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise PipelineCheckpointError(f"{file.name} cannot be read ({err}): corrupted or truncated?") from err
-        # torch's legacy (non-zip) format cannot be memory-mapped: such a file is read whole.
-        return torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            # torch's legacy (non-zip) format cannot be memory-mapped: such a file is read whole.
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as err:
+        raise PipelineCheckpointError(f"{file.name} cannot be read ({err}): corrupted or truncated?") from err
 
 
 # ---------------------------------------------------------------------------------------------------- names
