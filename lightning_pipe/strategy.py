@@ -325,6 +325,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
                     self.model,
                     network_prefix=split.prefix,
                     strict=module.strict_loading,
+                    precision=self.precision_plugin.precision,
                 )
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.

@@ -120,6 +120,20 @@ def test_weights_take_the_models_dtype_and_large_tensors_are_read_in_pieces(tmp_
     assert all(torch.equal(v, expected[k]) for k, v in holder.model.state_dict().items())
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("bf16-true", torch.bfloat16)])
+def test_the_trainers_precision_decides_the_dtype_not_the_config(tmp_path, precision, dtype):
+    torch.manual_seed(0)
+    build("llama", True).to(torch.bfloat16).save_pretrained(tmp_path / "d")  # config.json: "bfloat16", as published
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "d")
+    network = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert network.lm_head.weight.dtype == torch.bfloat16  # from_config follows config.json
+    holder = Holder(network)
+    io.load_weights(tmp_path / "d", TOPO, holder, network_prefix="model.", strict=True, precision=precision)
+    stored = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "d").state_dict()
+    for key, value in holder.model.state_dict().items():
+        assert value.dtype == dtype and torch.equal(value, stored[key].to(dtype)), key
+
+
 def test_pieces_cut_large_tensors_into_rows():
     sizes = [("a", 4, 400), ("b", 1, 100), ("c", 10, 1000), ("d", 1, 50)]
     assert list(hf.pieces(sizes, 500)) == [
@@ -191,7 +205,7 @@ def test_directory_errors(tmp_path):
     cases["gone"] = rf"lists shards that are not in the directory: '{gone.name}'.*incomplete"
     path = save_pretrained(tmp_path / "index", "llama", True)
     (path / hf.SAFETENSORS_INDEX).write_text('{"weight_map": [1]}')
-    cases["index"] = r"model.safetensors.index.json is not a weight index .*'weight_map' is a list"
+    cases["index"] = r"model.safetensors.index.json is not a weight index .*: its 'weight_map' is list\."
     path = save_pretrained(tmp_path / "corrupt", "llama", True, max_shard_size="10MB")
     (path / hf.SAFETENSORS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     cases["corrupt"] = r"model.safetensors cannot be read as safetensors .* corrupted or truncated\?"

@@ -85,3 +85,15 @@ def test_precision_ckpt_path_and_agreed_errors_2_procs(work):
     assert "the model's 'model.lm_head.weight' are not in it" in errors["missing"]
     assert "it holds 'model.layers.6.input_layernorm.weight'" in errors["unexpected"]
     assert "is a Hugging Face model directory: it holds weights only" in errors["fit-resume"]
+
+
+@pytest.mark.slow
+def test_one_stage_from_directory_equals_from_pretrained(work):
+    """A one-process pipeline keeps the tied head one parameter with the embedding, as on one device."""
+    from lightning_pipe import PipelineParallelStrategy
+
+    path = work / "llama-tied"
+    losses, logits = reference(str(path))
+    model, _ = fine_tune(path, PipelineParallelStrategy(init_weights=path), devices=1)
+    torch.testing.assert_close(model.step_losses, losses, rtol=TOL, atol=0)
+    assert model.model.lm_head.weight is model.model.model.embed_tokens.weight

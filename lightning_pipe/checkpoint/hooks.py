@@ -99,7 +99,9 @@ class CheckpointHooks:
             from lightning.pytorch import __version__
 
             prefix = self.checkpoint_network()[0]
-            io.load_weights(path, topology, model, network_prefix=f"{prefix}." if prefix else "", strict=strict)
+            precision = self.precision_plugin.precision  # type: ignore[attr-defined]
+            prefix = f"{prefix}." if prefix else ""
+            io.load_weights(path, topology, model, network_prefix=prefix, strict=strict, precision=precision)
             return {"pytorch-lightning_version": __version__}  # weights only: nothing else for Lightning to restore
         if path.is_dir() or not path.exists():
             return io.load(

@@ -51,6 +51,17 @@ READ_BYTES = 16 * 2**20
 _ELEMENT_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
 
+#: The parameters' dtype under each Lightning precision (``-mixed``: float32 weights, the compute autocast).
+PRECISION_DTYPES = {
+    "64-true": torch.float64,
+    "32-true": torch.float32,
+    "bf16-mixed": torch.float32,
+    "16-mixed": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
+
+
 def is_hf_directory(path: Path) -> bool:
     """Whether ``path`` is a Hugging Face model directory (a config or weights file; no lightning-pipe manifest)."""
     path = Path(path)
@@ -101,13 +112,15 @@ def read_directory(path: Path) -> Directory:
 
 def _weight_map(index: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        found = json.loads(index.read_text())
+        weight_map = found.get("weight_map") if isinstance(found, dict) else None
+        problem = f"its 'weight_map' is {type(weight_map).__name__}"
+    except (OSError, ValueError) as err:
+        weight_map, problem = None, str(err)
+    if not isinstance(weight_map, dict):
         raise PipelineCheckpointError(
-            f"{index.name} is not a weight index (a JSON object whose 'weight_map' maps names to files): {err}"
-        ) from err
+            f"{index.name} is not a weight index (a JSON object whose 'weight_map' maps names to files): {problem}."
+        )
     return dict(weight_map)
 
 

@@ -366,16 +366,18 @@ def load_weights(
     network_prefix: str,
     strict: bool,
     weights_only: bool | None = True,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, a
-    directory checkpoint or a Hugging Face model directory (:func:`load_hf`). A file is memory-mapped: a rank reads
-    only its own stages' tensors from it.
+    directory checkpoint or a Hugging Face model directory (:func:`load_hf`, whose weights take the dtype of the
+    Trainer's ``precision``). A file is memory-mapped: a rank reads only its own stages' tensors from it.
 
     Returns what else a single-file Lightning checkpoint holds (``{}`` for a plain state dict or a directory).
     """
     source = Path(source)
     if hf.is_hf_directory(source):
-        load_hf(source, topo, module, network_prefix=network_prefix, strict=strict)
+        dtype = hf.PRECISION_DTYPES.get(precision) if precision is not None else None
+        load_hf(source, topo, module, network_prefix=network_prefix, strict=strict, dtype=dtype)
         return {}
     if source.is_dir():
         load(source, topo, module, [], strict=strict)
@@ -385,14 +387,27 @@ def load_weights(
     return rest
 
 
-def load_hf(source: Path, topo: Topology, module: nn.Module, *, network_prefix: str, strict: bool) -> int:
+def load_hf(
+    source: Path,
+    topo: Topology,
+    module: nn.Module,
+    *,
+    network_prefix: str,
+    strict: bool,
+    dtype: torch.dtype | None = None,
+) -> int:
     """Load this rank's stages from the Hugging Face model directory ``source``; returns the bytes this rank read.
+
+    ``dtype``: the floating-point dtype the network's parameters are cast to first (the Trainer's precision:
+    ``from_config`` builds a network in the dtype its ``config.json`` names, bfloat16 for most published models).
 
     Each rank reads only its own stages' tensors (:mod:`lightning_pipe.checkpoint.huggingface`); a stored tensor is
     read once however many of the rank's parameters it fills. The same error is raised on every rank: another model
     type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
     without ``strict`` those are a warning and missing weights keep the model's own initialisation.
     """
+    if dtype is not None:
+        (module.get_submodule(network_prefix[:-1]) if network_prefix else module).to(dtype)
     problems: list[str] = []
     plan = _local(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
     _agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
