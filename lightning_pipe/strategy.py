@@ -98,8 +98,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         process_group_backend: ``torch.distributed`` backend. Default ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA,
             ``gloo`` on CPU.
         timeout: Timeout of collective and point-to-point operations. Default 10 minutes (docs/reliability.md).
-        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file or a lightning-pipe checkpoint
-            directory, each rank reading only its stages' tensors. Default ``None``: the model's own init.
+        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file, a lightning-pipe checkpoint
+            directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
+            tensors. Default ``None``: the model's own init.
         eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
             process of the pipeline.
         data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
