@@ -23,20 +23,19 @@ from lightning_pipe.errors import PipelineCheckpointError
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_pipe.checkpoint", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser(
+    c = _conversion(
+        sub,
         "consolidate",
-        help="write a checkpoint directory as one ordinary Lightning .ckpt (weights, loops, hyperparameters; with"
+        "write a checkpoint directory as one ordinary Lightning .ckpt (weights, loops, hyperparameters; with"
         " --with-optimizer also optimizer and LR scheduler states)",
+        "single-file checkpoint to write, e.g. model.ckpt",
     )
-    c.add_argument("src", type=Path, help="checkpoint directory saved by PipelineParallelStrategy")
-    c.add_argument("dst", type=Path, help="single-file checkpoint to write, e.g. model.ckpt")
     c.add_argument(
         "--with-optimizer",
         action="store_true",
         help="also write optimizer and LR scheduler states in single-device form, so that"
         " `Trainer(strategy='auto').fit(model, ckpt_path=dst)` resumes the run",
     )
-    c.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
     c.add_argument(
         "--trust-pickle",
         action="store_true",
@@ -48,16 +47,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _conversion(sub: Any, name: str, help: str, dst_help: str) -> argparse.ArgumentParser:
+    """A command that converts the checkpoint directory ``src`` into ``dst``."""
+    command = sub.add_parser(name, help=help)
+    command.add_argument("src", type=Path, help="checkpoint directory saved by PipelineParallelStrategy")
+    command.add_argument("dst", type=Path, help=dst_help)
+    command.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    return command
+
+
 def _export_parser(sub: Any) -> None:
     from lightning_pipe.checkpoint.hf_export import DEFAULT_SHARD_SIZE, DTYPES
 
-    e = sub.add_parser(
+    e = _conversion(
+        sub,
         "export-hf",
-        help="write a checkpoint directory of a transformers network as a Hugging Face model directory"
-        " (config.json, safetensors shards and their index) for `from_pretrained`",
+        "write a checkpoint directory of a transformers network as a Hugging Face model directory (config.json,"
+        " safetensors shards and their index) for `from_pretrained`",
+        "directory to write (must not exist, unless --overwrite)",
     )
-    e.add_argument("src", type=Path, help="checkpoint directory saved by PipelineParallelStrategy")
-    e.add_argument("dst", type=Path, help="directory to write (must not exist, unless --overwrite)")
     e.add_argument(
         "--config",
         type=Path,
@@ -76,7 +84,6 @@ def _export_parser(sub: Any) -> None:
     )
     e.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point weights (default: as trained)")
     e.add_argument("--overwrite", action="store_true", help="replace dst if it exists")
-    e.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -153,15 +153,20 @@ def _open(file: Path) -> Any:
 
 def _load_bin(file: Path) -> Mapping[str, torch.Tensor]:
     try:
-        try:
-            return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            # torch's legacy (non-zip) format cannot be memory-mapped: such a file is read whole.
-            return torch.load(file, map_location="cpu", weights_only=True)
+        return load_mapped(file)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as err:
         raise PipelineCheckpointError(f"{file.name} cannot be read ({err}): corrupted or truncated?") from err
+
+
+def load_mapped(file: Path, weights_only: bool | None = True) -> Any:
+    """``torch.load`` of ``file`` memory-mapped: a tensor is read when touched. A file in torch's legacy (non-zip)
+    format cannot be mapped and is read whole."""
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
 
 
 # ---------------------------------------------------------------------------------------------------- names

@@ -411,9 +411,11 @@ def load_hf(
     problems: list[str] = []
     plan = _local(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
     _agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
-    used = {name for names in _gather(sorted(plan.targets)) for name in names}
-    missing = sorted({key for keys in _gather(plan.missing) for key in keys})
-    unexpected = sorted(set(plan.directory.files) - used - plan.ignorable)
+    # What every rank reads, leaves unread on purpose and misses: the same verdict on every rank.
+    found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing))
+    used = {name for read, ignorable, _ in found for name in (*read, *ignorable)}
+    missing = sorted({key for _, _, keys in found for key in keys})
+    unexpected = sorted(set(plan.directory.files) - used)
     if missing or unexpected:
         message = hf.mismatch_message(Path(source), missing, unexpected, strict)
         if strict:
@@ -519,13 +521,7 @@ def _local_optimizer_states(
 def _mmap(source: Path, weights_only: bool | None = True) -> Any:
     if not source.exists():
         raise FileNotFoundError(f"{str(source)!r} does not exist")
-    try:
-        return torch.load(source, map_location="cpu", mmap=True, weights_only=weights_only)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise
-        # Files in torch's legacy (non-zip) format cannot be memory-mapped; they are small enough to read whole.
-        return torch.load(source, map_location="cpu", weights_only=weights_only)
+    return hf.load_mapped(source, weights_only)
 
 
 def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:
