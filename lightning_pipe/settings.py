@@ -187,6 +187,22 @@ def resolve_every(activation_checkpointing: Union[bool, int]) -> int:
     return activation_checkpointing
 
 
+def check_max_restarts(max_restarts: object) -> None:
+    if not _is_int(max_restarts) or max_restarts < 0:  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`max_restarts={max_restarts!r}` must be an int >= 0: how many times Lightning's launcher starts every"
+            " rank again after a failure (0: never). Under torchrun, pass `--max-restarts` to torchrun instead."
+        )
+
+
+def check_async_checkpoint(async_checkpoint: object) -> None:
+    if not isinstance(async_checkpoint, bool):
+        raise PipelineConfigError(
+            f"`async_checkpoint={async_checkpoint!r}` must be True (a save blocks the step only while the state is"
+            " copied to host memory; a thread writes it) or False (a save returns once written)."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- the settings
 @dataclass(frozen=True)
 class PipelineSettings:
@@ -215,6 +231,10 @@ class PipelineSettings:
     inner_axis: str = DP
     #: checkpoint every k-th block of the block stack (0: none)
     activation_checkpointing: int = 0
+    #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
+    max_restarts: int = 0
+    #: checkpoints written by a thread after a copy to host memory
+    async_checkpoint: bool = False
     #: the processes of the run; ``None`` until :meth:`resolve`
     world_size: Optional[int] = None
 
@@ -230,6 +250,8 @@ class PipelineSettings:
             raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'trace'.")
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
+        check_max_restarts(self.max_restarts)
+        check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": canonical_schedule(self.schedule),
             "frontend": "modules" if self.frontend == "auto" else self.frontend,

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
+from lightning_pipe.checkpoint import resume as ckpt_resume
 from lightning_pipe.checkpoint.hooks import CheckpointHooks
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
@@ -39,7 +40,7 @@ from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRe
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
-from lightning_pipe.reliability import failures
+from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
 from lightning_pipe.scope import ignoring, replaced
 from lightning_pipe.settings import (
@@ -55,6 +56,7 @@ from lightning_pipe.settings import (
 )
 from lightning_pipe.split import tied
 from lightning_pipe.split.builder import Split, is_split, split_module
+from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
@@ -108,6 +110,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
+        max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
+            time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
+        async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
+            memory. Default ``False``.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -134,6 +140,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
+        max_restarts: NonNegativeInt = 0,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
@@ -152,9 +160,12 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._memory_logged = False
         self._load_peak: Optional[PeakMemory] = None  # measured while `init_weights` was loaded
         self._rng = RngStreams()
+        self._init_recording: Optional[InitRecording] = None
         #: what this Trainer entry installed on the user's objects, undone at teardown
         self._run = ExitStack()
         self.num_nodes = 1
+        # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
+        watchdog.start_if_launched()
 
     # ------------------------------------------------------------------ settings and topology
     @property
@@ -255,7 +266,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
 
     def make_launcher(self) -> PipelineLauncher:
         assert self.cluster_environment is not None
-        return PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._settings.timeout)
+        environment, settings = self.cluster_environment, self._settings
+        restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
+        return PipelineLauncher(environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find)
 
     @override
     @failures.in_phase("during start-up")
@@ -269,6 +282,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         kwargs: dict[str, Any] = {"timeout": self._settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if (store := restart.attempt_store(self._settings.timeout)) is not None:
+            kwargs["store"] = store  # a restarted torchrun worker: this attempt's keys only
         pl_compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._settings = dataclasses.replace(self._settings, process_group_backend=backend).resolve(self.world_size)
         self._mesh = self._meshes.build(self._settings, self.root_device.type)
@@ -285,9 +300,11 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages."""
-        with torch.device("meta"):
+        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages, and
+        replays on them what ``configure_model`` did to their tensors (recorded here)."""
+        with torch.device("meta"), record_init() as recording:
             yield
+        self._init_recording = recording.finish(self.lightning_module)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -309,7 +326,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             device=self.root_device,
             agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
             announce=rank_zero_info,
+            recording=self._init_recording,
         )
+        self._init_recording = None  # replayed: its meta tensors can go
         self._engine = StepEngine(module, split, self._settings, self.pipeline_group, self.root_device, self._rng)
         self._run.callback(self._close_engine)
         self._run.callback(bind_metrics(module, self.data_parallel_group))
@@ -357,6 +376,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
                 self._run.enter_context(ignoring("", category))
         # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
+        resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
+        self.open_checkpoints(trainer, self._rng, self._settings.async_checkpoint, resumed_from)
         announce_parameters(trainer, module, self.pipeline_group, split)
 
     @property
@@ -544,6 +565,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
+        self.close_checkpoints()  # pending saves complete (or are dropped after a failure)
         # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
         self._run.close()
         for recorder in self._saved.values():

@@ -18,7 +18,7 @@ import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from lightning_pipe import PipelineCheckpointError  # noqa: E402
-from lightning_pipe.checkpoint import hf_export, io  # noqa: E402
+from lightning_pipe.checkpoint import hf_export, io, save  # noqa: E402
 from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
 from lightning_pipe.checkpoint.__main__ import main as cli  # noqa: E402
 from lightning_pipe.split.hf import hf_layout, hf_placeholder  # noqa: E402
@@ -260,7 +260,8 @@ def _checkpoint(path: Path, holder: Holder, aliases=None, record: bool = True) -
     topo = io.Topology(0, 1, 0, 1, 0, 1, 1, "1F1B", aliases=aliases or {})
     state = {"state_dict": io.model_state(holder, topo.aliases), "global_step": 3}
     network_record = hf.network_record(holder.model, "model") if record else None
-    io.save(state, path, topo, "0", "tests.Holder", None, network_record)
+    writer = save.CheckpointWriter(lambda: topo)
+    writer.save(state, path, "0", "tests.Holder", None, resume_point={}, network_record=network_record)
     return path
 
 

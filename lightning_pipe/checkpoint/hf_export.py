@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.checkpoint import convert, io
+from lightning_pipe.checkpoint import convert
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import huggingface as hf
+from lightning_pipe.checkpoint.save import replace_directory
 from lightning_pipe.errors import PipelineCheckpointError
 
 #: transformers' default shard size in 4.x (``save_pretrained(max_shard_size="5GB")``)
@@ -238,7 +239,7 @@ def export(
         if generation is not None:
             generation.save_pretrained(tmp)
         _write_shards(src, tmp, plan_shards(entries, max_bytes), progress)
-        io.commit(tmp, dst, token)
+        replace_directory(tmp, dst, token)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

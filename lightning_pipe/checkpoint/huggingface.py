@@ -414,7 +414,7 @@ def _copy_bin(file: Path, names: Sequence[str], targets: Mapping[str, Sequence[t
 
 # ---------------------------------------------------------------------------------------------------- saving
 #: Manifest key of a checkpoint of a transformers network: what ``export-hf`` needs (see :func:`network_record`).
-RECORD = "huggingface"
+RECORD = fmt.NETWORK_RECORD
 
 
 def network_record(network: nn.Module, attribute: str) -> dict[str, Any] | None:
