@@ -36,7 +36,7 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes
+from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
@@ -100,8 +100,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         process_group_backend: ``torch.distributed`` backend. Default ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA,
             ``gloo`` on CPU.
         timeout: Timeout of collective and point-to-point operations. Default 10 minutes (docs/reliability.md).
-        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file or a lightning-pipe checkpoint
-            directory, each rank reading only its stages' tensors. Default ``None``: the model's own init.
+        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file, a lightning-pipe checkpoint
+            directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
+            tensors. Default ``None``: the model's own init.
         eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
             process of the pipeline.
         data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
@@ -157,6 +158,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._wrapped = Wrapped()
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
+        self._load_peak: Optional[PeakMemory] = None  # measured while `init_weights` was loaded
         self._rng = RngStreams()
         self._init_recording: Optional[InitRecording] = None
         #: what this Trainer entry installed on the user's objects, undone at teardown
@@ -336,13 +338,15 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._settings.init_weights is not None:
-            ckpt_io.load_weights(
-                self._settings.init_weights,
-                self.checkpoint_topology(),
-                self.model,
-                network_prefix=split.prefix,
-                strict=module.strict_loading,
-            )
+            with PeakMemory(self.root_device) as self._load_peak:
+                ckpt_io.load_weights(
+                    self._settings.init_weights,
+                    self.checkpoint_topology(),
+                    self.model,
+                    network_prefix=split.prefix,
+                    strict=module.strict_loading,
+                    precision=self.precision_plugin.precision,
+                )
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
         params = dict(module.named_parameters(remove_duplicate=False))
@@ -464,7 +468,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def memory_report(self) -> MemoryReport:
         """What this rank holds: parameter, gradient and optimizer-state bytes now, bytes saved for backward per
         microbatch by each local stage (measured on the first training forward), and the peak allocated while its
-        stages were built (``configure_model`` construction). Logged once, after the first optimizer step."""
+        stages were built (``configure_model`` construction) and while ``init_weights`` was loaded. Logged once, after
+        the first optimizer step."""
         assert self._split is not None
         return MemoryReport(
             rank=self.global_rank,
@@ -472,6 +477,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
+            load_peak=self._load_peak,
         )
 
     @contextmanager
@@ -509,6 +515,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return outcome.output if engine.runtime.has_last or outcome.output_shared else None
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint.hooks)
+    def checkpoint_network(self) -> tuple[str, Optional[torch.nn.Module]]:
+        return (self._split.network_attr, self._split.network) if self._split is not None else ("", None)
+
     def checkpoint_topology(self) -> ckpt_io.Topology:
         aliases = tied.aliases(self._split.ties, self._split.prefix) if self._split is not None else {}
         return ckpt_io.Topology(
