@@ -23,7 +23,6 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -42,7 +41,7 @@ from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroup
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
 from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
-from lightning_pipe.scope import ignoring, replaced
+from lightning_pipe.scope import quieter_warnings, replaced
 from lightning_pipe.settings import (
     DEFAULT_TIMEOUT,
     DP,
@@ -338,23 +337,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._settings.init_weights is not None:
-            with PeakMemory(self.root_device) as self._load_peak:
-                ckpt_io.load_weights(
-                    self._settings.init_weights,
-                    self.checkpoint_topology(),
-                    self.model,
-                    network_prefix=split.prefix,
-                    strict=module.strict_loading,
-                    precision=self.precision_plugin.precision,
-                )
+            self._load_peak = self.load_initial_weights(self._settings.init_weights, split.prefix)
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
-        params = dict(module.named_parameters(remove_duplicate=False))
-        ties = self._tie_groups.copies(
-            self._mesh, self._meshes.layout, split.ties, split.stage_ranks, params, split.prefix
-        )
-        for tie in ties:
-            tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
+        ties = self._tie_groups.copies(self._mesh, self._meshes.layout, split, module)
         # Sharded gradients: the squares of every rank's shard add up over the whole world.
         norm_group = self._world if self._wrapped.sharded else self.pipeline_group
         self._gradients = StageGradients(module, ties, self.data_parallel_group, norm_group, self._wrapped.sharded)
@@ -367,13 +353,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         # Lightning clips with the norm of this rank's gradients; the right norm spans every stage. Scoped to this
         # entry: the plugin may be the user's object, reused by another Trainer.
         self._run.enter_context(replaced(self.precision_plugin, "clip_grad_by_norm", self._gradients.clip))
-        if self.data_parallel_size == 1:
-            # Every rank logs the same values of one batch: Lightning's advice to sync them across devices is noise.
-            self._run.enter_context(ignoring(SYNC_DIST_ADVICE, PossibleUserWarning))
-        if self.global_rank != 0:
-            # Libraries' deprecation notices are the same on every rank: rank 0 shows them once.
-            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
-                self._run.enter_context(ignoring("", category))
+        self._run.enter_context(quieter_warnings(self.global_rank, replicated=self.data_parallel_size > 1))
         # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
         resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
@@ -582,7 +562,3 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         strategy_registry.register(
             cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed.pipelining)"
         )
-
-
-#: Lightning's advice (a PossibleUserWarning) to pass `sync_dist=True` for values logged on epoch level.
-SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import io, optim, resume, save
+from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.reliability import failures
 
 
@@ -80,6 +81,21 @@ class CheckpointHooks:
     def on_exception(self, exception: BaseException) -> None:
         if self._checkpoints is not None:
             self._checkpoints.failed = True  # no collective may run any more: pending saves are dropped
+
+    def load_initial_weights(self, source: Path, network_prefix: str) -> PeakMemory:
+        """Load ``init_weights`` into this rank's stages (each rank reads only its own tensors, in the precision's
+        dtype); returns the peak memory of the load."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        with PeakMemory(self.root_device) as peak:  # type: ignore[attr-defined]
+            io.load_weights(
+                source,
+                self.checkpoint_topology(),
+                self.model,  # type: ignore[attr-defined]
+                network_prefix=network_prefix,
+                strict=module.strict_loading,
+                precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
+            )
+        return peak
 
     @property
     @override
