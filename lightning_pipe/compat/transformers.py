@@ -43,3 +43,12 @@ def recorded_by(model: Any, output: str) -> Optional[tuple[tuple[type, int], ...
             return None
         found.append((target, 1 if isinstance(entry, type) else int(getattr(entry, "index", 0))))
     return tuple(found)
+
+
+def keys_to_ignore(model: Any) -> tuple[list[str], list[str]]:
+    """Regular expressions of the state-dict keys ``from_pretrained`` does not report missing, and of the stored keys
+    it does not report unexpected, for this model (``_keys_to_ignore_on_load_missing`` / ``_unexpected``, class
+    attributes of ``PreTrainedModel``; ``[]`` for other modules). Public replacement: none."""
+    missing = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    unexpected = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return list(missing), list(unexpected)
