@@ -424,6 +424,43 @@ def test_t5_with_its_shared_embedding_equals_the_whole_model():
     assert ("encoder.block.0", 0, 1) in sends[0]
 
 
+def test_bart_pipelines_as_encoder_and_decoder_and_a_split_inside_a_stack_is_refused():
+    """BART has no pipeline plan and defines `layernorm_embedding` (run before the first layer) after its layers: on
+    2 stages (encoder | decoder) it is exact; 4 stages would put a layer before that unit's stage, which is refused."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=32,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        max_position_embeddings=32,
+        pad_token_id=1,
+        decoder_start_token_id=2,
+    )
+    holder = Holder(transformers.BartForConditionalGeneration(config))
+    reference = copy.deepcopy(holder.model)
+    src, tgt = torch.randint(3, 32, (2, 6)), torch.randint(3, 32, (2, 5))
+    kwargs = dict(input_ids=src, attention_mask=torch.ones_like(src), labels=tgt, use_cache=False)
+    loss_of = lambda out: out.loss  # noqa: E731
+    splits = split_all(holder, 2, frontend="dataflow", schedule="1F1B")
+    _assert_same(run_stages(splits, (), kwargs, loss_of), whole_network_grads(reference, (), kwargs, loss_of))
+    splits = split_all(holder, 2, frontend="dataflow", schedule="ZBVZeroBubble")
+    with pytest.raises(
+        PipelineModelError,
+        match=r"unit `model.encoder.layers.0` \(pipeline stage 0\) reads output 0 of unit"
+        r" `model.encoder.layernorm_embedding`, which stage 1 holds",
+    ):
+        run_stages(splits, (), kwargs, loss_of)
+
+
 def test_an_error_inside_a_stage_is_described_for_the_dataflow_frontend():
     from lightning_pipe.step.stage import StageModule
 
