@@ -398,6 +398,22 @@ def test_refuses_a_network_that_cannot_be_copied():
         split_module(Holder(network), settings, pipeline_rank=0, device=torch.device("cpu"))
 
 
+def _seq2seq(model: nn.Module, schedule: str, first_token: int) -> tuple[list, dict]:
+    """Split a transformers encoder-decoder into 2 ranks' stages under ``schedule``, check one training step against
+    the whole model (loss and every gradient bitwise), and return the splits and the call."""
+    holder = Holder(model)
+    reference = copy.deepcopy(holder.model)
+    src, tgt = torch.randint(first_token, 32, (2, 6)), torch.randint(first_token, 32, (2, 5))
+    kwargs = dict(input_ids=src, attention_mask=torch.ones_like(src), labels=tgt, use_cache=False)
+    splits = split_all(holder, 2, frontend="dataflow", schedule=schedule)
+    _assert_same(run_stages(splits, (), kwargs, _loss_of), whole_network_grads(reference, (), kwargs, _loss_of))
+    return splits, kwargs
+
+
+def _loss_of(out):
+    return out.loss
+
+
 def test_t5_with_its_shared_embedding_equals_the_whole_model():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -412,13 +428,7 @@ def test_t5_with_its_shared_embedding_equals_the_whole_model():
         decoder_start_token_id=0,
         pad_token_id=0,
     )
-    holder = Holder(transformers.T5ForConditionalGeneration(config))
-    reference = copy.deepcopy(holder.model)
-    src, tgt = torch.randint(1, 32, (2, 6)), torch.randint(1, 32, (2, 5))
-    kwargs = dict(input_ids=src, attention_mask=torch.ones_like(src), labels=tgt, use_cache=False)
-    loss_of = lambda out: out.loss  # noqa: E731
-    splits = split_all(holder, 2, frontend="dataflow", schedule="ZBVZeroBubble")
-    _assert_same(run_stages(splits, (), kwargs, loss_of), whole_network_grads(reference, (), kwargs, loss_of))
+    splits, kwargs = _seq2seq(transformers.T5ForConditionalGeneration(config), "ZBVZeroBubble", first_token=1)
     sends = splits[0].stage_call.plan((), kwargs).sends
     # The first encoder block's relative position bias feeds the second encoder block on the next stage.
     assert ("encoder.block.0", 0, 1) in sends[0]
@@ -445,20 +455,15 @@ def test_bart_pipelines_as_encoder_and_decoder_and_a_split_inside_a_stack_is_ref
         pad_token_id=1,
         decoder_start_token_id=2,
     )
-    holder = Holder(transformers.BartForConditionalGeneration(config))
-    reference = copy.deepcopy(holder.model)
-    src, tgt = torch.randint(3, 32, (2, 6)), torch.randint(3, 32, (2, 5))
-    kwargs = dict(input_ids=src, attention_mask=torch.ones_like(src), labels=tgt, use_cache=False)
-    loss_of = lambda out: out.loss  # noqa: E731
-    splits = split_all(holder, 2, frontend="dataflow", schedule="1F1B")
-    _assert_same(run_stages(splits, (), kwargs, loss_of), whole_network_grads(reference, (), kwargs, loss_of))
-    splits = split_all(holder, 2, frontend="dataflow", schedule="ZBVZeroBubble")
+    model = transformers.BartForConditionalGeneration(config)
+    _, kwargs = _seq2seq(model, "1F1B", first_token=3)
+    splits = split_all(Holder(model), 2, frontend="dataflow", schedule="ZBVZeroBubble")
     with pytest.raises(
         PipelineModelError,
         match=r"unit `model.encoder.layers.0` \(pipeline stage 0\) reads output 0 of unit"
         r" `model.encoder.layernorm_embedding`, which stage 1 holds",
     ):
-        run_stages(splits, (), kwargs, loss_of)
+        run_stages(splits, (), kwargs, _loss_of)
 
 
 def test_an_error_inside_a_stage_is_described_for_the_dataflow_frontend():
