@@ -340,7 +340,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         failures.describe(self.global_rank, list(self.runtime.stages))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._settings.init_weights is not None:
+        if self._settings.init_weights is not None and self._load_peak is None:  # once (see load_initial_weights)
             self._load_peak = self.load_initial_weights(self._settings.init_weights, split.prefix)
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.

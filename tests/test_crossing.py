@@ -1,7 +1,7 @@
 """Networks whose values cross more than one stage pipeline exactly with ``frontend="dataflow"``: Lightning's demo
 ``LightningTransformer`` (an nn.Transformer encoder-decoder: the encoder's output feeds every decoder layer), a U-Net
-(skip connections) and transformers' T5Gemma, each under 1F1B and ZBVZeroBubble at 2 processes; training, validation
-and predict against one device."""
+(skip connections) and transformers' T5Gemma, each under 1F1B and ZBVZeroBubble at 2 processes, and T5Gemma started from
+a `save_pretrained` directory (`init_weights`); training, validation and predict against one device."""
 
 from __future__ import annotations
 
@@ -23,20 +23,31 @@ CONFIGS = [
     {"name": f"{model}-{schedule}", "model": model, "schedule": schedule}
     for model in ("demo", "unet", "t5gemma")
     for schedule in ("1F1B", "ZBVZeroBubble")
-]
+] + [{"name": "t5gemma-pretrained-1F1B", "model": "t5gemma", "schedule": "1F1B", "init_weights": "t5gemma-seed1"}]
 TOL = 1e-5
 
 
+def _seed1_weights(model: str) -> dict:
+    torch.manual_seed(1)
+    return MODELS[model]().state_dict()
+
+
 @functools.cache
-def reference(model: str) -> dict:
+def reference(model: str, pretrained: bool = False) -> dict:
+    start = _seed1_weights(model) if pretrained else None  # before seeding: the data order follows the seed
     L.seed_everything(0)
-    return fit_validate_predict(MODELS[model]())
+    network = MODELS[model]()
+    if start is not None:  # what the pipeline loads from the directory, in place of the model's own init
+        network.load_state_dict(start)
+    return fit_validate_predict(network)
 
 
 @pytest.fixture(scope="module")
 def two_procs(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("crossing")
+    torch.manual_seed(1)
+    MODELS["t5gemma"]().model.save_pretrained(out / "t5gemma-seed1")
     run_script("crossing.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
     return out
 
@@ -44,7 +55,7 @@ def two_procs(tmp_path_factory):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_crossing_two_processes(two_procs, cfg):
     ranks = load_ranks(two_procs, cfg["name"])
-    ref = reference(cfg["model"])
+    ref = reference(cfg["model"], pretrained="init_weights" in cfg)
     if cfg["model"] == "demo":
         # The demo's own SGD (lr=0.1) turns the other summation order of microbatches (~1e-7) into weights 1.4e-6
         # apart from one whole batch after 4 steps, and predictions up to 7e-5 (measured, and alike between one
