@@ -35,9 +35,10 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes
+from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes, tensor_parallel_share
 from lightning_pipe.parallel import data_parallel as dp_modes
-from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
+from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
+from lightning_pipe.parallel.tensor_parallel import TensorParallel
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
 from lightning_pipe.reliability import failures
 from lightning_pipe.reliability.launcher import PipelineLauncher
@@ -46,6 +47,7 @@ from lightning_pipe.settings import (
     DEFAULT_TIMEOUT,
     DP,
     PP,
+    TP,
     DataParallelMode,
     InnerAxis,
     NonNegativeInt,
@@ -54,7 +56,7 @@ from lightning_pipe.settings import (
     ScheduleName,
 )
 from lightning_pipe.split import tied
-from lightning_pipe.split.builder import Split, is_split, split_module
+from lightning_pipe.split.builder import Split, has_network, is_split, split_module
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
@@ -107,6 +109,12 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
+        tensor_parallel: Processes sharing every stage, each layer split over them (mesh axis ``"tp"``, innermost).
+            With more than 1 the network is cut before ``configure_model``, which applies ``parallelize_module`` with
+            ``self.device_mesh["tp"]`` to the units this rank holds; a Hugging Face model without such a plan gets its
+            own (``base_model_tp_plan``). ``"auto"``: 1.
+        loss_parallel: Run each step (the loss and its backward) inside torch's ``loss_parallel()``, for a head whose
+            output stays split over the vocabulary. Default ``False``.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -133,6 +141,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
+        tensor_parallel: Union[Literal["auto"], PositiveInt] = "auto",
+        loss_parallel: bool = False,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
@@ -180,8 +190,14 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return int(self._settings.stages_per_rank)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """Processes sharing every stage (``tensor_parallel``)."""
+        return self._settings.tensor_parallel_size
+
+    @property
     def device_mesh(self) -> DeviceMesh:
-        """The process topology: axes ``"dp"`` (data-parallel replicas) and ``"pp"`` (stages of one pipeline)."""
+        """The process topology: axes ``"pp"`` (stages of one pipeline), ``"dp"`` (data-parallel replicas) and
+        ``"tp"`` (the processes sharing a stage, innermost)."""
         if self._mesh is None:
             raise PipelineUsageError("The device mesh is built when the processes start (setup_environment).")
         return self._mesh
@@ -195,8 +211,16 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return meshes.axis_rank(self.device_mesh, DP) if self._mesh is not None else 0
 
     @property
+    def tensor_parallel_rank(self) -> int:
+        return meshes.axis_rank(self.device_mesh, TP) if self._mesh is not None else 0
+
+    @property
     def pipeline_group(self) -> Any:
         return meshes.axis_group(self.device_mesh, PP)
+
+    @property
+    def tensor_parallel_group(self) -> Any:
+        return meshes.axis_group(self.device_mesh, TP)
 
     @property
     def data_parallel_group(self) -> Any:
@@ -283,7 +307,13 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages."""
+        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages. With
+        ``tensor_parallel > 1`` a network built in ``__init__`` is cut first: ``configure_model`` splits its units."""
+        module = self.lightning_module
+        if self.tensor_parallel_size > 1 and module is not None and has_network(module, self._settings.module):
+            self._split_network(module)
+            yield
+            return
         with torch.device("meta"):
             yield
 
@@ -295,20 +325,11 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        check_supported(module, self.precision_plugin)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
-        if fitting and not is_split(module):
-            ckpt_optim.record_param_groups(module)
-        self._split = split = split_module(
-            module,
-            self._settings,
-            pipeline_rank=self.pipeline_rank,
-            device=self.root_device,
-            agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
-            announce=rank_zero_info,
+        self._split = split = self._split_network(module)
+        self._engine = StepEngine(
+            module, split, self._settings, self.pipeline_group, self.root_device, self._rng, self.device_mesh
         )
-        self._engine = StepEngine(module, split, self._settings, self.pipeline_group, self.root_device, self._rng)
         self._run.callback(self._close_engine)
         self._run.callback(bind_metrics(module, self.data_parallel_group))
         if fitting and not self._saved:
@@ -332,9 +353,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         )
         for tie in ties:
             tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
-        # Sharded gradients: the squares of every rank's shard add up over the whole world.
-        norm_group = self._world if self._wrapped.sharded else self.pipeline_group
-        self._gradients = StageGradients(module, ties, self.data_parallel_group, norm_group, self._wrapped.sharded)
+        self._gradients = stage_gradients(module, ties, self.device_mesh, self._wrapped)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -351,17 +370,33 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             # Libraries' deprecation notices are the same on every rank: rank 0 shows them once.
             for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
                 self._run.enter_context(ignoring("", category))
-        # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
+        # Every stage draws the same shuffling order (the processes sharing a stage the same dropout): rank 0 decides.
+        self._rng.agree(self.tensor_parallel_group, collectives.group_ranks(self.tensor_parallel_group)[0])
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
         announce_parameters(trainer, module, self.pipeline_group, split)
+
+    def _split_network(self, module: Any) -> Split:
+        """This rank's stages: cut now (in place) or found from an earlier cut (:func:`split_module`)."""
+        check_supported(module, self.precision_plugin)
+        # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
+        if module.trainer.state.fn == TrainerFn.FITTING and not is_split(module):
+            ckpt_optim.record_param_groups(module)
+        return split_module(
+            module,
+            self._settings,
+            pipeline_rank=self.pipeline_rank,
+            device=self.root_device,
+            agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
+            announce=rank_zero_info,
+        )
 
     @property
     def _world(self) -> Any:
         return collectives.world_group()
 
     def _wrap_stages(self, split: Split) -> None:
-        """Activation checkpointing and FSDP on this rank's stages (:func:`lightning_pipe.parallel.wrappers.
-        wrap_stages`), before the optimizers are created: they must hold the sharded parameters."""
+        """Tensor parallelism, activation checkpointing and FSDP on this rank's stages (:func:`wrap_stages`), before the
+        optimizers are created: they must hold the sharded parameters."""
         stages = self.runtime.stages
         self._wrapped = wrap_stages(
             stages,
@@ -369,8 +404,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             checkpoint_every=self._settings.activation_checkpointing,
             dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
             sharded_over=split.sharded_over,
+            tensor_parallel=TensorParallel(split, self.device_mesh) if self.tensor_parallel_size > 1 else None,
         )
-        split.sharded_over = self._wrapped.sharded_over
+        split.sharded_over, split.tensor_parallel = self._wrapped.sharded_over, self._wrapped.tensor_parallel
         self._run.callback(unwrap_stages, stages)
 
     def _close_engine(self) -> None:
@@ -451,6 +487,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
+            tensor_parallel=tensor_parallel_share(self.model, self.tensor_parallel_rank, self.tensor_parallel_size),
         )
 
     @contextmanager
@@ -502,6 +539,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             pipeline_group=self.pipeline_group,
             aliases=aliases,
             sharded=self._wrapped.sharded,
+            tensor_parallel_rank=self.tensor_parallel_rank,
+            tensor_parallel_size=self.tensor_parallel_size,
+            replica_group=self._meshes.replica_group,
         )
 
     # ------------------------------------------------------------------ collectives

@@ -20,6 +20,7 @@ from torch import nn
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.comm import collectives
+from lightning_pipe.comm.dtensor import assign_whole_, place_like
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
@@ -42,6 +43,12 @@ class Topology:
     aliases: Mapping[str, str] = field(default_factory=dict)
     #: whether parameters and optimizer state are sharded over the data-parallel ranks (FSDP DTensors)
     sharded: bool = False
+    #: this process's place among those sharing its stages, and how many they are (tensor parallelism)
+    tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
+    #: the group of every process of this rank's data-parallel replica (its pipeline without tensor parallelism):
+    #: they write a replicated checkpoint together
+    replica_group: Any = None
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -147,15 +154,16 @@ def save(
     schedulers = checkpoint.pop("lr_schedulers", None)
     for i, osd in enumerate(optimizer_states or []):
         state[f"optimizer_{i}"] = osd
-    # Replicated stages hold identical states: only the first replica's pipeline writes. Sharded ones: every rank
-    # writes its shards (an entry several ranks hold whole, such as a step count, is written once).
+    # Replicated stages hold identical states: only the first replica's processes write (each its tensor-parallel
+    # shards). Sharded ones: every rank writes its shards (an entry several ranks hold whole, such as a step count or
+    # a layer kept whole by tensor parallelism, is written once).
     if topo.sharded or topo.data_parallel_rank == 0:
-        group = collectives.world_group() if topo.sharded else topo.pipeline_group
+        group = collectives.world_group() if topo.sharded else topo.replica_group
         # A one-rank pipeline of replicated stages writes alone.
         alone = collectives.group_size(group) == 1
         writer = dcp.FileSystemWriter(tmp)
         _local(problems, lambda: dcp.save(state, storage_writer=writer, process_group=group, no_dist=alone))
-    if schedulers is not None and topo.data_parallel_rank == 0:
+    if schedulers is not None and topo.data_parallel_rank == 0 and topo.tensor_parallel_rank == 0:
         _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
     if topo.global_rank == 0:
         manifest = fmt.build_manifest(
@@ -169,6 +177,7 @@ def save(
             param_groups=param_groups if optimizer_states else None,
             aliases=topo.aliases,
             sharded=topo.sharded,
+            tensor_parallel_size=topo.tensor_parallel_size,
         )
         _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
         # The manifest is written last: a directory without one was never completely written.
@@ -395,9 +404,23 @@ def resume_from_file(
     _agree(problems, f"Cannot resume `fit` from {str(source)!r}")
     _copy_weights(source, weights, module, network_prefix="", strict=strict)
     for optimizer, state in zip(optimizers, states):
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(_laid_out_like_parameters(optimizer, state))
     rest.pop("optimizer_states", None)
     return rest
+
+
+def _laid_out_like_parameters(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer state dict of whole tensors, from one device) with each entry shaped like its parameter
+    laid out as the parameter is (this rank's slice of a tensor-parallel or FSDP DTensor)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {}
+    for index, entries in state["state"].items():
+        p = params[index]
+        placed[index] = {
+            key: place_like(value, p) if isinstance(value, torch.Tensor) and value.shape == p.shape else value
+            for key, value in entries.items()
+        }
+    return {**state, "state": placed}
 
 
 def _read_file(source: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -423,9 +446,8 @@ def _copy_weights(
             f"{str(source)!r} holds weights the model does not have: {fmt.format_keys(unexpected)}. Check that it"
             " belongs to this model, or set `strict_loading = False` on the LightningModule to ignore them."
         )
-    with torch.no_grad():
-        for key, tensor in local.items():
-            tensor.copy_(weights[names[key]])
+    for key, tensor in local.items():
+        assign_whole_(tensor, weights[names[key]])  # this rank's slice of a DTensor
 
 
 def _local_optimizer_states(
