@@ -91,7 +91,8 @@ def parallelize(model: TPDecoder, tp_mesh, plan: str = "plain") -> None:
     if plan in ("plain", "head-only"):
         layers = {n: ColwiseParallel() for n in ("wq", "wk", "wv", "gate", "up")}
         layers.update(wo=RowwiseParallel(), down=RowwiseParallel())
-        embed, norm, head = RowwiseParallel(input_layouts=Replicate()), None, ColwiseParallel(output_layouts=Replicate())
+        embed, norm = RowwiseParallel(input_layouts=Replicate()), None
+        head = ColwiseParallel(output_layouts=Replicate())
     else:
         local = plan == "sequence"  # "dtensor": DTensors leave the blocks and cross the stage boundaries
         layers = {n: ColwiseParallel(input_layouts=Shard(1)) for n in ("wq", "wk", "wv", "gate", "up")}

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import is_dtensor, local, sharded_axes
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.parallel.tensor_parallel import TensorParallelGradients
+from lightning_pipe.parallel.tensor_parallel import TensorParallelGradients, agreed
 from lightning_pipe.settings import DP, PP, TP
 
 
@@ -263,30 +263,49 @@ class TieGroups:
         """``layout`` is the :class:`~lightning_pipe.comm.mesh.MeshLayout` of ``mesh``; ``ties`` the split's
         :class:`~lightning_pipe.split.tied.Tie` list; ``parameters`` this rank's, by full name
         (``named_parameters(remove_duplicate=False)``), whose network names start with ``prefix``."""
-        me = collectives.world_rank()
         if self._mesh is not mesh:
-            groups = {}
-            for tie in ties:
-                owners = sorted({stage_ranks[s] for s in tie.stages})
-                if len(owners) < 2:
-                    continue  # every stage sharing it lives on one rank: one Parameter object, nothing to sum
-                for replica in range(layout.data_parallel_size):
-                    for tp in range(layout.tensor_parallel_size):
-                        ranks = [layout.rank(replica, p, tp) for p in owners]
-                        group = collectives.new_group(ranks)
-                        if me in ranks:
-                            groups[tie.names] = (group, layout.rank(replica, stage_ranks[tie.stages[0]], tp))
-            self._mesh, self._groups = mesh, groups
-        copies = []
+            self._mesh, self._groups = mesh, _tie_groups(layout, ties, stage_ranks)
+        copies, names = [], []
         for tie in ties:
             if tie.names not in self._groups:
                 continue
             param = next(parameters[prefix + n] for n in tie.names if prefix + n in parameters)
             group, source = self._groups[tie.names]
             copies.append(TiedCopy(param, group, source))
-            if layout.tensor_parallel_size > 1:
-                copies[-1].check_layout(prefix + tie.canonical)
+            names.append(prefix + tie.canonical)
+        if layout.tensor_parallel_size > 1:
+            _check_layouts(copies, names)
         return copies
+
+
+def _tie_groups(layout: Any, ties: Sequence[Any], stage_ranks: Sequence[int]) -> dict[tuple[str, ...], tuple[Any, int]]:
+    """This rank's group and source rank per tie (collective: every rank creates every group, in one order)."""
+    me = collectives.world_rank()
+    groups = {}
+    for tie in ties:
+        owners = sorted({stage_ranks[s] for s in tie.stages})
+        if len(owners) < 2:
+            continue  # every stage sharing it lives on one rank: one Parameter object, nothing to sum
+        for replica in range(layout.data_parallel_size):
+            for tp in range(layout.tensor_parallel_size):
+                ranks = [layout.rank(replica, p, tp) for p in owners]
+                group = collectives.new_group(ranks)
+                if me in ranks:
+                    groups[tie.names] = (group, layout.rank(replica, stage_ranks[tie.stages[0]], tp))
+    return groups
+
+
+def _check_layouts(copies: Sequence[TiedCopy], names: Sequence[str]) -> None:
+    """Every copy's layout checked in its group, then the first problem raised on every rank of the world."""
+    problems = []
+    for copy, name in zip(copies, names):
+        try:
+            copy.check_layout(name)  # collective in the copy's group: every copy is checked
+        except PipelineModelError as err:
+            problems.append(str(err))
+    with agreed(collectives.world_group()):
+        if problems:
+            raise PipelineModelError(problems[0])
 
 
 class StageGradients:

@@ -107,8 +107,9 @@ class TensorParallel:
                     " `tensor_parallel=1`."
                 )
             done = self._apply_model_plan()
-        retie(self.network, self.shared)
-        check_meshes(self.network, self.mesh)
+        with agreed(collectives.world_group()):
+            retie(self.network, self.shared)
+            check_meshes(self.network, self.mesh)
         return done
 
     def _apply_model_plan(self) -> TensorParallelDone:
@@ -128,6 +129,20 @@ class TensorParallel:
 
 def describe_plan(done: TensorParallelDone) -> str:
     return describe(done.planned)
+
+
+@contextmanager
+def agreed(group: Any) -> Iterator[None]:
+    """A ``PipelineModelError`` raised inside on some ranks of ``group`` is raised on all of them, so that none waits in
+    a later collective for ranks that stopped (collective over ``group``: every rank runs the block)."""
+    problem = None
+    try:
+        yield
+    except PipelineModelError as err:
+        problem = str(err)
+    found = [p for p in collectives.all_gather_object(problem, group) if p is not None]
+    if found:
+        raise PipelineModelError(problem or found[0])
 
 
 def _owner(network: nn.Module, name: str) -> tuple[nn.Module, str] | None:
@@ -217,6 +232,11 @@ def check_whole_gradients(named: Sequence[tuple[str, nn.Parameter]], group: Any)
             stats[name] = (g.numel(), float(g.sum()), float(g.pow(2).sum()))
     everyone = collectives.all_gather_object(stats, group)
     differ = [name for other in everyone[1:] for name in other if _differ(everyone[0].get(name), other[name])]
+    with agreed(collectives.world_group()):
+        _refuse_differing(differ)
+
+
+def _refuse_differing(differ: Sequence[str]) -> None:
     if differ:
         shown = ", ".join(repr(n) for n in sorted(set(differ))[:5])
         raise PipelineModelError(
