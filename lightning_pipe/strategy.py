@@ -526,7 +526,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint.hooks)
     def checkpoint_topology(self) -> ckpt_io.Topology:
-        aliases = tied.aliases(self._split.ties, self._split.prefix) if self._split is not None else {}
+        # Every tied parameter once, under its first name, whether its names are on one stage or several: the
+        # checkpoint is then the same for every layout.
+        aliases = tied.aliases(self._split.shared, self._split.prefix) if self._split is not None else {}
         return ckpt_io.Topology(
             global_rank=self.global_rank,
             world_size=self.world_size,

@@ -122,7 +122,8 @@ class LitTPDecoder(L.LightningModule):
     """Trains :class:`TPDecoder`; ``configure_model`` applies ``plan`` when the strategy's mesh has a "tp" axis
     larger than one (a second Trainer entry finds it applied). ``weighted``: the loss is the token mean and the step
     returns ``num_items``; otherwise the sum over tokens divided by the positions (equal for every microbatch and
-    replica, so that data-parallel replicas average to one device's loss)."""
+    replica, so that data-parallel replicas average to one device's loss). ``shuffle=False``: the same batches in
+    every epoch, so that a run resumed at an epoch's end sees what an uninterrupted one does."""
 
     def __init__(
         self,
@@ -135,6 +136,7 @@ class LitTPDecoder(L.LightningModule):
         samples: int = 64,
         qk_norm: bool = False,
         build_late: bool = False,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -191,7 +193,7 @@ class LitTPDecoder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
     def train_dataloader(self):
-        return DataLoader(padded_dataset(self.hparams.samples, seed=0), batch_size=8, shuffle=True)
+        return DataLoader(padded_dataset(self.hparams.samples, seed=0), batch_size=8, shuffle=self.hparams.shuffle)
 
     def val_dataloader(self):
         return DataLoader(padded_dataset(16, seed=1), batch_size=8)

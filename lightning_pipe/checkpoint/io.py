@@ -269,6 +269,8 @@ def load(
     _agree(problems, f"Cannot load checkpoint {str(path)!r}")
     manifest, stored, schedulers, rest = found
     used = [k for rank_keys in _gather(list(expected)) for k in rank_keys]
+    # A tied parameter's other names: stored by checkpoints that kept them (one stage held every name), equal to it.
+    used += [fmt.MODEL_PREFIX + name for name in topo.aliases]
     unexpected = fmt.unexpected_keys(stored, used)
     if strict and unexpected:
         raise PipelineCheckpointError(

@@ -28,7 +28,7 @@ from tests.hf_models import LitHF
 from tests.models import quiet_trainer
 from tests.tp_models import LitTPDecoder
 
-MODEL_OPTIONS = ("plan", "tied", "weighted", "optimizer", "qk_norm", "build_late")
+MODEL_OPTIONS = ("plan", "tied", "weighted", "optimizer", "qk_norm", "build_late", "samples", "shuffle")
 
 
 def whole(value: Any) -> Any:
