@@ -211,6 +211,22 @@ def resolve_every(activation_checkpointing: Union[bool, int]) -> int:
     return activation_checkpointing
 
 
+def check_max_restarts(max_restarts: object) -> None:
+    if not _is_int(max_restarts) or max_restarts < 0:  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`max_restarts={max_restarts!r}` must be an int >= 0: how many times Lightning's launcher starts every"
+            " rank again after a failure (0: never). Under torchrun, pass `--max-restarts` to torchrun instead."
+        )
+
+
+def check_async_checkpoint(async_checkpoint: object) -> None:
+    if not isinstance(async_checkpoint, bool):
+        raise PipelineConfigError(
+            f"`async_checkpoint={async_checkpoint!r}` must be True (a save blocks the step only while the state is"
+            " copied to host memory; a thread writes it) or False (a save returns once written)."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- the settings
 @dataclass(frozen=True)
 class PipelineSettings:
@@ -241,6 +257,10 @@ class PipelineSettings:
     activation_checkpointing: int = 0
     tensor_parallel: Union[Literal["auto"], int] = "auto"
     loss_parallel: bool = False
+    #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
+    max_restarts: int = 0
+    #: checkpoints written by a thread after a copy to host memory
+    async_checkpoint: bool = False
     #: the processes of the run; ``None`` until :meth:`resolve`
     world_size: Optional[int] = None
 
@@ -259,6 +279,8 @@ class PipelineSettings:
         check_tensor_parallel(self.tensor_parallel, self.frontend)
         if not isinstance(self.loss_parallel, bool):
             raise PipelineConfigError(f"`loss_parallel` must be True or False, got {self.loss_parallel!r}.")
+        check_max_restarts(self.max_restarts)
+        check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": canonical_schedule(self.schedule),
             "frontend": "modules" if self.frontend == "auto" else self.frontend,

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
+from lightning_pipe.checkpoint import resume as ckpt_resume
 from lightning_pipe.checkpoint.hooks import CheckpointHooks
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
@@ -40,14 +41,12 @@ from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
 from lightning_pipe.parallel.tensor_parallel import TensorParallel
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
-from lightning_pipe.reliability import failures
+from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
 from lightning_pipe.scope import ignoring, replaced
 from lightning_pipe.settings import (
     DEFAULT_TIMEOUT,
     DP,
-    PP,
-    TP,
     DataParallelMode,
     InnerAxis,
     NonNegativeInt,
@@ -57,6 +56,7 @@ from lightning_pipe.settings import (
 )
 from lightning_pipe.split import tied
 from lightning_pipe.split.builder import Split, has_network, is_split, split_module
+from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
 
-class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, ParallelStrategy):
+class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.LauncherHook, ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule: ``Trainer(strategy="pipeline")``.
 
     The network is cut into stages; each process builds and keeps only its own stages (parameter names stay those of
@@ -115,6 +115,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             own (``base_model_tp_plan``). ``"auto"``: 1.
         loss_parallel: Run each step (the loss and its backward) inside torch's ``loss_parallel()``, for a head whose
             output stays split over the vocabulary. Default ``False``.
+        max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
+            time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
+        async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
+            memory. Default ``False``.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -143,6 +147,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
         tensor_parallel: Union[Literal["auto"], PositiveInt] = "auto",
         loss_parallel: bool = False,
+        max_restarts: NonNegativeInt = 0,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
@@ -160,9 +166,12 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
         self._rng = RngStreams()
+        self._init_recording: Optional[InitRecording] = None
         #: what this Trainer entry installed on the user's objects, undone at teardown
         self._run = ExitStack()
         self.num_nodes = 1
+        # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
+        watchdog.start_if_launched()
 
     # ------------------------------------------------------------------ settings and topology
     @property
@@ -193,38 +202,6 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def tensor_parallel_size(self) -> int:
         """Processes sharing every stage (``tensor_parallel``)."""
         return self._settings.tensor_parallel_size
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The process topology: axes ``"pp"`` (stages of one pipeline), ``"dp"`` (data-parallel replicas) and
-        ``"tp"`` (the processes sharing a stage, innermost)."""
-        if self._mesh is None:
-            raise PipelineUsageError("The device mesh is built when the processes start (setup_environment).")
-        return self._mesh
-
-    @property
-    def pipeline_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, PP) if self._mesh is not None else 0
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, DP) if self._mesh is not None else 0
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, TP) if self._mesh is not None else 0
-
-    @property
-    def pipeline_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, PP)
-
-    @property
-    def tensor_parallel_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, TP)
-
-    @property
-    def data_parallel_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, DP)
 
     @property
     def gradient_sync(self) -> GradientSync:
@@ -277,7 +254,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
 
     def make_launcher(self) -> PipelineLauncher:
         assert self.cluster_environment is not None
-        return PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._settings.timeout)
+        environment, settings = self.cluster_environment, self._settings
+        restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
+        return PipelineLauncher(environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find)
 
     @override
     @failures.in_phase("during start-up")
@@ -291,6 +270,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         kwargs: dict[str, Any] = {"timeout": self._settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if (store := restart.attempt_store(self._settings.timeout)) is not None:
+            kwargs["store"] = store  # a restarted torchrun worker: this attempt's keys only
         pl_compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._settings = dataclasses.replace(self._settings, process_group_backend=backend).resolve(self.world_size)
         self._mesh = self._meshes.build(self._settings, self.root_device.type)
@@ -307,15 +288,17 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages. With
-        ``tensor_parallel > 1`` a network built in ``__init__`` is cut first: ``configure_model`` splits its units."""
+        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages, and
+        replays on them what ``configure_model`` did to their tensors (recorded here). With ``tensor_parallel > 1`` a
+        network built in ``__init__`` is cut first: ``configure_model`` splits the units this rank holds."""
         module = self.lightning_module
         if self.tensor_parallel_size > 1 and module is not None and has_network(module, self._settings.module):
             self._split_network(module)
             yield
             return
-        with torch.device("meta"):
+        with torch.device("meta"), record_init() as recording:
             yield
+        self._init_recording = recording.finish(self.lightning_module)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -373,14 +356,18 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         # Every stage draws the same shuffling order (the processes sharing a stage the same dropout): rank 0 decides.
         self._rng.agree(self.tensor_parallel_group, collectives.group_ranks(self.tensor_parallel_group)[0])
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
+        resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
+        self.open_checkpoints(trainer, self._rng, self._settings.async_checkpoint, resumed_from)
         announce_parameters(trainer, module, self.pipeline_group, split)
 
     def _split_network(self, module: Any) -> Split:
-        """This rank's stages: cut now (in place) or found from an earlier cut (:func:`split_module`)."""
+        """This rank's stages: cut now (in place, replaying ``configure_model``'s recorded initialisation) or found
+        from an earlier cut (:func:`split_module`)."""
         check_supported(module, self.precision_plugin)
         # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
         if module.trainer.state.fn == TrainerFn.FITTING and not is_split(module):
             ckpt_optim.record_param_groups(module)
+        recording, self._init_recording = self._init_recording, None  # replayed: its meta tensors can go
         return split_module(
             module,
             self._settings,
@@ -388,6 +375,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             device=self.root_device,
             agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
             announce=rank_zero_info,
+            recording=recording,
         )
 
     @property
@@ -577,6 +565,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
+        self.close_checkpoints()  # pending saves complete (or are dropped after a failure)
         # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
         self._run.close()
         for recorder in self._saved.values():

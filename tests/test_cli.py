@@ -70,6 +70,8 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "activation_checkpointing": 2,
         "tensor_parallel": 1,
         "loss_parallel": True,
+        "max_restarts": 0,
+        "async_checkpoint": True,
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.settings import DP, PP, TP, InnerAxis, PipelineSettings, check_inner_axis
 
 if TYPE_CHECKING:
@@ -150,3 +151,42 @@ class MeshCache:
         # Every rank makes every replica's group, in one order (a collective).
         groups = [collectives.new_group(layout.replica_members(d)) for d in range(layout.data_parallel_size)]
         return groups[axis_rank(mesh, DP)]
+
+
+class MeshAxes:
+    """The strategy's place on its mesh, axis by axis (a mixin of ``PipelineParallelStrategy``, which sets
+    ``_mesh`` when the processes start): the mesh, this process's rank along each axis and the group of each."""
+
+    _mesh: DeviceMesh | None = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The process topology: axes ``"pp"`` (stages of one pipeline), ``"dp"`` (data-parallel replicas) and
+        ``"tp"`` (the processes sharing a stage, innermost)."""
+        if self._mesh is None:
+            raise PipelineUsageError("The device mesh is built when the processes start (setup_environment).")
+        return self._mesh
+
+    @property
+    def pipeline_rank(self) -> int:
+        return axis_rank(self.device_mesh, PP) if self._mesh is not None else 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return axis_rank(self.device_mesh, DP) if self._mesh is not None else 0
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return axis_rank(self.device_mesh, TP) if self._mesh is not None else 0
+
+    @property
+    def pipeline_group(self) -> Any:
+        return axis_group(self.device_mesh, PP)
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return axis_group(self.device_mesh, DP)
+
+    @property
+    def tensor_parallel_group(self) -> Any:
+        return axis_group(self.device_mesh, TP)
