@@ -102,7 +102,11 @@ def hf_tensor_parallel_plan(
     plan = full_plan(network)
     check_plan(network, plan, tensor_parallel)
     patterns = [(_pattern(name), style) for name, style in plan.items()]
-    held = {name: module for name, module in network.named_modules() if name}
+    # Modules with parameters of their own: the stand-ins of other stages' units (which may mirror a block's children)
+    # have none.
+    held = {
+        name: m for name, m in network.named_modules() if name and next(m.parameters(recurse=False), None) is not None
+    }
     chosen: dict[str, str] = {}
     for name in held:
         for pattern, style in patterns:
