@@ -23,7 +23,6 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -36,14 +35,15 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes, tensor_parallel_share
+from lightning_pipe.measure import memory
+from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
 from lightning_pipe.parallel.tensor_parallel import TensorParallel
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
 from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
-from lightning_pipe.scope import ignoring, replaced
+from lightning_pipe.scope import quieter_warnings, replaced
 from lightning_pipe.settings import (
     DEFAULT_TIMEOUT,
     DP,
@@ -100,8 +100,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         process_group_backend: ``torch.distributed`` backend. Default ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA,
             ``gloo`` on CPU.
         timeout: Timeout of collective and point-to-point operations. Default 10 minutes (docs/reliability.md).
-        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file or a lightning-pipe checkpoint
-            directory, each rank reading only its stages' tensors. Default ``None``: the model's own init.
+        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file, a lightning-pipe checkpoint
+            directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
+            tensors. Default ``None``: the model's own init.
         eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
             process of the pipeline.
         data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
@@ -165,6 +166,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         self._wrapped = Wrapped()
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
+        self._load_peak: Optional[PeakMemory] = None  # measured while `init_weights` was loaded
         self._rng = RngStreams()
         self._init_recording: Optional[InitRecording] = None
         #: what this Trainer entry installed on the user's objects, undone at teardown
@@ -321,21 +323,10 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._settings.init_weights is not None:
-            ckpt_io.load_weights(
-                self._settings.init_weights,
-                self.checkpoint_topology(),
-                self.model,
-                network_prefix=split.prefix,
-                strict=module.strict_loading,
-            )
+            self._load_peak = self.load_initial_weights(self._settings.init_weights, split.prefix)
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
-        params = dict(module.named_parameters(remove_duplicate=False))
-        ties = self._tie_groups.copies(
-            self._mesh, self._meshes.layout, split.ties, split.stage_ranks, params, split.prefix
-        )
-        for tie in ties:
-            tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
+        ties = self._tie_groups.copies(self._mesh, self._meshes.layout, split, module)
         self._gradients = stage_gradients(module, ties, self.device_mesh, self._wrapped)
         self.barrier()
         if fitting:
@@ -346,13 +337,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         # Lightning clips with the norm of this rank's gradients; the right norm spans every stage. Scoped to this
         # entry: the plugin may be the user's object, reused by another Trainer.
         self._run.enter_context(replaced(self.precision_plugin, "clip_grad_by_norm", self._gradients.clip))
-        if self.data_parallel_size == 1:
-            # Every rank logs the same values of one batch: Lightning's advice to sync them across devices is noise.
-            self._run.enter_context(ignoring(SYNC_DIST_ADVICE, PossibleUserWarning))
-        if self.global_rank != 0:
-            # Libraries' deprecation notices are the same on every rank: rank 0 shows them once.
-            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
-                self._run.enter_context(ignoring("", category))
+        self._run.enter_context(quieter_warnings(self.global_rank, replicated=self.data_parallel_size > 1))
         # Every stage draws the same shuffling order (the processes sharing a stage the same dropout): rank 0 decides.
         self._rng.agree(self.tensor_parallel_group, collectives.group_ranks(self.tensor_parallel_group)[0])
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
@@ -467,7 +452,8 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     def memory_report(self) -> MemoryReport:
         """What this rank holds: parameter, gradient and optimizer-state bytes now, bytes saved for backward per
         microbatch by each local stage (measured on the first training forward), and the peak allocated while its
-        stages were built (``configure_model`` construction). Logged once, after the first optimizer step."""
+        stages were built (``configure_model`` construction) and while ``init_weights`` was loaded. Logged once, after
+        the first optimizer step."""
         assert self._split is not None
         return MemoryReport(
             rank=self.global_rank,
@@ -475,7 +461,10 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
-            tensor_parallel=tensor_parallel_share(self.model, self.tensor_parallel_rank, self.tensor_parallel_size),
+            tensor_parallel=memory.tensor_parallel_share(
+                self.model, self.tensor_parallel_rank, self.tensor_parallel_size
+            ),
+            load_peak=self._load_peak,
         )
 
     @contextmanager
@@ -513,6 +502,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         return outcome.output if engine.runtime.has_last or outcome.output_shared else None
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint.hooks)
+    def checkpoint_network(self) -> tuple[str, Optional[torch.nn.Module]]:
+        return (self._split.network_attr, self._split.network) if self._split is not None else ("", None)
+
     def checkpoint_topology(self) -> ckpt_io.Topology:
         # Every tied parameter once, under its first name, whether its names are on one stage or several: the
         # checkpoint is then the same for every layout.
@@ -582,7 +574,3 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         strategy_registry.register(
             cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed.pipelining)"
         )
-
-
-#: Lightning's advice (a PossibleUserWarning) to pass `sync_dist=True` for values logged on epoch level.
-SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"

@@ -41,6 +41,10 @@ EPOCH = "epoch"
 SAVED_AT = "saved_at"
 RESUME_FILES = "resume_files"
 RESUME_DIR = "resume"
+#: Manifest key (unknown to older readers too): a transformers network's class, config, generation config and the
+#: LightningModule's attribute holding it (:func:`lightning_pipe.checkpoint.huggingface.network_record`): what
+#: ``export-hf`` writes ``config.json`` from.
+NETWORK_RECORD = "huggingface"
 #: Suffixes of the sibling directories a save or removal goes through; none of them is ever a checkpoint to load.
 _TRANSIENT = re.compile(r"\.(tmp|old|trash)-[0-9a-f]+$")
 

@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from torch import nn
 from typing_extensions import override
 
+from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import io, optim, resume, save
+from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.reliability import failures
 
 
@@ -30,6 +33,11 @@ class CheckpointHooks:
 
     def checkpoint_topology(self) -> io.Topology:
         """Where this process sits, as the checkpoint code needs it (implemented by the strategy)."""
+        raise NotImplementedError
+
+    def checkpoint_network(self) -> tuple[str, Optional[nn.Module]]:
+        """The LightningModule's attribute holding the pipelined network (``""``: the module itself) and the network
+        (``None`` before the split; implemented by the strategy)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ one Trainer entry
@@ -73,6 +81,21 @@ class CheckpointHooks:
     def on_exception(self, exception: BaseException) -> None:
         if self._checkpoints is not None:
             self._checkpoints.failed = True  # no collective may run any more: pending saves are dropped
+
+    def load_initial_weights(self, source: Path, network_prefix: str) -> PeakMemory:
+        """Load ``init_weights`` into this rank's stages (each rank reads only its own tensors, in the precision's
+        dtype); returns the peak memory of the load."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        with PeakMemory(self.root_device) as peak:  # type: ignore[attr-defined]
+            io.load_weights(
+                source,
+                self.checkpoint_topology(),
+                self.model,  # type: ignore[attr-defined]
+                network_prefix=network_prefix,
+                strict=module.strict_loading,
+                precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
+            )
+        return peak
 
     @property
     @override
@@ -125,7 +148,9 @@ class CheckpointHooks:
             device = self.root_device  # type: ignore[attr-defined]
             session = resume.CheckpointSession(module.trainer, self.checkpoint_topology, self._streams, device)
             session.training_over = True
-        session.save(checkpoint, path, token, f"{cls.__module__}.{cls.__qualname__}", groups)
+        attribute, network = self.checkpoint_network()
+        record = hf.network_record(network, attribute) if network is not None else None  # for export-hf
+        session.save(checkpoint, path, token, f"{cls.__module__}.{cls.__qualname__}", groups, record)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -139,6 +164,14 @@ class CheckpointHooks:
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._checkpoints is not None:
             self._checkpoints.writer.finish(None)  # a checkpoint being written is complete before any load
+        if not fitting and hf.is_hf_directory(path):
+            from lightning.pytorch import __version__
+
+            prefix = self.checkpoint_network()[0]
+            precision = self.precision_plugin.precision  # type: ignore[attr-defined]
+            prefix = f"{prefix}." if prefix else ""
+            io.load_weights(path, topology, model, network_prefix=prefix, strict=strict, precision=precision)
+            return {"pytorch-lightning_version": __version__}  # weights only: nothing else for Lightning to restore
         if path.is_dir() or not path.exists():
             rest = io.load(
                 path, topology, model, optimizers if fitting else [], strict=strict, weights_only=weights_only

@@ -6,6 +6,7 @@ ranks only are agreed on (``_agree``) before any collective that would otherwise
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import assign_whole_, place_like
@@ -139,6 +141,11 @@ def load(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
+    if hf.is_hf_directory(path):
+        raise PipelineCheckpointError(
+            f"{str(path)!r} is a Hugging Face model directory: it holds weights only, no optimizer or loop state to"
+            f" resume. Start a run from it with `PipelineParallelStrategy(init_weights={str(path)!r})`."
+        )
     problems: list[str] = []
     weights = model_state(module, topo.aliases)
     expected = _shapes("state_dict", weights)
@@ -265,19 +272,65 @@ def load_weights(
     network_prefix: str,
     strict: bool,
     weights_only: bool | None = True,
+    precision: str | None = None,
 ) -> dict[str, Any]:
-    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, or a
-    directory checkpoint. A file is memory-mapped: a rank reads only its own stages' tensors from it.
+    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, a
+    directory checkpoint or a Hugging Face model directory (:func:`load_hf`, whose weights take the dtype of the
+    Trainer's ``precision``). A file is memory-mapped: a rank reads only its own stages' tensors from it.
 
     Returns what else a single-file Lightning checkpoint holds (``{}`` for a plain state dict or a directory).
     """
     source = Path(source)
+    if hf.is_hf_directory(source):
+        dtype = hf.PRECISION_DTYPES.get(precision) if precision is not None else None
+        load_hf(source, topo, module, network_prefix=network_prefix, strict=strict, dtype=dtype)
+        return {}
     if source.is_dir():
         load(source, topo, module, [], strict=strict)
         return {}
     weights, rest = _read_file(source, weights_only)
     _copy_weights(source, weights, module, network_prefix=network_prefix, strict=strict)
     return rest
+
+
+def load_hf(
+    source: Path,
+    topo: Topology,
+    module: nn.Module,
+    *,
+    network_prefix: str,
+    strict: bool,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Load this rank's stages from the Hugging Face model directory ``source``; returns the bytes this rank read.
+
+    ``dtype``: the floating-point dtype the network's parameters are cast to first (the Trainer's precision:
+    ``from_config`` builds a network in the dtype its ``config.json`` names, bfloat16 for most published models).
+
+    Each rank reads only its own stages' tensors (:mod:`lightning_pipe.checkpoint.huggingface`); a stored tensor is
+    read once however many of the rank's parameters it fills. The same error is raised on every rank: another model
+    type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
+    without ``strict`` those are a warning and missing weights keep the model's own initialisation.
+    """
+    if dtype is not None:
+        (module.get_submodule(network_prefix[:-1]) if network_prefix else module).to(dtype)
+    problems: list[str] = []
+    plan = local_step(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
+    agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
+    # What every rank reads, leaves unread on purpose and misses: the same verdict on every rank.
+    found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing))
+    used = {name for read, ignorable, _ in found for name in (*read, *ignorable)}
+    missing = sorted({key for _, _, keys in found for key in keys})
+    unexpected = sorted(set(plan.directory.files) - used)
+    if missing or unexpected:
+        message = hf.mismatch_message(Path(source), missing, unexpected, strict)
+        if strict:
+            raise PipelineCheckpointError(message)
+        if topo.global_rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+    read = local_step(problems, hf.copy_into, plan)
+    agree(problems, f"Reading the Hugging Face model directory {str(source)!r} failed")
+    return read
 
 
 def resume_from_file(
@@ -387,13 +440,7 @@ def _local_optimizer_states(
 def _mmap(source: Path, weights_only: bool | None = True) -> Any:
     if not source.exists():
         raise FileNotFoundError(f"{str(source)!r} does not exist")
-    try:
-        return torch.load(source, map_location="cpu", mmap=True, weights_only=weights_only)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise
-        # Files in torch's legacy (non-zip) format cannot be memory-mapped; they are small enough to read whole.
-        return torch.load(source, map_location="cpu", weights_only=weights_only)
+    return hf.load_mapped(source, weights_only)
 
 
 def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:

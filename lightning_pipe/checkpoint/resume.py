@@ -66,8 +66,11 @@ class CheckpointSession:
             return None
         return self.continuation.point()
 
-    def save(self, checkpoint: dict[str, Any], path: Path, token: str, module_class: str, groups: Any) -> None:
-        self.writer.save(checkpoint, path, token, module_class, groups, resume_point=self.resume_point_now())
+    def save(
+        self, checkpoint: dict[str, Any], path: Path, token: str, module_class: str, groups: Any, record: Any = None
+    ) -> None:
+        point = self.resume_point_now()
+        self.writer.save(checkpoint, path, token, module_class, groups, resume_point=point, network_record=record)
         if not self.continuation.waiting and any(not p.resume_written for p in self.writer.pending):
             self.continuation.when_training_continues(self.writer.resume_point_ready)
 

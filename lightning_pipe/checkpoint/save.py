@@ -67,13 +67,15 @@ def start_save(
     module_class: str,
     param_groups: optim.ParamGroups | None = None,
     write_group: Any = None,
+    network_record: Mapping[str, Any] | None = None,
 ) -> PendingSave:
     """Write Lightning's ``checkpoint`` dict into ``path``'s temporary directory (collective): the trainer state and
     schedulers now, the shards now or, with ``write_group`` (a process group of its own), from a thread after a copy
     to host memory. The save is committed by :func:`commit` once the resume points are in too.
 
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` hold this rank's entries; ``token`` is the same
-    on every rank; ``param_groups`` goes into the manifest with optimizer states, for ``consolidate --with-optimizer``.
+    on every rank; ``param_groups`` goes into the manifest with optimizer states, for ``consolidate --with-optimizer``;
+    ``network_record`` (:func:`lightning_pipe.checkpoint.huggingface.network_record`) too, for ``export-hf``.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -130,6 +132,8 @@ def start_save(
                 fmt.RESUME_FILES: [fmt.resume_file(r) for r in range(topo.world_size)],
             }
         )
+        if network_record is not None:
+            manifest[fmt.NETWORK_RECORD] = dict(network_record)
         local_step(problems, save_file, checkpoint, tmp / fmt.TRAINER_STATE)
     agree(problems, f"Saving checkpoint {str(path)!r} failed; the previous checkpoint of that name is untouched")
     return PendingSave(path, tmp, token, manifest, write)
@@ -146,6 +150,12 @@ def commit(tmp: Path, path: Path, token: str, manifest: Mapping[str, Any]) -> No
         json.dump(manifest, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+    replace_directory(tmp, path, token)
+
+
+def replace_directory(tmp: Path, path: Path, token: str) -> None:
+    """Rename the complete directory ``tmp`` to ``path``; a previous ``path`` is moved aside first and deleted only
+    after the rename."""
     old = None
     if path.exists() or path.is_symlink():
         old = fmt.replaced_path(path, token)
@@ -222,6 +232,7 @@ class CheckpointWriter:
         module_class: str,
         param_groups: optim.ParamGroups | None = None,
         resume_point: Optional[Mapping[str, Any]] = None,
+        network_record: Optional[Mapping[str, Any]] = None,
     ) -> PendingSave:
         """Start saving ``checkpoint`` as ``path`` (collective). With ``resume_point`` (this rank's, now) a
         synchronous save is committed before this returns; without, the save waits for :meth:`resume_point_ready`."""
@@ -229,7 +240,9 @@ class CheckpointWriter:
         self._drop_pending_of(Path(path))
         group = self._write_group() if self._write_group is not None else None
         topo = self._topology()
-        pending = start_save(checkpoint, path, topo, token, module_class, param_groups, write_group=group)
+        pending = start_save(
+            checkpoint, path, topo, token, module_class, param_groups, write_group=group, network_record=network_record
+        )
         self._pending.append(pending)
         if pending.write is not None:
             pending.write.add_done_callback(lambda _: self._commit_if_ready(pending))

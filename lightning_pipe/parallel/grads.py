@@ -251,18 +251,12 @@ class TieGroups:
         self._mesh: Any = None
         self._groups: dict[tuple[str, ...], tuple[Any, int]] = {}
 
-    def copies(
-        self,
-        mesh: Any,
-        layout: Any,
-        ties: Sequence[Any],
-        stage_ranks: Sequence[int],
-        parameters: dict[str, nn.Parameter],
-        prefix: str,
-    ) -> list[TiedCopy]:
-        """``layout`` is the :class:`~lightning_pipe.comm.mesh.MeshLayout` of ``mesh``; ``ties`` the split's
-        :class:`~lightning_pipe.split.tied.Tie` list; ``parameters`` this rank's, by full name
-        (``named_parameters(remove_duplicate=False)``), whose network names start with ``prefix``."""
+    def copies(self, mesh: Any, layout: Any, split: Any, module: nn.Module) -> list[TiedCopy]:
+        """This rank's copies of the :class:`~lightning_pipe.split.builder.Split`'s ties in ``module`` (the
+        LightningModule, wrapped), each given the value of the stage that holds it under its first name. ``layout`` is
+        the :class:`~lightning_pipe.comm.mesh.MeshLayout` of ``mesh``. Collective."""
+        ties, stage_ranks, prefix = split.ties, split.stage_ranks, split.prefix
+        parameters = dict(module.named_parameters(remove_duplicate=False))
         if self._mesh is not mesh:
             self._mesh, self._groups = mesh, _tie_groups(layout, ties, stage_ranks)
         copies, names = [], []
@@ -274,7 +268,9 @@ class TieGroups:
             copies.append(TiedCopy(param, group, source))
             names.append(prefix + tie.canonical)
         if layout.tensor_parallel_size > 1:
-            _check_layouts(copies, names)
+            _check_layouts(copies, names)  # before `agree`: a broadcast between shards of different shapes would hang
+        for copy in copies:
+            copy.agree()  # copies initialised per module (meta construction) start from the first stage's values
         return copies
 
 
