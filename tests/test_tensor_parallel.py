@@ -60,7 +60,18 @@ FOUR = [
     # 2 replicas of 8 samples: one batch an epoch, no validation.
     {**CK, "name": "ck-reshard", "tensor_parallel": 1, "max_steps": 3, "resume": "tp.ckpt", "val": None},
     {**TP2, "name": "hf-llama", "clip": CLIP, "model": "hf"},
-    {**TP2, "name": "hf-llama-tied", "clip": CLIP, "model": "hf", "tied": True, "schedule": "ZBVZeroBubble"},
+    {
+        **TP2,
+        "name": "hf-llama-tied",
+        "clip": CLIP,
+        "model": "hf",
+        "tied": True,
+        "schedule": "ZBVZeroBubble",
+        "save": "hf-tp.ckpt",
+    },
+    # Initial weights from a Hugging Face model directory: into the user's DTensors, and before the model's own plan.
+    {**TP2, "name": "init-dir", "max_steps": 1, "init_weights": "decoder-hf"},
+    {**TP2, "name": "hf-init-dir", "model": "hf", "tied": True, "max_steps": 1, "init_weights": "llama-hf"},
     {**TP2, "name": "hf-qwen3", "clip": CLIP, "model": "hf", "family": "qwen3", "error": True},
     # Errors (each raised alike on every rank, so the launch goes on):
     {**TP2, "name": "err-tie-layouts", "plan": "head-only", "error": True},
@@ -313,8 +324,29 @@ def four(tmp_path_factory):
     configs = [
         {**c, "error": False} if c["name"] == "hf-qwen3" and _transformers_5() else c for c in FOUR
     ]  # transformers 5 plans Qwen3's per-head norms; 4.x leaves them out (an error)
+    for name, network in _pretrained().items():
+        if name == "llama-hf":
+            network.save_pretrained(out / name)
+        else:
+            _save_safetensors(network, out / name)
     run_script("tensor_parallel.py", str(out), json.dumps(configs), nprocs=4, launcher="torchrun", timeout=1500)
     return out
+
+
+def _pretrained() -> dict:
+    """The networks the "init" scenarios start from (seed 1: not what the scenario's own construction draws)."""
+    from tests.hf_models import build
+    from tests.tp_models import TPDecoder
+
+    torch.manual_seed(1)
+    return {"decoder-hf": TPDecoder(n_layers=8, tied=True), "llama-hf": build("llama", True, 4)}
+
+
+def _save_safetensors(network, directory) -> None:
+    from safetensors.torch import save_model
+
+    directory.mkdir()
+    save_model(network, str(directory / "model.safetensors"))  # the tied head stored once
 
 
 @pytest.fixture(scope="module")
@@ -436,6 +468,41 @@ def test_checkpoint_resumes_on_one_device(four, tmp_path):
         for key, value in saved["optim"].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(optim[key].float(), value), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["init-dir", "hf-init-dir"])
+def test_initial_weights_from_a_hugging_face_directory_are_split(four, name):
+    """``init_weights=<directory>`` at pp2 x tp2: the user's DTensor parameters (decoder) and the parameters the model's
+    own plan splits after the load (Llama) start from the directory's tensors, bitwise, on every rank."""
+    ranks = load_ranks(four, name)
+    expected = {
+        f"model.{k}": v
+        for k, v in _pretrained()["decoder-hf" if name == "init-dir" else "llama-hf"].state_dict().items()
+    }
+    start = _merged(ranks, "start")["state"]
+    assert start and set(start) <= set(expected)
+    for key, value in start.items():
+        assert torch.equal(value, expected[key]), key
+    # And the parameters are split: each rank holds a share.
+    for r in ranks:
+        assert any("is tensor-parallel rank" in line for line in r["memory"]), r["memory"]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_exports_to_hugging_face(four, tmp_path):
+    """export-hf of the pp2 x tp2 checkpoint (tied Llama, split by its own plan): ``from_pretrained`` gives the
+    trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pipe.checkpoint import hf_export
+
+    trained = _merged(load_ranks(four, "hf-llama-tied"))["state"]
+    out = hf_export.export(four / "hf-tp.ckpt", tmp_path / "exported")
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()  # still tied
+    for key, value in trained.items():
+        assert torch.equal(loaded[key.removeprefix("model.")].float(), value), key
 
 
 @pytest.mark.slow

@@ -312,8 +312,11 @@ def load_hf(
     type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
     without ``strict`` those are a warning and missing weights keep the model's own initialisation.
     """
-    if dtype is not None:
-        (module.get_submodule(network_prefix[:-1]) if network_prefix else module).to(dtype)
+    network = module.get_submodule(network_prefix[:-1]) if network_prefix else module
+    tensors = [*network.parameters(), *network.buffers()]
+    if dtype is not None and any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+        # Only when needed: `to` swaps DTensor parameters (tensor parallelism), which fails once autograd holds them.
+        network.to(dtype)
     problems: list[str] = []
     plan = local_step(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
     agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")

@@ -246,6 +246,19 @@ def _rss_now() -> int | None:
     return None
 
 
+def _cpu_storage(t: torch.Tensor) -> Any:
+    """The storage of ``t`` on the CPU (a DTensor's: its shard's), or None (on another device, or without storage)."""
+    part = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    if part.device.type != "cpu":
+        return None
+    try:
+        storage = part.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:  # a tensor subclass without storage, or one that is not there yet (a pending collective)
+        return None
+    return storage
+
+
 class _CPUTensorTracker:
     """Live and peak bytes of the CPU tensors created while it is active (see the module docstring)."""
 
@@ -267,12 +280,10 @@ class _CPUTensorTracker:
 
     def track(self, out: Any, inputs: Any) -> None:
         # Views and in-place results share an input's storage: not an allocation (the input may predate us).
-        shared = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+        shared = {s.data_ptr() for s in map(_cpu_storage, tensors_in(inputs)) if s is not None}
         for t in tensors_in(out):
-            if t.device.type != "cpu":
-                continue
-            storage = t.untyped_storage()
-            if id(storage) in self._ids or storage.data_ptr() in shared:
+            storage = _cpu_storage(t)
+            if storage is None or id(storage) in self._ids or storage.data_ptr() in shared:
                 continue
             n = storage.nbytes()
             self._ids.add(id(storage))

@@ -4,10 +4,11 @@ it saw per scenario.
 Usage: tensor_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "tensor_parallel",
 "schedule", "data_parallel", "accumulate", "clip", "activation_checkpointing", "loss_parallel", "max_steps", "val"
 (validation every n steps), "model": "decoder"|"hf", model options ("plan", "tied", "weighted", "optimizer", "qk_norm",
-"build_late", "family"), "save": dir name, "resume": dir name, "error": True (an error is expected: its type and
-message are saved)}.
+"build_late", "family"), "save": dir name, "resume": dir name, "init_weights": dir name (a Hugging Face model
+directory the test wrote), "error": True (an error is expected: its type and message are saved)}.
 
-Per rank: losses, validation losses, whole parameters and optimizer state at the start (after a resume) and at the end
+Per rank: losses, validation losses, whole parameters and optimizer state at the start (after a resume or an initial
+load) and at the end
 (DTensor shards gathered), the memory report, the mesh coordinates.
 """
 
@@ -79,9 +80,10 @@ def run(out: Path, cfg: dict) -> None:
         data_parallel=cfg.get("data_parallel", "ddp"),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
         loss_parallel=cfg.get("loss_parallel", False),
+        init_weights=out / cfg["init_weights"] if cfg.get("init_weights") else None,
         timeout=timedelta(seconds=120),
     )
-    record = Record(resumed=bool(cfg.get("resume")))
+    record = Record(resumed=bool(cfg.get("resume") or cfg.get("init_weights")))
     val = cfg.get("val")
     trainer = quiet_trainer(
         strategy=strategy,
