@@ -72,6 +72,8 @@ FOUR = [
     # Initial weights from a Hugging Face model directory: into the user's DTensors, and before the model's own plan.
     {**TP2, "name": "init-dir", "max_steps": 1, "init_weights": "decoder-hf"},
     {**TP2, "name": "hf-init-dir", "model": "hf", "tied": True, "max_steps": 1, "init_weights": "llama-hf"},
+    # ... and the network built from the directory's config in `configure_model` (docs/pretrained.md), several files.
+    {**TP2, "name": "pretrained-dir", "model": "pretrained", "max_steps": 1, "init_weights": "llama-hf"},
     {**TP2, "name": "hf-qwen3", "clip": CLIP, "model": "hf", "family": "qwen3", "error": True},
     # Errors (each raised alike on every rank, so the launch goes on):
     {**TP2, "name": "err-tie-layouts", "plan": "head-only", "error": True},
@@ -326,7 +328,7 @@ def four(tmp_path_factory):
     ]  # transformers 5 plans Qwen3's per-head norms; 4.x leaves them out (an error)
     for name, network in _pretrained().items():
         if name == "llama-hf":
-            network.save_pretrained(out / name)
+            network.save_pretrained(out / name, max_shard_size="40KB")  # several files
         else:
             _save_safetensors(network, out / name)
     run_script("tensor_parallel.py", str(out), json.dumps(configs), nprocs=4, launcher="torchrun", timeout=1500)
@@ -339,7 +341,9 @@ def _pretrained() -> dict:
     from tests.tp_models import TPDecoder
 
     torch.manual_seed(1)
-    return {"decoder-hf": TPDecoder(n_layers=8, tied=True), "llama-hf": build("llama", True, 4)}
+    decoder = TPDecoder(n_layers=8, tied=True)
+    torch.manual_seed(1)
+    return {"decoder-hf": decoder, "llama-hf": build("llama", True, 4)}
 
 
 def _save_safetensors(network, directory) -> None:
@@ -471,10 +475,11 @@ def test_checkpoint_resumes_on_one_device(four, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["init-dir", "hf-init-dir"])
+@pytest.mark.parametrize("name", ["init-dir", "hf-init-dir", "pretrained-dir"])
 def test_initial_weights_from_a_hugging_face_directory_are_split(four, name):
     """``init_weights=<directory>`` at pp2 x tp2: the user's DTensor parameters (decoder) and the parameters the model's
-    own plan splits after the load (Llama) start from the directory's tensors, bitwise, on every rank."""
+    own plan splits after the load (Llama, built in ``__init__`` or from the directory's config in ``configure_model``)
+    start from the directory's tensors, bitwise, on every rank."""
     ranks = load_ranks(four, name)
     expected = {
         f"model.{k}": v

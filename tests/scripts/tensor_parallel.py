@@ -3,9 +3,9 @@ it saw per scenario.
 
 Usage: tensor_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "tensor_parallel",
 "schedule", "data_parallel", "accumulate", "clip", "activation_checkpointing", "loss_parallel", "max_steps", "val"
-(validation every n steps), "model": "decoder"|"hf", model options ("plan", "tied", "weighted", "optimizer", "qk_norm",
-"build_late", "family"), "save": dir name, "resume": dir name, "init_weights": dir name (a Hugging Face model
-directory the test wrote), "error": True (an error is expected: its type and message are saved)}.
+(validation every n steps), "model": "decoder"|"hf"|"pretrained", model options ("plan", "tied", "weighted",
+"optimizer", "qk_norm", "build_late", "family"), "save": dir name, "resume": dir name, "init_weights": dir name (a
+Hugging Face model directory the test wrote), "error": True (an error is expected: its type and message are saved)}.
 
 Per rank: losses, validation losses, whole parameters and optimizer state at the start (after a resume or an initial
 load) and at the end
@@ -26,6 +26,7 @@ import torch
 import lightning_pipe
 from lightning_pipe.checkpoint import io as ckpt_io
 from tests.hf_models import LitHF
+from tests.hf_pretrained import LitPretrained
 from tests.models import quiet_trainer
 from tests.tp_models import LitTPDecoder
 
@@ -64,7 +65,9 @@ class Record(L.Callback):
         self.memory = trainer.strategy.memory_report.lines()
 
 
-def build(cfg: dict) -> L.LightningModule:
+def build(cfg: dict, out: Path) -> L.LightningModule:
+    if cfg.get("model") == "pretrained":  # built from the directory's config in `configure_model`
+        return LitPretrained(str(out / cfg["init_weights"]))
     if cfg.get("model") == "hf":
         return LitHF(family=cfg.get("family", "llama"), tie=cfg.get("tied", False), layers=4)
     return LitTPDecoder(**{k: cfg[k] for k in MODEL_OPTIONS if k in cfg})
@@ -72,7 +75,7 @@ def build(cfg: dict) -> L.LightningModule:
 
 def run(out: Path, cfg: dict) -> None:
     L.seed_everything(0)
-    model = build(cfg)
+    model = build(cfg, out)
     strategy = lightning_pipe.PipelineParallelStrategy(
         schedule=cfg.get("schedule", "1F1B"),
         pipeline_size=cfg.get("pipeline_size", "auto"),
