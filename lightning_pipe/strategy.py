@@ -35,8 +35,8 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.measure import memory
 from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
+from lightning_pipe.measure.memory import tensor_parallel_share as tp_share
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
 from lightning_pipe.parallel.tensor_parallel import TensorParallel
@@ -199,11 +199,6 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     @property
     def stages_per_rank(self) -> int:
         return int(self._settings.stages_per_rank)
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """Processes sharing every stage (``tensor_parallel``)."""
-        return self._settings.tensor_parallel_size
 
     @property
     def gradient_sync(self) -> GradientSync:
@@ -461,9 +456,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
-            tensor_parallel=memory.tensor_parallel_share(
-                self.model, self.tensor_parallel_rank, self.tensor_parallel_size
-            ),
+            tensor_parallel=tp_share(self.model, self.tensor_parallel_rank, self.tensor_parallel_size),
             load_peak=self._load_peak,
         )
 

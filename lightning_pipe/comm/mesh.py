@@ -158,6 +158,8 @@ class MeshAxes:
     ``_mesh`` when the processes start): the mesh, this process's rank along each axis and the group of each."""
 
     _mesh: DeviceMesh | None = None
+    #: the strategy's :class:`~lightning_pipe.settings.PipelineSettings`
+    _settings: Any
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -190,3 +192,8 @@ class MeshAxes:
     @property
     def tensor_parallel_group(self) -> Any:
         return axis_group(self.device_mesh, TP)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Processes sharing every stage (``tensor_parallel``): the size of axis ``"tp"``, known before the mesh."""
+        return int(self._settings.tensor_parallel_size)
