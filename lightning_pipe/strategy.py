@@ -165,6 +165,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.num_nodes = 1
         # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
         watchdog.start_if_launched()
+        collectives.destroy_at_exit()  # registered before the launch's: rank 0 joins its ranks, then destroys
 
     # ------------------------------------------------------------------ settings and topology
     @property
