@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 # An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
 # is reported as a parse error naming the key instead of failing later inside the strategy.
@@ -42,6 +42,11 @@ SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
 #: Schedules that place two stages per rank in a V: stage s and stage 2*P-1-s share a rank, so the last stage is on
 #: pipeline rank 0.
 V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
+#: Schedules that split each backward into an input-gradient and a weight-gradient action (zero bubble). torch 2.13
+#: refuses compiled stages under them (docs/compile.md says why).
+SPLIT_BACKWARD: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
+#: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
+COMPILE_OPTIONS: tuple[str, ...] = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 BALANCE_MODES = ("auto", "params", "blocks")
 FRONTENDS = ("auto", "modules", "trace")
 DataParallelMode = Literal["ddp", "fsdp"]
@@ -187,6 +192,38 @@ def resolve_every(activation_checkpointing: Union[bool, int]) -> int:
     return activation_checkpointing
 
 
+def resolve_compile(compile: Union[bool, dict[str, Any], None]) -> Optional[dict[str, Any]]:
+    """``torch.compile`` keyword arguments for ``compile``: ``None`` (off) for ``False``, ``{}`` for ``True``."""
+    if compile is None:
+        return None
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if not isinstance(compile, dict) or not all(isinstance(k, str) for k in compile):
+        raise PipelineConfigError(
+            f"`compile={compile!r}` must be True, False or a dict of torch.compile options (e.g."
+            " {'mode': 'max-autotune'})."
+        )
+    unknown = sorted(set(compile) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise PipelineConfigError(
+            f"`compile` has options torch.compile does not take per block: {unknown}. Use only"
+            f" {', '.join(COMPILE_OPTIONS)}."
+        )
+    return dict(compile)
+
+
+def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: str) -> None:
+    """Refuse compiled blocks under the schedules that split the backward (:data:`SPLIT_BACKWARD`)."""
+    if compile is not None and schedule in SPLIT_BACKWARD:
+        raise PipelineConfigError(
+            f"`compile` cannot be used with `schedule={schedule!r}`: {', '.join(sorted(SPLIT_BACKWARD))} split each"
+            " backward into an input-gradient and a weight-gradient pass over the same autograd graph, and a"
+            " compiled block's backward is a single node that computes both at once (torch 2.13 refuses compiled"
+            " stages under these schedules). Use `schedule` 'GPipe', '1F1B', 'Interleaved1F1B' or 'LoopedBFS' with"
+            " `compile`, or turn `compile` off."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- the settings
 @dataclass(frozen=True)
 class PipelineSettings:
@@ -215,6 +252,8 @@ class PipelineSettings:
     inner_axis: str = DP
     #: checkpoint every k-th block of the block stack (0: none)
     activation_checkpointing: int = 0
+    #: ``torch.compile`` options of every block (``None``: not compiled)
+    compile: Optional[dict[str, Any]] = None
     #: the processes of the run; ``None`` until :meth:`resolve`
     world_size: Optional[int] = None
 
@@ -230,6 +269,8 @@ class PipelineSettings:
             raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'trace'.")
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
+        compile_options = resolve_compile(self.compile)
+        check_compile_schedule(compile_options, canonical_schedule(self.schedule))
         normal = {
             "schedule": canonical_schedule(self.schedule),
             "frontend": "modules" if self.frontend == "auto" else self.frontend,
@@ -237,6 +278,7 @@ class PipelineSettings:
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),
+            "compile": compile_options,
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)

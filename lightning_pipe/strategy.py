@@ -107,6 +107,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
+        compile: ``torch.compile`` each block of this rank's stages (names unchanged): ``True``, or a dict of
+            ``torch.compile`` options (``mode``, ``backend``, ``fullgraph``, ``dynamic``, ``options``). Not with
+            ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV`` (docs/compile.md). Default ``False``.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -133,6 +136,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
+        compile: Union[bool, dict[str, Any]] = False,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
@@ -214,6 +218,19 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def checkpointed_blocks(self) -> list[str]:
         """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
         return list(self._wrapped.checkpointed)
+
+    @property
+    def compiled_blocks(self) -> list[str]:
+        """Names (in the network) of this rank's blocks compiled with ``torch.compile`` (``""``: a whole stage)."""
+        return list(self._wrapped.compiled)
+
+    def apply_tuned(self, **settings: Any) -> None:
+        """Replace settings before the Trainer's first entry (what :func:`lightning_pipe.tune.tune` chose)."""
+        if self._settings.resolved:
+            raise PipelineUsageError(
+                "The strategy's settings are fixed once its Trainer has started; tune before `trainer.fit`."
+            )
+        self._settings = dataclasses.replace(self._settings, **settings)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -367,6 +384,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             stages,
             split.block_names,
             checkpoint_every=self._settings.activation_checkpointing,
+            compile_options=self._settings.compile,
+            device=self.root_device,
             dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
             sharded_over=split.sharded_over,
         )
