@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
@@ -381,3 +382,38 @@ def test_profile_names_a_step_that_needs_a_trainer():
     model.example_input_array = torch.randn(8, 4)
     args, _ = network_call(model, model.net, (torch.randn(2, 4), torch.randn(2, 4)))
     assert args[0].shape == (2, 4)
+
+
+# ---------------------------------------------------------------------------------------------------- 2 processes
+@pytest.mark.slow
+def test_tune_at_two_processes(tmp_path):
+    import yaml
+
+    from tests.launch import run_script
+
+    proc = run_script("tune.py", str(tmp_path), nprocs=2, launcher="lightning", timeout=900)
+    ranks = [torch.load(tmp_path / f"tune.rank{r}.pt", weights_only=False) for r in range(2)]
+    first, second = ranks
+    # Every rank took the same decisions from the same (agreed) measurements.
+    for key in ("choice", "settings", "rows", "cost", "again", "limited"):
+        assert first[key] == second[key], key
+    choice = first["choice"]
+    statuses = [status for _, status, _ in first["rows"]]
+    assert statuses.count(prune.CHOSEN) == 1
+    assert 2 <= sum(measured for _, _, measured in first["rows"]) <= 3  # max_trials
+    assert first["cost"]["trials"] <= 3 and first["cost"]["steps"] == first["cost"]["trials"] * 3
+    assert first["cost"]["wall_s"] > first["cost"]["launch_s"] > 0 and first["cost"]["in_steps"] > 0
+    # The table on rank 0's output, once.
+    assert proc.stdout.count("Pipeline tuning:") + proc.stderr.count("Pipeline tuning:") == 2  # tuned, then reused
+    assert choice.label in first["table"]
+    # Applied, and the fit ran with it; the user's model and random state untouched by the trials.
+    assert first["ran"] == (choice.schedule, choice.microbatches)
+    assert first["rng_kept"] and first["untouched"]
+    # The record and the LightningCLI config on disk; a second tune reuses them without a trial.
+    json_file, yaml_file = map(Path, first["files"])
+    assert json.loads(json_file.read_text())["choice"]["schedule"] == choice.schedule
+    init_args = yaml.safe_load(yaml_file.read_text())["trainer"]["strategy"]["init_args"]
+    assert init_args == choice.settings()
+    assert first["again"] == (True, choice, first["settings"])
+    # A memory limit nothing fits: a clear error on every rank.
+    assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]
