@@ -218,3 +218,75 @@ def simulate(orders: Sequence[Sequence[Action]], times: StageTimes, stage_rank: 
         in_flight[stage] = int(_peak([(a, 1.0) for a, _ in spans] + [(b, -1.0) for _, b in spans]))
     span = max((t[5] for t in timeline), default=0.0)
     return Simulation(span, tuple(busy), tuple(in_flight), tuple(timeline))
+
+
+# ---------------------------------------------------------------------------------------------------- the bubble
+@dataclass(frozen=True)
+class BubbleGap:
+    """A measured bubble taken apart, each part a simulation of the recorded step with one more cause in it."""
+
+    #: ``(K - 1) / (v * M + K - 1)``
+    theory: float
+    #: the schedule's own bubble with every stage taking the stages' mean time per action, no loss, no transfer
+    #: time (the formula for GPipe/1F1B/interleaved; below it for the zero-bubble schedules)
+    schedule: float
+    #: what the last stage's loss (the user's step on each output) adds
+    loss: float
+    #: what unequal stages add (each stage its own measured times)
+    imbalance: float
+    #: the rest of the measured bubble: transfers between ranks, waiting on them, the strategy's and torch's work
+    #: between actions (and, on a shared machine, other processes)
+    other: float
+    measured: float
+
+    def describe(self) -> str:
+        return (
+            f"measured bubble {self.measured:.1%} = schedule {self.schedule:.1%} (theory {self.theory:.1%})"
+            f" + last stage's loss {self.loss:+.1%} + stage imbalance {self.imbalance:+.1%}"
+            f" + communication and other {self.other:+.1%}"
+        )
+
+
+def explain_bubble(
+    durations: Mapping[tuple[int, str], float],
+    measured: float,
+    schedule: str,
+    pipeline_size: int,
+    microbatches: int,
+    stages_per_rank: int,
+    stage_rank: Sequence[int],
+) -> BubbleGap:
+    """Take ``measured`` (a step's bubble) apart, from ``durations``: the recorded median seconds of each ``(stage,
+    kind)`` action (kinds ``F``, ``B``, ``W``, ``L`` as the timeline records them; ``B`` is the input-gradient half
+    when ``W`` actions exist)."""
+    from lightning_pipe.measure.timeline import theoretical_bubble
+
+    stages = pipeline_size * stages_per_rank
+    split = any(kind == "W" for _, kind in durations)
+
+    def per_stage(kind: str) -> list[float]:
+        return [durations.get((s, kind), 0.0) for s in range(stages)]
+
+    forward, backward, weight = per_stage("F"), per_stage("B"), per_stage("W")
+    full = [b + w for b, w in zip(backward, weight)] if split else backward
+    loss = durations.get((stages - 1, "L"), 0.0)
+    orders = schedule_orders(schedule, pipeline_size, microbatches, stages_per_rank)
+
+    def bubble(f: Sequence[float], i: Sequence[float], w: Sequence[float], b: Sequence[float], lost: float) -> float:
+        times = StageTimes(tuple(f), tuple(b), tuple(i), tuple(w), loss=lost)
+        return simulate(orders, times, stage_rank).bubble
+
+    def mean(values: list[float]) -> list[float]:
+        return [sum(values) / len(values)] * len(values)
+
+    equal = bubble(mean(forward), mean(backward), mean(weight), mean(full), 0.0)
+    with_loss = bubble(mean(forward), mean(backward), mean(weight), mean(full), loss)
+    unequal = bubble(forward, backward, weight, full, loss)
+    return BubbleGap(
+        theory=theoretical_bubble(pipeline_size, microbatches, stages_per_rank),
+        schedule=equal,
+        loss=with_loss - equal,
+        imbalance=unequal - with_loss,
+        other=measured - unequal,
+        measured=measured,
+    )

@@ -27,7 +27,7 @@ import torch
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.measure.memory import ProcessPeak, state_bytes
-from lightning_pipe.measure.timeline import COMPUTE, TimelineRecorder
+from lightning_pipe.measure.timeline import COMPUTE, Event, TimelineRecorder, action_durations
 from lightning_pipe.microbatch import batch_size
 from lightning_pipe.structures import map_tensors
 
@@ -40,8 +40,8 @@ class Measurement:
     cpu: list[int] = field(default_factory=list)
     peak: int | None = None
     pipeline_rank: int = 0
-    #: ``(stage, kind, microbatch, seconds)`` of every recorded action (first trial)
-    actions: list[tuple[int, str, int, float]] = field(default_factory=list)
+    #: every recorded action after the first step (first trial)
+    actions: list[Event] = field(default_factory=list)
     #: gradient and optimizer-state bytes per parameter byte (first trial)
     state_factor: float | None = None
     #: ``(bytes, seconds)`` of messages to the next pipeline rank and back, halved (first trial, pipeline rank 0)
@@ -85,11 +85,8 @@ class Probe(pl.Callback):
         self.mine.peak = self._peak.read()
         if self._recorder is not None:
             strategy.runtime.attach_timeline(None)
-            self.mine.actions = [
-                (e.stage, e.kind, e.microbatch, (e.end - e.start) / 1e9)
-                for e in self._recorder.take()
-                if e.kind in COMPUTE and e.step >= 1  # the first step also runs torch's shape inference
-            ]
+            # The first step also runs torch's shape inference.
+            self.mine.actions = [e for e in self._recorder.take() if e.kind in COMPUTE and e.step >= 1]
             state = state_bytes(pl_module, trainer.optimizers)
             # Gradients as one more copy of the parameters: they may be freed between steps when this is read.
             self.mine.state_factor = 1.0 + state.optimizer_state / max(state.parameters, 1)
@@ -191,16 +188,11 @@ class TrialResult:
 
     def action_medians(self) -> dict[tuple[int, str], float]:
         """Median seconds of each recorded ``(stage, kind)`` action, over every rank."""
-        found: dict[tuple[int, str], list[float]] = {}
-        for m in self.everyone:
-            for stage, kind, _, seconds in m.actions:
-                found.setdefault((stage, kind), []).append(seconds)
-        return {key: statistics.median(values) for key, values in found.items()}
+        return action_durations(e for m in self.everyone for e in m.actions)
 
     def microbatches(self) -> int:
         """Microbatches the strategy ran per step (from the recorded forwards of stage 0)."""
-        seen = {mb for m in self.everyone for stage, kind, mb, _ in m.actions if stage == 0 and kind == "F"}
-        return len(seen)
+        return len({e.microbatch for m in self.everyone for e in m.actions if e.stage == 0 and e.kind == "F"})
 
     def transfer(self) -> tuple[float, float]:
         """``(latency, seconds per byte)`` of a message between pipeline neighbours (least squares)."""
