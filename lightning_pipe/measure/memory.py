@@ -139,7 +139,12 @@ class SavedTensorBytes:
             # Holding the storage keeps its address from being reused by another tensor while we count.
             storage = t.untyped_storage()
             self._seen[key] = (storage.nbytes(), storage)
-        return t
+        # Not `t` itself: an op that saves its own output (ReLU, sigmoid, softmax) would then hold that output's
+        # Python object in its grad_fn, which the output references: a cycle through C++ that Python's collector
+        # cannot see, keeping the whole graph (activations, the batch, parameters) alive for good. A detached alias
+        # holds the same storage and no grad_fn. (Saved tensors are values in backward; double backward through a
+        # measured forward would lose them: the strategy never runs one.)
+        return t.detach()
 
     def __enter__(self) -> SavedTensorBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
