@@ -211,7 +211,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         BEGIN,
         "",
-        "## The tuner against an exhaustive sweep",
+        "### Results",
         "",
         f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']},"
         f" {results['elapsed_s']:.0f} s;"
