@@ -55,6 +55,7 @@ from lightning_pipe.settings import (
 )
 from lightning_pipe.split import tied
 from lightning_pipe.split.builder import Split, is_split, split_module
+from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
@@ -154,6 +155,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
         self._rng = RngStreams()
+        self._init_recording: Optional[InitRecording] = None
         #: what this Trainer entry installed on the user's objects, undone at teardown
         self._run = ExitStack()
         self.num_nodes = 1
@@ -300,9 +302,11 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages."""
-        with torch.device("meta"):
+        """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages, and
+        replays on them what ``configure_model`` did to their tensors (recorded here)."""
+        with torch.device("meta"), record_init() as recording:
             yield
+        self._init_recording = recording.finish(self.lightning_module)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -324,7 +328,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             device=self.root_device,
             agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
             announce=rank_zero_info,
+            recording=self._init_recording,
         )
+        self._init_recording = None  # replayed: its meta tensors can go
         self._engine = StepEngine(module, split, self._settings, self.pipeline_group, self.root_device, self._rng)
         self._run.callback(self._close_engine)
         self._run.callback(bind_metrics(module, self.data_parallel_group))

@@ -55,8 +55,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2(nn.Module):
-    """Token and position embeddings, ``h`` (the blocks), final norm, untied head."""
+class GPT2Body(nn.Module):
+    """Token and position embeddings, ``h`` (the blocks), final norm, untied head; PyTorch's default init (see
+    :func:`gpt2_init` and :class:`GPT2` for GPT-2's)."""
 
     def __init__(
         self, vocab: int = 64, block_size: int = 16, n_layer: int = 4, n_head: int = 2, n_embd: int = 32
@@ -68,16 +69,6 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.n_layer) if getattr(module, "SCALE_INIT", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.wte is not None:
@@ -92,3 +83,26 @@ class GPT2(nn.Module):
         if self.lm_head is not None:
             x = self.lm_head(x)  # (B, T, vocab)
         return x
+
+
+def gpt2_init(module: nn.Module, n_layer: int = 4) -> None:
+    """GPT-2's init as a free function (``net.apply(functools.partial(gpt2_init, n_layer=...))``): N(0, 0.02),
+    residual projections N(0, 0.02 / sqrt(2 n_layer)), zero biases."""
+    if isinstance(module, nn.Linear):
+        std = 0.02 / math.sqrt(2 * n_layer) if getattr(module, "SCALE_INIT", False) else 0.02
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+class GPT2(GPT2Body):
+    """:class:`GPT2Body` with GPT-2's init as nanoGPT writes it: ``self.apply(self._init_weights)`` in ``__init__``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        gpt2_init(module, self.n_layer)

@@ -1,14 +1,19 @@
 """Models built in ``configure_model`` (meta device) for the init and memory tests: the GPT-2-style network with its
-own ``_init_weights`` (tests/gpt2.py), and a Hugging Face Llama built from a config."""
+own ``_init_weights`` (tests/gpt2.py), the same network initialised by a free function (``apply(gpt2_init)``) or by a
+loop over ``named_parameters()``, and a Hugging Face Llama built from a config."""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.gpt2 import GPT2
+from tests.gpt2 import GPT2, GPT2Body, gpt2_init
 
 VOCAB, SEQ = 256, 16
 
@@ -23,6 +28,12 @@ class LitMetaGPT2(L.LightningModule):
             return
         if self.family == "gpt2":
             self.model = GPT2(vocab=VOCAB, block_size=SEQ, n_layer=8, n_head=2, n_embd=64)
+        elif self.family == "free":
+            self.model = GPT2Body(vocab=VOCAB, block_size=SEQ, n_layer=8, n_head=2, n_embd=64)
+            self.model.apply(functools.partial(gpt2_init, n_layer=8))
+        elif self.family == "loop":
+            self.model = GPT2Body(vocab=VOCAB, block_size=SEQ, n_layer=8, n_head=2, n_embd=64)
+            init_by_loop(self.model, n_layer=8)
         else:
             import transformers
 
@@ -39,7 +50,7 @@ class LitMetaGPT2(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        out = self.model(x) if self.family == "gpt2" else self.model(input_ids=x).logits
+        out = self.model(input_ids=x).logits if self.family == "llama" else self.model(x)
         return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
 
     def configure_optimizers(self):
@@ -50,6 +61,20 @@ class LitMetaGPT2(L.LightningModule):
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=g)
         return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+
+
+def init_by_loop(network: nn.Module, n_layer: int) -> None:
+    """GPT-2's distribution written as a loop: ``nn.init`` calls, ``p.data.normal_()`` and fills under no_grad."""
+    for name, p in network.named_parameters():
+        if name.endswith("c_proj.weight"):
+            p.data.normal_(0.0, 0.02 / math.sqrt(2 * n_layer))
+        elif p.dim() >= 2:
+            nn.init.normal_(p, mean=0.0, std=0.02)
+        elif name.endswith("bias"):
+            with torch.no_grad():
+                p.fill_(0.0)
+        else:
+            nn.init.ones_(p)
 
 
 def run_meta(family: str, devices: int, **strategy_kwargs) -> dict:

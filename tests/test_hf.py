@@ -7,14 +7,14 @@ import copy
 
 import pytest
 import torch
-from packaging.version import Version
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError  # noqa: E402
 from lightning_pipe.split import hf  # noqa: E402
-from lightning_pipe.split.hf import PassThrough, hf_layout, hf_placeholder, hf_stage_call, is_hf_model  # noqa: E402
+from lightning_pipe.split.hf import AbsentInput, AbsentOutput, PassThrough, hf_layout, hf_placeholder, is_hf_model  # noqa: E402
+from lightning_pipe.split.hf_stage import hf_stage_call  # noqa: E402
 from lightning_pipe.split.partition import balance_blocks, stage_units  # noqa: E402
 from lightning_pipe.split.surgery import prune, stage_view  # noqa: E402
 from lightning_pipe.split.tied import tied_groups  # noqa: E402
@@ -211,16 +211,16 @@ def test_layout_from_the_pipeline_plan():
     assert is_hf_model(network) and not is_hf_model(nn.Linear(2, 2))
 
 
-def test_placeholders_pass_blocks_and_norm_through_and_drop_embedding_and_head():
+def test_placeholders_pass_blocks_through_stand_in_for_the_embedding_and_drop_norm_and_head():
     placeholder = hf_placeholder(_llama())
     assert isinstance(placeholder("model.layers.2"), PassThrough)
-    assert isinstance(placeholder("model.norm"), PassThrough)
-    assert placeholder("model.embed_tokens") is None
-    assert placeholder("lm_head") is None
+    assert isinstance(placeholder("model.embed_tokens"), AbsentInput)
+    assert isinstance(placeholder("model.norm"), AbsentOutput)
+    assert isinstance(placeholder("lm_head"), AbsentOutput)
     x = torch.randn(2, 3)
     assert placeholder("model.layers.0")(x, attention_mask=None) is x
-    assert placeholder("model.norm")(hidden_states=x) is x
     assert not list(placeholder("model.layers.3").parameters())
+    assert not list(placeholder("model.embed_tokens").parameters())
     # transformers 4.x Qwen2 reads `decoder_layer.attention_type` from every block, placeholders included.
     qwen2 = _qwen2()
     stand_in = hf_placeholder(qwen2)("model.layers.3")
@@ -236,7 +236,8 @@ def test_stage_holds_only_its_parameters_under_full_names():
         "model.layers.0.mlp.up_proj.weight",
     }
     assert {n.split(".")[2] for n, _ in middle.named_parameters()} == {"2"}
-    assert last.model.embed_tokens is None and last.lm_head.weight.shape == (VOCAB, 32)
+    assert isinstance(last.model.embed_tokens, AbsentInput) and last.lm_head.weight.shape == (VOCAB, 32)
+    assert isinstance(first.lm_head, AbsentOutput)
     assert "lm_head.weight" in dict(last.named_parameters())
 
 
@@ -290,46 +291,137 @@ def test_refuses_calls_a_stage_cannot_answer(extra, match):
         hf_stage_call(stages[0], (), {**_batch("right"), **extra}, None, True, False)
 
 
-def test_refuses_forward_that_changes_inputs_embeds_before_the_blocks():
-    # Gemma before transformers 5.x scaled `inputs_embeds` in the base forward: every later stage would scale again.
-    torch.manual_seed(0)
-    stages = _stages(_llama(), 2)
-    base = stages[1].model
-    original = type(base).forward
-
-    def scaling_forward(*args, inputs_embeds=None, **kwargs):
-        return original(base, *args, inputs_embeds=inputs_embeds * 2.0, **kwargs)
-
-    base.forward = scaling_forward
-    kwargs = _batch("right")
-    hidden = hf_stage_call(stages[0], (), kwargs, None, True, False)
-    with pytest.raises(PipelineModelError, match=r"does not pass `inputs_embeds` unchanged to its first block"):
-        hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
-
-
-def test_gemma_is_exact_or_refused():
-    # Gemma scales `inputs_embeds` in its base forward before transformers 5.4 and in its embedding from 5.4 on: the
-    # split must then match exactly, and before that refuse rather than scale again on every stage.
-    torch.manual_seed(0)
-    full = transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL, head_dim=8))
-    kwargs = _batch("left")
-    expected = full(**kwargs)
+def _two_stage_run(full: nn.Module, padding: str = "left"):
+    kwargs = _batch(padding)
     stages = _stages(full, 2)
     hidden = hf_stage_call(stages[0], (), kwargs, None, True, False)
-    scaled_in_forward = Version(transformers.__version__) < Version("5.4")
-    if scaled_in_forward:
-        with pytest.raises(PipelineModelError, match=r"GemmaForCausalLM does not pass `inputs_embeds` unchanged"):
-            hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
-    else:
+    return stages, kwargs, hidden
+
+
+def test_a_forward_that_scales_inputs_embeds_is_exact():
+    # The embedding stand-in's zeros take the scale on later stages; the first block gets the received states.
+    torch.manual_seed(0)
+    full = _llama()
+    kwargs = _batch("right")
+    original = type(full.model).forward
+
+    def scaling_forward(self, *args, inputs_embeds=None, input_ids=None, **kw):
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return original(self, *args, inputs_embeds=embeds * 2.0, **kw)
+
+    type(full.model).forward = scaling_forward
+    try:
+        expected = full(**kwargs)
+        stages, kwargs, hidden = _two_stage_run(full, "right")
         out = hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
+    finally:
+        type(full.model).forward = original
+    torch.testing.assert_close(out.logits, expected.logits)
+
+
+@pytest.mark.parametrize("family", ["gemma", "granite"])
+def test_families_that_scale_the_embeddings_are_exact(family):
+    # Gemma multiplies by sqrt(hidden_size) (in the forward before transformers 5.4, in the embedding after), Granite
+    # by `embedding_multiplier` (in the forward): both were refused before stages entered at their first block.
+    torch.manual_seed(0)
+    config_class = {"gemma": transformers.GemmaConfig, "granite": transformers.GraniteConfig}[family]
+    model_class = {"gemma": transformers.GemmaForCausalLM, "granite": transformers.GraniteForCausalLM}[family]
+    extra = {"gemma": dict(head_dim=8), "granite": dict(embedding_multiplier=3.0)}[family]
+    full = model_class(config_class(**SMALL, **extra))
+    expected = full(**_batch("left"))
+    for num_stages in (2, 4):
+        out, _ = _run_pipeline(_stages(full, num_stages), (), _batch("left"))
         torch.testing.assert_close(out.logits, expected.logits)
 
 
-def test_refuses_forward_that_changes_hidden_states_after_the_last_block():
+def test_a_stage_sends_what_the_next_block_receives():
+    # Stage 0 leaves at block 2's input: the final norm (on every stage when it has no parameters, as OLMo's) never
+    # runs before the last stage.
     stages = _stages(_llama(), 2)
-    stages[0].model.norm = nn.Dropout(p=0.5)  # not a pass-through: training-mode dropout makes a new tensor
-    with pytest.raises(PipelineModelError, match=r"LlamaModel does not return its last block's output \(Tensor\)"):
-        hf_stage_call(stages[0], (), _batch("right"), None, True, False)
+    seen = []
+    stages[0].model.layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
+    stages[0].model.norm = nn.Dropout(p=0.5)  # would change the activation if it ran
+    hidden = hf_stage_call(stages[0], (), _batch("right"), None, True, False)
+    assert hidden is seen[-1]
+
+
+def test_stand_ins_hand_the_first_block_the_received_states():
+    stages, kwargs, hidden = _two_stage_run(_llama())
+    received = hidden.detach().requires_grad_(True)
+    seen = []
+    stages[1].model.layers[2].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    hf_stage_call(stages[1], (), kwargs, (received,), False, True)
+    assert seen[0] is received
+    assert stages[1].__dict__["_lightning_pipe_block_output"] == "tensor"
+
+
+def test_refuses_a_forward_that_changes_the_hidden_states_between_blocks():
+    stages, kwargs, hidden = _two_stage_run(_llama())
+
+    def scale(module, args, kw):
+        changed = args[0] * 2.0 if isinstance(args[0], torch.Tensor) else args[0]
+        return (changed, *args[1:]), kw
+
+    stages[1].model.layers[2].register_forward_pre_hook(scale, with_kwargs=True)
+    with pytest.raises(
+        PipelineModelError,
+        match=r"forward of LlamaForCausalLM does not hand its block 2 the previous block's output",
+    ):
+        hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
+
+
+def test_refuses_a_forward_that_gives_the_blocks_values_of_the_embeddings():
+    # E.g. position embeddings computed from the embedding's values: a later stage would compute them from zeros.
+    stages, kwargs, hidden = _two_stage_run(_llama())
+    rotary = stages[1].model.rotary_emb
+    original = rotary.forward
+
+    def from_values(x, position_ids):
+        cos, sin = original(x, position_ids)
+        return cos + x.sum() * 0, sin
+
+    rotary.forward = from_values
+    with pytest.raises(
+        PipelineModelError, match=r"gives its blocks a value computed from the embeddings \(\w+ inside a block\)"
+    ):
+        hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
+
+
+def test_refuses_a_forward_that_stops_before_the_next_stage():
+    stages, kwargs, _ = _two_stage_run(_llama())
+    stages[0].config.num_hidden_layers = 2  # the forward runs `self.layers[: num_hidden_layers]`
+    with pytest.raises(PipelineModelError, match=r"reached `model.norm`, which belongs to the last pipeline stage"):
+        hf_stage_call(stages[0], (), kwargs, None, True, False)
+
+
+def test_embedding_stand_in_outside_a_stage_call():
+    stand_in = hf_placeholder(_llama())("model.embed_tokens")
+    with pytest.raises(PipelineModelError, match=r"`model.embed_tokens` belongs to another pipeline stage"):
+        stand_in(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_refuses_unsupported_family_by_name():
+    network = _llama()
+    network.config.model_type = "hrm_text"
+    with pytest.raises(
+        PipelineModelError,
+        match=r"LlamaForCausalLM \(model_type 'hrm_text'\) cannot be pipelined: it runs its two block stacks several",
+    ):
+        hf_layout(network)
+
+
+def test_refuses_a_plan_naming_modules_the_model_lacks():
+    network = _llama()
+    network.config.base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]), "blocks": ([], [])}
+    with pytest.raises(PipelineModelError, match=r"names \['embed_tokens', 'blocks'\], which the model does not"):
+        hf_layout(network)
+
+
+def test_base_model_found_when_the_prefix_names_another_attribute():
+    # transformers 4.54's Gemma3ForCausalLM says `base_model_prefix = "language_model"` but keeps it in `model`.
+    network = _llama()
+    network.base_model_prefix = "language_model"
+    assert hf_layout(network).blocks[0] == "model.layers.0"
 
 
 def test_refuses_stage_pruned_without_placeholders():
@@ -341,3 +433,12 @@ def test_refuses_stage_pruned_without_placeholders():
         PipelineModelError, match=r"holds blocks \['1', '2', '3'\] of its block list and nothing in place"
     ):
         hf_stage_call(stage, (), _batch("right"), (torch.zeros(3, SEQ, 32),), False, True)
+
+
+def test_refuses_a_forward_that_returns_before_the_next_stage():
+    base = _llama().model  # a base model: its forward can end without reaching a unit of the last stage
+    stages = _stages(base, 2)
+    stages[0].norm = nn.Identity()
+    stages[0].config.num_hidden_layers = 2
+    with pytest.raises(PipelineModelError, match=r"LlamaModel returned without calling the next stage's first block"):
+        hf_stage_call(stages[0], (), {"input_ids": _batch("right")["input_ids"]}, None, True, False)

@@ -15,7 +15,7 @@ from tests.launch import run_script
 from tests.memory_models import run_meta
 from tests.reference import load_ranks, merged_state
 
-FAMILIES = ["gpt2", "llama"]
+FAMILIES = ["gpt2", "llama", "free", "loop"]
 CONFIGS = {
     2: [{"name": f"{f}-2", "family": f, "devices": 2} for f in FAMILIES],
     4: [{"name": f"{f}-4", "family": f, "devices": 4} for f in FAMILIES],
@@ -59,6 +59,22 @@ def test_the_model_s_own_init_is_used():
     assert abs(state["model.wte.weight"].std().item() - 0.02) < 0.002
     assert abs(state["model.h.3.mlp.c_proj.weight"].std().item() - 0.02 / math.sqrt(16)) < 0.0008
     assert torch.all(state["model.h.0.attn.c_attn.bias"] == 0) and torch.all(state["model.ln_f.weight"] == 1)
+
+
+@pytest.mark.parametrize("family", ["free", "loop"])
+def test_init_written_as_a_free_function_or_a_loop_is_replayed(family):
+    """`apply(gpt2_init)` and a loop of `nn.init` / `p.data.normal_()` / `fill_` calls in `configure_model` give the
+    model's distribution, not PyTorch's defaults (Linear(64, 192) would have std 0.072)."""
+    state = one_process(family)["state"]
+    for name, value in state.items():
+        if name.endswith("c_proj.weight"):
+            assert abs(value.std().item() - 0.02 / math.sqrt(16)) < 0.0008, name
+        elif value.dim() == 2:
+            assert abs(value.std().item() - 0.02) < 0.002, name
+        elif name.endswith("bias"):
+            assert torch.all(value == 0), name
+        else:
+            assert torch.all(value == 1), name
 
 
 @pytest.mark.slow

@@ -78,6 +78,162 @@ def dispatch_mode_class() -> type:
     return TorchDispatchMode
 
 
+# ---------------------------------------------------------------------------------------------------- operators
+# A dispatch mode sees ATen operators; what they read and write is in their schema (`OpOverload._schema`, private;
+# torch 2.13 has no public schema accessor).
+_UNINITIALISED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+
+def op_name(func: Any) -> str:
+    """The operator's name without namespace and overload (``aten::normal_`` -> ``normal_``)."""
+    return func._schema.name.split("::")[-1]
+
+
+def is_operator(func: Any) -> bool:
+    """Whether ``func`` is an ATen operator overload (what a dispatch mode sees), not a Python function."""
+    from torch._ops import OpOverload
+
+    return isinstance(func, OpOverload)
+
+
+def reads_values(func: Any) -> bool:
+    """Whether the operator reads its tensor inputs' values; ``*_like`` and ``new_*`` factories read only their shape,
+    dtype and device."""
+    name = op_name(func)
+    return not (name.endswith("_like") or name.startswith("new_") or name in _UNINITIALISED)
+
+
+def fills_nothing(func: Any) -> bool:
+    """Whether ``func`` is an operator that allocates without setting values (``empty``, ``new_empty``, ...)."""
+    return is_operator(func) and op_name(func) in _UNINITIALISED
+
+
+def is_random(func: Any) -> bool:
+    """Whether ``func`` draws from a random generator: an operator tagged ``nondeterministic_seeded`` (``normal_``,
+    ``uniform_``, ``randn``, ...), or one of the ``nn.init`` functions recorded whole (all but ``dirac_``)."""
+    import torch
+    from torch.nn import init
+
+    if is_operator(func):
+        return torch.Tag.nondeterministic_seeded in func.tags
+    return func is not init.dirac_
+
+
+def returns_view(func: Any) -> bool:
+    """Whether the operator returns a view of an input (``view``, ``t``, ``slice``, ...), not new values."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors the operator writes in place: ``self`` of ``normal_``, ``out=`` arguments, ...
+    (arguments whose schema alias annotation is a write, ``Tensor(a!)``)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            written += tensors_of(value)
+    return written
+
+
+def operator_observer(observe: Any) -> Any:
+    """A dispatch mode (enter it with ``with``) that runs every operator, then calls ``observe(func, args, kwargs,
+    out)``: how the deferred initialisation records and the Hugging Face stage call traces."""
+
+    class _Observer(dispatch_mode_class()):  # type: ignore[misc]
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            observe(func, args, kwargs, out)
+            return out
+
+    return _Observer()
+
+
+def tensors_of(value: Any) -> list[Any]:
+    """The tensors in a nested structure of operator arguments or outputs (``torch.utils._pytree``)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------------------- nn.init on meta
+def _skipping_inits() -> dict[Any, tuple[Any, Any]]:
+    """``code object -> (function to replay, public function)`` of the ``torch.nn.init`` functions that torch 2.13
+    returns from at once on a meta tensor (``if tensor.is_meta: return tensor``), so no operator reaches a dispatch
+    mode. ``trunc_normal_`` checks in its private helper ``_no_grad_trunc_normal_``."""
+    from torch.nn import init
+
+    helper = init._no_grad_trunc_normal_
+    return {
+        helper.__code__: (helper, init.trunc_normal_),
+        init.dirac_.__code__: (init.dirac_, init.dirac_),
+        init.orthogonal_.__code__: (init.orthogonal_, init.orthogonal_),
+        init.sparse_.__code__: (init.sparse_, init.sparse_),
+    }
+
+
+def is_meta_check(func: Any) -> bool:
+    """Whether a torch-function-mode call is the ``Tensor.is_meta`` property read."""
+    import torch
+
+    return getattr(func, "__self__", None) is torch.Tensor.is_meta
+
+
+def skipped_init_call() -> tuple[Any, Any, dict[str, Any]] | None:
+    """From inside a torch function mode handling an ``is_meta`` read: when the reader is one of the ``nn.init``
+    functions that skip meta tensors, ``(function, tensor, other arguments)`` of its call, read from its frame
+    (``sys._getframe``; the function never reaches an operator, so its arguments are nowhere else)."""
+    import sys
+
+    functions = _skipping_inits()
+    frame = sys._getframe(1)
+    for _ in range(4):  # this function, the mode's handler, then the nn.init function reading `is_meta`
+        if frame is None:
+            return None
+        if frame.f_code in functions:
+            fn, _public = functions[frame.f_code]
+            names = frame.f_code.co_varnames[: frame.f_code.co_argcount]
+            arguments = {name: frame.f_locals[name] for name in names}
+            return fn, arguments.pop(names[0]), arguments
+        frame = frame.f_back
+    return None
+
+
+def in_default_init() -> bool:
+    """Whether the running code is inside a ``torch.nn`` module's ``reset_parameters()`` (PyTorch's default init,
+    which every ``nn.Linear`` runs in ``__init__``), read from the call stack (``sys._getframe``)."""
+    import os
+    import sys
+
+    import torch
+
+    modules_dir = os.path.join(os.path.dirname(torch.__file__), "nn", "modules")
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "reset_parameters" and frame.f_code.co_filename.startswith(modules_dir):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def user_frame(own_file: str) -> str:
+    """``file:line (function)`` of the nearest caller outside torch and ``own_file``: where user code made the
+    call being recorded (``sys._getframe``, CPython's documented frame access)."""
+    import os
+    import sys
+
+    import torch
+
+    torch_dir, skipped = os.path.dirname(torch.__file__), (own_file, __file__)
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename in skipped):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
 # ---------------------------------------------------------------------------------------------------- schedules
 def schedule_actions(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> list[list[tuple]]:
     """Each pipeline rank's compute actions, in the order torch's schedule runs them: ``(stage, kind, microbatch)``

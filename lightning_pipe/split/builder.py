@@ -21,7 +21,9 @@ from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_ba
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.split.calls import StageCall, call_traced, call_with_activation
-from lightning_pipe.split.hf import hf_layout, hf_placeholder, hf_stage_call, is_hf_model
+from lightning_pipe.split.deferred_init import InitRecording
+from lightning_pipe.split.hf import hf_layout, hf_placeholder, is_hf_model
+from lightning_pipe.split.hf_stage import hf_stage_call
 from lightning_pipe.split.initialization import initialize, warn_whole_model
 from lightning_pipe.split.partition import Layout, counts_from_split_points, find_layout, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
@@ -193,11 +195,13 @@ def split_module(
     device: torch.device,
     agree: Callable[[Any], Any] = lambda value: value,
     announce: Callable[[str], None] = lambda text: None,
+    recording: InitRecording | None = None,
 ) -> Split:
     """Cut the LightningModule's network down to this rank's stages (in place), or return the cut made before.
 
     ``settings`` are resolved (:meth:`PipelineSettings.resolve`). ``agree(value)`` returns global rank 0's ``value``
-    on every rank; ``announce(text)`` prints on rank 0.
+    on every rank; ``announce(text)`` prints on rank 0. ``recording``: what ``configure_model`` did to the meta
+    tensors, replayed on this rank's stages (:mod:`lightning_pipe.split.deferred_init`).
     """
     key = (*settings.split_key(), pipeline_rank)
     existing = lightning_module.__dict__.get(SPLIT_ATTR)
@@ -205,6 +209,7 @@ def split_module(
         check_same_split(existing, key, settings.describe_split())
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
+    prefix = f"{attr}." if attr else ""
     num_stages = settings.num_stages
     plan = _frontend(network, settings)
     layout = plan.layout
@@ -234,7 +239,7 @@ def split_module(
         "ties": ties,
     }
     if settings.frontend == "trace":
-        split = _trace(lightning_module, network, counts, local, settings, device, common)
+        split = _trace(lightning_module, network, counts, local, settings, device, common, recording)
     else:
         check_ownership(network, layout.units)
         full_bytes = _tensor_bytes(network)
@@ -243,7 +248,15 @@ def split_module(
         prune(network, [u for s in local for u in units_per_stage[s]], layout.units, placeholder=plan.placeholder)
         if meta:
             with PeakMemory(device) as peak:
-                initialize(network, device, seed, units=layout.units, owner=lightning_module)
+                initialize(
+                    network,
+                    device,
+                    seed,
+                    units=layout.units,
+                    owner=lightning_module,
+                    recording=recording,
+                    prefix=prefix,
+                )
             construction_peak = peak.bytes
         elif num_stages > 1:
             warn_whole_model(full_bytes, _tensor_bytes(network))
@@ -267,6 +280,7 @@ def _trace(
     settings: PipelineSettings,
     device: torch.device,
     common: dict[str, Any],
+    recording: InitRecording | None,
 ) -> Split:
     attr, layout = common["network_attr"], common["layout"]
     if not attr:
@@ -290,7 +304,8 @@ def _trace(
     holder = merge(list(bodies.values()), state_keys)
     setattr(lightning_module, attr, holder)
     if has_meta_tensors(holder):
-        initialize(holder, device, seed, units=(), owner=lightning_module)
+        prefix = f"{attr}."
+        initialize(holder, device, seed, units=(), owner=lightning_module, recording=recording, prefix=prefix)
     return Split(bodies=bodies, network=holder, static_microbatch_size=static, **common)
 
 

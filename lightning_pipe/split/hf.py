@@ -1,38 +1,42 @@
 """Unmodified Hugging Face ``transformers`` models as pipeline stages, cut where the model's own pipeline plan says.
 
 transformers gives each model family a pipeline plan: ``config.base_model_pp_plan`` for the base model
-(``embed_tokens``, ``layers``, ``norm``) and ``_pp_plan`` on the task model (``lm_head``). Its forward already has
-the two entry points a stage needs, so no model code changes:
+(``embed_tokens``, ``layers``, ``norm``) and ``_pp_plan`` on the task model (``lm_head``). Its units
+(:func:`hf_layout`) are the plan's modules with parameters; a stage holds some of them, and stand-ins take the place
+of the others (:func:`hf_placeholder`), so the model's own forward runs on every stage: how a stage enters and leaves
+it is :mod:`lightning_pipe.split.hf_stage`.
 
-- a stage after the first calls the forward with ``inputs_embeds=<received hidden states>``, so the embedding is
-  skipped;
-- a stage before the last calls the base model (no head, no loss) and sends its ``last_hidden_state``;
-- the last stage calls the whole model, so logits, loss and the output class are exactly the model's own.
-
-On a stage, the blocks of other stages and the final norm are pass-through placeholders (``hf_placeholder``): the
-forward calls every one of them, and some families pick each block's attention mask by its position in the list.
+Some families cannot be cut at block boundaries; they are refused by name, with the reason (:data:`UNSUPPORTED`).
 
 ``transformers`` is an optional dependency: nothing here imports it at module level.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.compat.transformers import head_pp_plan
-from lightning_pipe.errors import PipelineModelError, PipelineUsageError
+from lightning_pipe.errors import PipelineModelError
 from lightning_pipe.split.partition import CONTAINERS, Layout
 from lightning_pipe.split.surgery import Placeholder
 
 MIN_TRANSFORMERS = "4.54"
-"""Blocks return the hidden states tensor (not a tuple) from this version on; the placeholders rely on it."""
+"""The oldest transformers CI tests the families with (``.ci/run``)."""
+
+UNSUPPORTED = {
+    "glm_moe_dsa": "its blocks hand the next block their top-k attention indices besides the hidden states"
+    " (`hidden_states, topk_indices = decoder_layer(...)`), and a stage sends the next one the hidden states only",
+    "hrm_text": "it runs its two block stacks several times per forward (recurrent cycles), so its blocks do not run"
+    " once each, in order, as pipeline stages do",
+}
+"""Families (``config.model_type``) whose forward cannot be cut at block boundaries, with the reason. The others that
+carry a pipeline plan are cut exactly: tests/hf_families.py checks every one transformers registers."""
 
 _Plan = dict[str, tuple[list[str], list[str]]]
 
@@ -45,10 +49,12 @@ def is_hf_model(network: nn.Module) -> bool:
 
 
 class PassThrough(nn.Module):
-    """Stands in for a unit another stage holds: returns its input ``name`` (or its first positional argument).
+    """Stands in for a block another stage holds: returns its input ``name`` (or its first positional argument).
 
-    ``attributes`` are the replaced unit's plain attributes: some forwards read one from every block (transformers
-    4.x Qwen2 picks each block's mask by ``decoder_layer.attention_type``).
+    The forward calls every block; the stage call (:mod:`lightning_pipe.split.hf_stage`) hooks these stand-ins to
+    enter the stage at its first block and leave it before the next stage's. ``attributes`` are the replaced block's
+    plain attributes: some forwards read one from every block (transformers 4.x Qwen2 picks each block's mask by
+    ``decoder_layer.attention_type``).
     """
 
     def __init__(self, name: str, attributes: dict[str, Any] | None = None) -> None:
@@ -64,18 +70,76 @@ class PassThrough(nn.Module):
         return self.name
 
 
-def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    return {
+class AbsentInput(nn.Module):
+    """Stands in for a unit before the blocks (the embedding) on a stage that does not hold it.
+
+    It returns zeros shaped like the hidden states the stage received (``like``, set by the stage call for the
+    call's duration), so the forward computes its masks and position embeddings as on the first stage; the values,
+    and whatever the forward does to them (Gemma's sqrt(hidden_size) scale, Granite's multiplier), are dropped where
+    the stage's first block takes the received hidden states instead.
+    """
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+        self.like: Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.like is None:
+            raise PipelineModelError(
+                f"`{self.unit}` belongs to another pipeline stage and was called outside this stage's call; call the"
+                " network from a LightningModule step run by the pipeline strategy."
+            )
+        return torch.zeros_like(self.like)
+
+    def extra_repr(self) -> str:
+        return self.unit
+
+
+class AbsentOutput(nn.Module):
+    """Stands in for a unit after the blocks (final norm, head) on a stage before the last: the stage leaves the
+    forward at the next stage's first block, so reaching this means the forward skipped that block."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineModelError(
+            f"The forward reached `{self.unit}`, which belongs to the last pipeline stage, without calling the next"
+            " stage's first block, so this stage has nothing to send. The forward must call every block of its"
+            " pipeline plan's block list, in order (check `config.num_hidden_layers`)."
+        )
+
+    def extra_repr(self) -> str:
+        return self.unit
+
+
+def _plain_attributes(module: nn.Module, depth: int = 2) -> dict[str, Any]:
+    """The module's plain attributes, and its children's as namespaces (transformers 4.57 OLMo-3 picks each block's
+    mask by ``decoder_layer.self_attn.attention_type``)."""
+    plain: dict[str, Any] = {
         key: value
         for key, value in vars(module).items()
         if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool, type(None)))
     }
+    if depth > 1:
+        for name, child in module.named_children():
+            plain[name] = SimpleNamespace(**_plain_attributes(child, depth - 1))
+    return plain
 
 
-def _base_prefix(network: nn.Module) -> str:
+def _base_prefix(network: nn.Module, base_plan: dict[str, Any]) -> str:
+    """The attribute holding the base model: ``base_model_prefix`` when it names one, else the child that holds the
+    plan's modules (4.54's Gemma3ForCausalLM says ``language_model`` but keeps it in ``model``)."""
     prefix = getattr(network, "base_model_prefix", "")
-    base = getattr(network, prefix, None) if prefix else None
-    return prefix if isinstance(base, nn.Module) and base is not network else ""
+    candidates = [prefix] if prefix else []
+    candidates += [name for name, _ in network.named_children() if name != prefix]
+    for name in candidates:
+        base = _find(network, name)
+        if base is not None and base is not network and all(_has_slot(base, entry) for entry in base_plan):
+            return name
+    return ""
 
 
 def _plan(network: nn.Module) -> _Plan:
@@ -84,13 +148,10 @@ def _plan(network: nn.Module) -> _Plan:
     The base model's plan runs first and the task model's own entries (heads) after it: transformers merges them in
     the other order (``LlamaForCausalLM.pp_plan`` starts with ``lm_head``).
     """
-    prefix = _base_prefix(network)
     base_plan = dict(getattr(network.config, "base_model_pp_plan", None) or {})
+    prefix = _base_prefix(network, base_plan)
     plan: _Plan = {(f"{prefix}.{name}" if prefix else name): spec for name, spec in base_plan.items()}
-    # The heads are in the class's `_pp_plan`; the instance's adds the user's changes, and also the base model's
-    # entries, prefixed (transformers >= 5) or not (4.x, whose `post_init` drops the class's heads from it).
-    heads = head_pp_plan(network)
-    for name, spec in heads.items():
+    for name, spec in head_pp_plan(network).items():
         if not (prefix and name.startswith(prefix + ".")) and _find(network, name) is not None:
             plan.setdefault(name, spec)
     return {name: (list(spec[0]), list(spec[1])) for name, spec in plan.items()}
@@ -98,6 +159,12 @@ def _plan(network: nn.Module) -> _Plan:
 
 def _require_plan(network: nn.Module) -> _Plan:
     _check_version()
+    model_type = getattr(network.config, "model_type", "")
+    if model_type in UNSUPPORTED:
+        raise PipelineModelError(
+            f"{type(network).__name__} (model_type {model_type!r}) cannot be pipelined: {UNSUPPORTED[model_type]}."
+            " Pipeline another model family, or train it with another strategy."
+        )
     if not getattr(network.config, "base_model_pp_plan", None):
         raise PipelineModelError(
             f"{type(network).__name__} has no pipeline plan (`{type(network.config).__name__}.base_model_pp_plan` is"
@@ -115,12 +182,19 @@ def _check_version() -> None:
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         raise PipelineModelError(
             f"transformers {transformers.__version__} is installed, but pipelining a transformers model needs"
-            f" transformers>={MIN_TRANSFORMERS} (earlier blocks return tuples). Run"
+            f" transformers>={MIN_TRANSFORMERS} (the oldest version tested). Run"
             f" `pip install 'transformers>={MIN_TRANSFORMERS}'` (or `pip install 'lightning-pipe[hf]'`)."
         )
 
 
 def _block_stack(network: nn.Module, plan: _Plan) -> str:
+    missing = [name for name in plan if not _has_slot(network, name)]
+    if missing:
+        raise PipelineModelError(
+            f"The pipeline plan of {type(network).__name__} names {missing}, which the model does not have, so"
+            " lightning-pipe cannot tell where its blocks are. Pipeline another model family, or set"
+            " `config.base_model_pp_plan` to the modules the model holds (embedding, block list, final norm)."
+        )
     stacks = [name for name in plan if isinstance(_find(network, name), CONTAINERS)]
     if len(stacks) != 1:
         raise PipelineModelError(
@@ -138,8 +212,20 @@ def _find(network: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
+def _has_slot(network: nn.Module, name: str) -> bool:
+    """Whether ``network`` has a submodule slot ``name``, empty (``None``, another stage's unit) or not."""
+    parent, _, leaf = name.rpartition(".")
+    owner = _find(network, parent) if parent else network
+    return owner is not None and leaf in torch_compat.children(owner)
+
+
 def _has_params(module: nn.Module | None) -> bool:
     return module is not None and any(True for _ in module.parameters())
+
+
+def block_stack(network: nn.Module) -> nn.Module:
+    """The module holding the model's blocks (``model.layers``)."""
+    return network.get_submodule(_block_stack(network, _plan(network)))
 
 
 def hf_layout(network: nn.Module) -> Layout:
@@ -147,8 +233,8 @@ def hf_layout(network: nn.Module) -> Layout:
 
     E.g. ``model.embed_tokens``; ``model.layers.0``, ``model.layers.1``, ...; ``model.norm``, ``lm_head``. Plan
     entries without parameters (dropouts) are not units and stay on every stage, as do modules outside the plan
-    without parameters (rotary embeddings). Raises ``PipelineModelError`` for a model without a plan, or with
-    parameters outside it.
+    without parameters (rotary embeddings). Raises ``PipelineModelError`` for a model without a plan, a family in
+    :data:`UNSUPPORTED`, or parameters outside the plan.
     """
     plan = _require_plan(network)
     stack = _block_stack(network, plan)
@@ -175,157 +261,30 @@ def _check_coverage(network: nn.Module, layout: Layout) -> None:
 
 
 def hf_placeholder(network: nn.Module) -> Placeholder:
-    """What stands in for a unit on stages that do not hold it, for ``stages.prune``/``stages.stage_view``.
+    """What stands in for a unit on stages that do not hold it, for ``surgery.prune``/``surgery.stage_view``.
 
-    Blocks, and units whose plan output is one of their inputs (the final norm), become ``PassThrough``: the forward
-    calls them on every stage. The others (embedding, head) become ``None``: the stage call never reaches them, and
-    a call that did would fail instead of computing logits from hidden states. Call it on the whole network, before
-    pruning: block placeholders copy the blocks' plain attributes.
+    Blocks become :class:`PassThrough` (the forward calls every one of them, and some families pick each block's
+    mask by its position in the list), units before the blocks :class:`AbsentInput`, units after them (final norm,
+    head) :class:`AbsentOutput`: a stage leaves the forward before reaching them unless it holds them. Call it on the
+    whole
+    network, before pruning: block placeholders copy the blocks' plain attributes.
     """
     plan = _require_plan(network)
     stack = _block_stack(network, plan)
+    names = list(plan)
+    before = set(names[: names.index(stack)])
     attributes = {
         f"{stack}.{key}": _plain_attributes(block) for key, block in network.get_submodule(stack).named_children()
     }
-    passes = {
-        name: outputs[0] for name, (inputs, outputs) in plan.items() if len(outputs) == 1 and outputs[0] in inputs
-    }
+    inputs = plan[stack][0]
+    name = inputs[0] if inputs else "hidden_states"
 
     def placeholder(unit: str) -> nn.Module | None:
-        parent = unit.rpartition(".")[0]
-        key = stack if parent == stack else unit
-        return PassThrough(passes[key], attributes.get(unit)) if key in passes else None
+        if unit.rpartition(".")[0] == stack:
+            return PassThrough(name, attributes.get(unit))
+        return AbsentInput(unit) if unit in before else AbsentOutput(unit)
 
     return placeholder
-
-
-def hf_stage_call(
-    view: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    received: tuple[Tensor, ...] | Tensor | None,
-    is_first: bool,
-    is_last: bool,
-) -> Any:
-    """Run one stage of a transformers model on one microbatch of the network call ``view(*args, **kwargs)``.
-
-    The first stage starts from the call's ``input_ids`` (or ``inputs_embeds``), later stages from
-    ``inputs_embeds=received``; every stage uses the call's masks and position ids, with ``use_cache=False``.
-    Stages before the last return the hidden states tensor; the last returns what the call returns on one device
-    (``CausalLMOutputWithPast`` with ``loss`` when ``labels`` are given).
-    """
-    call = _bind(view, args, kwargs)
-    _refuse_unsupported(view, call)
-    call["use_cache"] = False
-    hidden = None
-    if not is_first:
-        hidden = _received_tensor(received)
-        call.pop("input_ids", None)
-        call["inputs_embeds"] = hidden
-    if is_last:
-        with _boundary_checks(view, entry=hidden, record_exit=False):
-            return view(**call)
-    base = getattr(view, "base_model", view)
-    with _boundary_checks(view, entry=hidden, record_exit=True) as exits:
-        out = base(**_base_call(view, base, call))[0]
-    if out is not exits[-1]:
-        raise PipelineModelError(
-            f"The forward of {type(base).__name__} does not return its last block's output"
-            f" ({type(exits[-1]).__name__}) as its hidden states: it changes them outside the units of its pipeline"
-            f" plan, or its blocks return tuples (transformers < {MIN_TRANSFORMERS}). A stage would send other"
-            " activations than the model computes. Upgrade transformers or pipeline another model family."
-        )
-    return out
-
-
-def _bind(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by name, ``**kwargs`` flattened in."""
-    signature = inspect.signature(view.forward)
-    bound = signature.bind(*args, **kwargs)
-    call: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            call.update(value)
-        else:
-            call[name] = value
-    return call
-
-
-def _base_call(view: nn.Module, base: nn.Module, call: dict[str, Any]) -> dict[str, Any]:
-    """The arguments the task model's forward would pass to its base model: all but its own (``labels``, ...)."""
-    if base is view:
-        return call
-    own = set(inspect.signature(view.forward).parameters) - set(inspect.signature(base.forward).parameters)
-    return {name: value for name, value in call.items() if name not in own}
-
-
-def _refuse_unsupported(view: nn.Module, call: dict[str, Any]) -> None:
-    if call.get("past_key_values") is not None:
-        raise PipelineUsageError(
-            f"{type(view).__name__} was called with `past_key_values`: a pipeline stage holds only its own layers'"
-            " cache, so cached decoding is not supported. Call the model without `past_key_values` in the step."
-        )
-    for flag in ("output_hidden_states", "output_attentions"):
-        if call.get(flag, getattr(view.config, flag, False)):
-            raise PipelineUsageError(
-                f"{type(view).__name__} was called with `{flag}=True` (or its config sets it): each pipeline stage"
-                f" runs only its own layers, so the result would be incomplete. Pass `{flag}=False`."
-            )
-
-
-def _received_tensor(received: tuple[Tensor, ...] | Tensor | None) -> Tensor:
-    if isinstance(received, Tensor):
-        return received
-    if received is None or len(received) != 1 or not isinstance(received[0], Tensor):
-        kind = None if received is None else [type(r).__name__ for r in received]
-        raise PipelineUsageError(
-            f"A stage of a transformers model after the first needs the previous stage's hidden states as one tensor,"
-            f" got {kind}."
-        )
-    return received[0]
-
-
-@contextmanager
-def _boundary_checks(view: nn.Module, entry: Tensor | None, record_exit: bool) -> Iterator[list[Any]]:
-    """Check that the stage's first block receives ``entry`` itself, and record its last block's outputs.
-
-    The stage call relies on the base model feeding ``inputs_embeds`` unchanged to its blocks, as the pipeline
-    plan declares. A forward that scales or adds to it first (Gemma before transformers 5.4 multiplies it by
-    sqrt(hidden_size)) would repeat that on every stage: refuse it instead of training on other activations.
-    """
-    plan = _plan(view)
-    stack = view.get_submodule(_block_stack(view, plan))
-    keys = [key for key, _ in stack.named_children()]
-    if isinstance(stack, nn.ModuleList) and keys != [str(i) for i in range(len(keys))]:
-        # Forwards that pick a block's mask by its position in the list would silently pick another one.
-        raise PipelineModelError(
-            f"This stage of {type(view).__name__} holds blocks {keys} of its block list and nothing in place of the"
-            " others: it was pruned without placeholders. Pass `placeholder=hf_placeholder(network)` to"
-            " `stages.prune` and `stages.stage_view`."
-        )
-    local = [block for block in stack.children() if not isinstance(block, PassThrough)]
-    exits: list[Any] = []
-    handles = []
-
-    def check_entry(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        first = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        if first is not entry:
-            raise PipelineModelError(
-                f"The forward of {type(view).__name__} does not pass `inputs_embeds` unchanged to its first block"
-                f" ({type(module).__name__}), so a stage after the first cannot start from the hidden states it"
-                " receives. Upgrade transformers (`pip install -U transformers`: Gemma needs >= 5.4) or pipeline"
-                " another model family."
-            )
-
-    if entry is not None:
-        handles.append(local[0].register_forward_pre_hook(check_entry, with_kwargs=True))
-    if record_exit:
-        handles.append(local[-1].register_forward_hook(lambda module, args, output: exits.append(output)))
-    try:
-        yield exits
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def restore_rotary_buffers(module: nn.Module) -> bool:

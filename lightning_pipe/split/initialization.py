@@ -1,7 +1,9 @@
 """Initial weights of a network built on the meta device and cut to a rank's stages: the model's own init.
 
-After the split, each rank allocates its stages (``to_empty``) and initialises them with the first of these that
-the model has:
+After the split, each rank allocates its stages (``to_empty``) and replays what ``configure_model`` did to them on
+the meta device, recorded by the strategy (:mod:`lightning_pipe.split.deferred_init`: ``apply(fn)``, ``nn.init``
+loops, ``p.data.normal_()``, the model's own ``__init__`` init). Tensors still unset after that (or every tensor,
+without a recording: :func:`initialize` called by hand) get the first of these that the model has:
 
 1. ``_init_weights(module)`` (Hugging Face ``PreTrainedModel``, nanoGPT / GPT-2 style ``self.apply(
    self._init_weights)``): called on every module of the network, children before parents as ``nn.Module.apply``
@@ -23,9 +25,9 @@ with ``pipeline_size=1`` (and what :func:`initialize` does when called by hand).
 ``__init__`` draws all modules from one random stream, so it gets the same distribution (the model's own init) but
 other numbers; CPU and CUDA random streams differ too.
 
-A tensor that no hook set (one created in ``__init__`` with a value, ``torch.ones`` for a norm's weight or a causal
-mask buffer, whose value the meta device cannot keep) is found by filling every tensor with a marker first
-(NaN, or the smallest integer) and raises :class:`PipelineModelError` naming it.
+A tensor that nothing set (without a recording: one created in ``__init__`` with a value, ``torch.ones`` for a norm's
+weight or a causal mask buffer, whose value the meta device cannot keep) is found by filling every tensor with a
+marker first (NaN, or the smallest integer) and raises :class:`PipelineModelError` naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import inspect
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +44,9 @@ from lightning_pipe.compat.transformers import INIT_WEIGHTS, init_weights_hook
 from lightning_pipe.errors import PipelineModelError
 from lightning_pipe.split.hf import restore_rotary_buffers
 from lightning_pipe.split.surgery import find_block, stage_view
+
+if TYPE_CHECKING:
+    from lightning_pipe.split.deferred_init import InitRecording
 
 #: Below this many bytes of parameters and buffers, building the network whole on every rank (in ``__init__``) costs
 #: too little memory to warn about; above it, building in ``configure_model`` saves real memory.
@@ -53,7 +58,7 @@ def unit_seed(seed: int, name: str) -> int:
     return (seed + zlib.crc32(name.encode())) % (2**63)
 
 
-def _seeded(seed: int, name: str, fn: Callable[[], Any]) -> None:
+def seeded(seed: int, name: str, fn: Callable[[], Any]) -> None:
     # The accelerator's generator is restored too: initialisation must not shift the random stream of training.
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
@@ -102,7 +107,7 @@ def init_hook(network: nn.Module, owner: nn.Module | None = None) -> str:
     return "reset_parameters"
 
 
-def _apply_init_weights(network: nn.Module, owner: nn.Module | None, seed: int) -> None:
+def _apply_init_weights(network: nn.Module, owner: nn.Module | None, seed: int, only_unset: bool) -> None:
     root_fn = init_weights_hook(network) or init_weights_hook(owner)
 
     def visit(module: nn.Module, name: str, fn: Callable[[nn.Module], Any]) -> None:
@@ -110,25 +115,46 @@ def _apply_init_weights(network: nn.Module, owner: nn.Module | None, seed: int) 
         fn = own if own is not None else fn
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name, fn)
-        _seeded(seed, name, lambda: fn(module))
+        if only_unset:
+            _keeping_set(dict(_own_tensors(module)), lambda: seeded(seed, name, lambda: fn(module)))
+        else:
+            seeded(seed, name, lambda: fn(module))
 
     assert root_fn is not None
     visit(network, "", root_fn)
 
 
-def _apply_unit_init_weights(network: nn.Module, units: Sequence[str], seed: int) -> None:
+def _keeping_set(tensors: dict[str, torch.Tensor], fn: Callable[[], Any]) -> None:
+    """Run ``fn`` (an init hook) if any of ``tensors`` is unset, and give the set ones their values back."""
+    kept = {n: t.clone() for n, t in tensors.items() if not _unset(t)}
+    if len(kept) == len(tensors):
+        return
+    fn()
+    for n, value in kept.items():
+        tensors[n].copy_(value)
+
+
+def _apply_unit_init_weights(network: nn.Module, units: Sequence[str], seed: int, only_unset: bool) -> None:
     root = getattr(network, "init_weights", None)
+
+    def run(module: nn.Module, name: str, fn: Callable[[], Any]) -> None:
+        if only_unset:
+            tensors = dict([*module.named_parameters(), *module.named_buffers()])
+            _keeping_set(tensors, lambda: seeded(seed, name, fn))
+        else:
+            seeded(seed, name, fn)
+
     if callable(root) and _no_required_args(root):
         present = [u for u in units if find_block(network, u) is not None]
         for unit in present:
             view = stage_view(network, [unit], units)
-            _seeded(seed, unit, view.init_weights)
+            run(network.get_submodule(unit), unit, view.init_weights)
         return
 
     def visit(module: nn.Module, name: str) -> None:
         fn = getattr(module, "init_weights", None)
         if module is not network and callable(fn) and _no_required_args(fn):
-            _seeded(seed, name, fn)
+            run(module, name, fn)
             return
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name)
@@ -150,7 +176,7 @@ def _reset_unset(network: nn.Module, seed: int) -> list[str]:
             unset = {n for n, t in dict(_own_tensors(module)).items() if _unset(t)}
         elif callable(reset):
             kept = {n: t.clone() for n, t in own.items() if n not in unset}
-            _seeded(seed, name, reset)
+            seeded(seed, name, reset)
             for n, value in kept.items():
                 own[n].copy_(value)
             unset = {n for n, t in dict(_own_tensors(module)).items() if _unset(t)}
@@ -165,11 +191,16 @@ def initialize(
     *,
     units: Sequence[str] = (),
     owner: nn.Module | None = None,
+    recording: InitRecording | None = None,
+    prefix: str = "",
 ) -> str:
     """Allocate a (pruned) meta-device ``network`` on ``device`` and initialise it with the model's own init.
 
     ``units``: the layout's units (``Layout.units``), used by the ``init_weights()`` hook; ``owner``: the
-    LightningModule, whose ``_init_weights(module)`` is used if the network has none. Returns the hook used.
+    LightningModule, whose ``_init_weights(module)`` is used if the network has none; ``recording``: what
+    ``configure_model`` did to the meta tensors (:mod:`lightning_pipe.split.deferred_init`), replayed first, the
+    hooks then setting only what it left unset; ``prefix``: the network's attribute in the full model (``"model."``).
+    Returns the hook used (``"recorded"`` when the recording set every tensor).
     """
     network.to_empty(device=device)
     hook = init_hook(network, owner)
@@ -177,10 +208,14 @@ def initialize(
         for module in network.modules():
             for _, t in _own_tensors(module):
                 _mark(t)
+        defaults = hook == "reset_parameters"
+        replayed = recording.replay(network, prefix, seed, device, defaults=defaults) if recording is not None else 0
+        if replayed and not any(_unset(t) for m in network.modules() for _, t in _own_tensors(m)):
+            return "recorded"
         if hook == INIT_WEIGHTS:
-            _apply_init_weights(network, owner, seed)
+            _apply_init_weights(network, owner, seed, only_unset=replayed > 0)
         elif hook == "init_weights":
-            _apply_unit_init_weights(network, units, seed)
+            _apply_unit_init_weights(network, units, seed, only_unset=replayed > 0)
         missing = _reset_unset(network, seed)
     if missing:
         raise PipelineModelError(

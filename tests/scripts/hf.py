@@ -1,5 +1,6 @@
 """Train an unmodified Hugging Face causal LM (tests/hf_models.py) under pipeline configurations.
-Usage: hf.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "tie", "side"})."""
+Usage: hf.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "tie", "side"}, optionally
+"layers" and "max_steps"); one launch runs them all, so the family matrix pays the process start-up once."""
 
 import json
 import sys
@@ -22,6 +23,7 @@ def main() -> None:
             family=cfg["family"],
             tie=cfg["tie"],
             side=cfg["side"],
+            layers=cfg.get("layers", 8),
         )
         torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
 

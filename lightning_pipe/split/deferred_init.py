@@ -1,0 +1,256 @@
+"""Initialisation written any way, kept through the meta device: recorded in ``configure_model``, replayed per rank.
+
+On the meta device an in-place initialisation does nothing: ``self.net.apply(gpt2_init)``, a loop of
+``nn.init.normal_`` over ``named_parameters()``, ``p.data.normal_()`` or a ``fill_`` under ``torch.no_grad()``
+leave no values behind. While ``configure_model`` runs, :func:`record_init` records every operator that touches a
+meta tensor (the deferred-init idea of torchdistx); after the split, :meth:`InitRecording.replay` re-runs, on each
+rank's own allocated parameters and buffers, the recorded operators that set them (and the temporaries they read, as
+``nn.init.orthogonal_``'s QR factors), in their recorded order.
+
+Each parameter's operators run under their own seed, ``seed + crc32(name)`` with the parameter's first name in the
+full model (:func:`lightning_pipe.split.initialization.unit_seed`), so its values do not depend on the layout or on
+which rank holds it. A recorded random operator with its own ``generator=`` draws from that seed too.
+
+A value that cannot be rebuilt from the parameter's own operators is refused, naming the parameter and the call
+(:class:`~lightning_pipe.errors.PipelineModelError`): one read from another parameter or buffer (``b.copy_(a)``;
+that parameter may live on another rank), or a parameter that is a view into a larger tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+
+from lightning_pipe.compat import torch as torch_compat
+from lightning_pipe.errors import PipelineModelError
+from lightning_pipe.split.initialization import seeded
+
+
+def _key(t: Tensor) -> int:
+    """A tensor's storage: views and ``.data`` aliases of a parameter share it."""
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+@dataclass
+class _Op:
+    """One recorded operator call: ``func(*args, **kwargs)``, the storages it writes in place, creates and reads."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    writes: frozenset[int]
+    creates: frozenset[int]
+    reads: frozenset[int]
+    outputs: list[Tensor]
+    site: str
+    #: run by a ``torch.nn`` module's ``reset_parameters()`` (PyTorch's defaults), which a model's own init overrides
+    default: bool = False
+
+    def describe(self) -> str:
+        name = getattr(self.func, "__name__", str(self.func))
+        return f"`{name}` at {self.site}"
+
+
+@dataclass(frozen=True)
+class _Root:
+    """A parameter or buffer of the full model at the end of ``configure_model``."""
+
+    name: str
+    key: int
+    #: whether the tensor is its storage's only content (offset 0, as many bytes): its replay needs no other tensor
+    whole: bool
+
+
+@dataclass
+class InitRecording:
+    """The operators ``configure_model`` ran on meta tensors, and the full model's parameters and buffers."""
+
+    ops: list[_Op] = field(default_factory=list)
+    roots: dict[str, _Root] = field(default_factory=dict)
+    #: storage -> indices of the operators that create or write it
+    writers: dict[int, list[int]] = field(default_factory=dict)
+    #: whether :meth:`replay` replays PyTorch's default init (``reset_parameters()`` of ``torch.nn`` modules)
+    defaults: bool = True
+
+    def add(self, op: _Op) -> None:
+        for key in op.writes | op.creates:
+            self.writers.setdefault(key, []).append(len(self.ops))
+        self.ops.append(op)
+
+    def finish(self, module: nn.Module) -> InitRecording:
+        """Name the storages after ``module``'s parameters and buffers (the first name of a tied one)."""
+        tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        first: dict[int, str] = {}
+        for name, t in tensors:
+            if t is not None and t.is_meta:
+                key = _key(t)
+                first.setdefault(key, name)
+                whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                self.roots[name] = _Root(first[key], key, whole)
+        return self
+
+    def replay(self, network: nn.Module, prefix: str, seed: int, device: torch.device, *, defaults: bool = True) -> int:
+        """Set ``network``'s allocated tensors (names under ``prefix`` in the full model) from their recorded
+        operators; returns how many tensors had any. ``defaults=False`` leaves out what ``torch.nn`` modules'
+        ``reset_parameters()`` did: a model with its own init hook (``_init_weights``) overrides PyTorch's defaults,
+        and that hook then sets what nothing else did (transformers 5.x does not run it on the meta device)."""
+        self.defaults = defaults
+        done: set[int] = set()
+        replayed = 0
+        for name, tensor in [*network.named_parameters(), *network.named_buffers()]:
+            root = self.roots.get(prefix + name)
+            if root is None or root.key in done:
+                continue
+            done.add(root.key)
+            needed = self._closure(root)
+            if not needed:
+                continue
+            if not root.whole:
+                raise PipelineModelError(
+                    f"`{root.name}` is a view into a larger tensor created in `configure_model`, so its recorded"
+                    f" initialisation ({self.ops[needed[0]].describe()}) cannot be replayed on its own. Create it as"
+                    " a tensor of its own (`nn.Parameter(torch.empty(...))`)."
+                )
+            seeded(seed, root.name, _Replay(self, root, tensor, device, needed).run)
+            replayed += 1
+        return replayed
+
+    def _closure(self, root: _Root) -> list[int]:
+        """Indices of the operators that set ``root``'s values: its writers and, before each, the writers of what
+        it reads (values as they were at that point), in recorded order. A creation that fills nothing (``empty``)
+        sets no values of ``root``."""
+        names = {r.key: r.name for r in self.roots.values()}
+        needed = self._setting(root.key, len(self.ops), skip_empty=True)
+        for index in needed:
+            op = self.ops[index]
+            for read in op.reads - op.writes - op.creates:  # another tensor's own operators read it too
+                if read != root.key and read in names:
+                    self._check_deterministic(root, names[read], read, index)
+        return needed
+
+    def _setting(self, key: int, before: int, skip_empty: bool = False) -> list[int]:
+        """The operators before ``before`` that set storage ``key``'s values, with those of what they read."""
+        needed: set[int] = set()
+        pending = [(key, before)]
+        while pending:
+            current, limit = pending.pop()
+            for index in self.writers.get(current, ()):
+                op = self.ops[index]
+                skipped = skip_empty and current == key and (_fills_nothing(op) or (op.default and not self.defaults))
+                if index >= limit or index in needed or skipped:
+                    continue
+                needed.add(index)
+                pending += [(read, index) for read in op.reads]
+        return sorted(needed)
+
+    def _check_deterministic(self, root: _Root, other: str, key: int, reader: int) -> None:
+        """Reading another parameter or buffer replays its operators too; refused when they draw random numbers: the
+        other's own replay draws them from its own seed, so the two would disagree (``b.copy_(a)`` after
+        ``a.normal_()``). Deterministic values (``original_inv_freq = inv_freq.clone()``) are recomputed."""
+        drawn = [self.ops[i] for i in self._setting(key, reader) if torch_compat.is_random(self.ops[i].func)]
+        if drawn:
+            raise PipelineModelError(
+                f"The initialisation of `{root.name}` in `configure_model` reads `{other}`"
+                f" ({self.ops[reader].describe()}), whose values are drawn at random ({drawn[-1].describe()}): each"
+                " rank replays a parameter's initialisation under that parameter's own seed, so the two would"
+                " disagree. Share the Parameter itself (tied weights), or initialise it in `_init_weights(module)` /"
+                " `reset_parameters()`."
+            )
+
+
+def _fills_nothing(op: _Op) -> bool:
+    return bool(op.creates) and not op.writes and torch_compat.fills_nothing(op.func)
+
+
+class _Replay:
+    """Re-runs recorded operators with each meta tensor replaced by its real counterpart on ``device``."""
+
+    def __init__(
+        self, recording: InitRecording, root: _Root, target: Tensor, device: torch.device, indices: list[int]
+    ) -> None:
+        self.recording, self.root, self.device, self.indices = recording, root, device, indices
+        self.bases: dict[int, Tensor] = {root.key: target}  # storage -> a real tensor laid out as the meta storage
+        self.real: dict[int, Tensor] = {}  # id of a recorded output -> its real value
+
+    def run(self) -> None:
+        for index in self.indices:
+            op = self.recording.ops[index]
+            args, kwargs = self._real(op.args), self._real(op.kwargs)
+            kwargs.pop("generator", None)  # the parameter's own seed draws, whatever generator was recorded
+            out = op.func(*args, **kwargs)
+            outputs = torch_compat.tensors_of(out)
+            for meta, real in zip(op.outputs, outputs):
+                if _key(meta) == self.root.key:  # the root created by a value-setting operator (zeros, arange)
+                    self._view(meta).copy_(real)
+                elif _key(meta) in op.creates:
+                    self.bases.setdefault(_key(meta), real)
+                    self.real[id(meta)] = real
+
+    def _real(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if not value.is_meta:
+                return value.to(self.device)
+            return self.real.get(id(value)) if id(value) in self.real else self._view(value)
+        if isinstance(value, torch.device) and value.type == "meta":
+            return self.device
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._real(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._real(v) for k, v in value.items()}
+        return value
+
+    def _view(self, meta: Tensor) -> Tensor:
+        """The real tensor with ``meta``'s place in its storage (``.data``, slices and views of a parameter)."""
+        return self.bases[_key(meta)].as_strided(meta.size(), meta.stride(), meta.storage_offset())
+
+
+def _record(recording: InitRecording, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Record an operator that touched a meta tensor; views are not recorded (replay maps aliases by storage)."""
+    inputs, outputs = torch_compat.tensors_of((args, kwargs)), torch_compat.tensors_of(out)
+    if not any(t.is_meta for t in (*inputs, *outputs)):
+        return
+    written = frozenset(_key(t) for t in torch_compat.written_tensors(func, args, kwargs))
+    if not written and torch_compat.returns_view(func):
+        return
+    reads = frozenset(_key(t) for t in inputs if t.is_meta) if torch_compat.reads_values(func) else frozenset()
+    creates = frozenset() if written else frozenset(_key(t) for t in outputs)
+    site, default = torch_compat.user_frame(__file__), bool(written) and torch_compat.in_default_init()
+    recording.add(_Op(func, args, kwargs, written, creates, reads, list(outputs), site, default))
+
+
+class _SkippedInits(TorchFunctionMode):
+    """Records the ``nn.init`` functions that torch returns from at once on a meta tensor (``trunc_normal_``,
+    ``orthogonal_``, ``dirac_``, ``sparse_``): seen as their check of ``tensor.is_meta``, with their arguments."""
+
+    def __init__(self, recording: InitRecording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if out is True and torch_compat.is_meta_check(func):
+            call = torch_compat.skipped_init_call()
+            if call is not None:
+                fn, tensor, arguments = call
+                key = _key(tensor)
+                site = torch_compat.user_frame(__file__)
+                self.recording.add(_Op(fn, (tensor,), arguments, frozenset({key}), frozenset(), frozenset(), [], site))
+        return out
+
+
+@contextmanager
+def record_init() -> Iterator[InitRecording]:
+    """Record what the enclosed code does to meta tensors (``configure_model`` under the strategy's meta device)."""
+    recording = InitRecording()
+    with ExitStack() as stack:
+        stack.enter_context(torch_compat.operator_observer(functools.partial(_record, recording)))
+        stack.enter_context(_SkippedInits(recording))
+        yield recording
