@@ -68,6 +68,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "data_parallel": "fsdp",
         "inner_axis": "pp",
         "activation_checkpointing": 2,
+        "compile": {"mode": "max-autotune-no-cudagraphs"},
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy
@@ -79,6 +80,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     assert settings.module == "net"
     assert settings.timeout == timedelta(minutes=10)
     assert (settings.data_parallel, settings.inner_axis, settings.activation_checkpointing) == ("fsdp", "pp", 2)
+    assert settings.compile == {"mode": "max-autotune-no-cudagraphs"}
 
 
 def test_timeout_accepts_null(tmp_path) -> None:
