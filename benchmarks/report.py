@@ -438,11 +438,16 @@ def _relative(path: Path, base: Path) -> str:
 
 def write_docs(results: dict[str, Any], docs: Path, images: list[Path]) -> None:
     """Replace the generated section of ``docs`` (or append one)."""
+    write_section(docs, markdown(results, images, docs), BEGIN, END)
+
+
+def write_section(docs: Path, block: str, begin: str, end: str) -> None:
+    """Put ``block`` (which starts with ``begin`` and ends with ``end``) in place of ``docs``' section between those
+    markers, or append it."""
     text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    block = markdown(results, images, docs)
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     docs.write_text(text)

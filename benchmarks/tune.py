@@ -75,13 +75,12 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------------ the worker
 def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int) -> None:
-    import lightning.pytorch as L
     import torch
     import torch.distributed as dist
 
     import lightning_pipe
     from benchmarks.common import machine
-    from benchmarks.lit import StepClock
+    from benchmarks.lit import StepClock, trainer
     from benchmarks.tune_models import build
 
     torch.set_num_threads(1)
@@ -91,29 +90,13 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
         with results_file.open("a") as f:
             f.write(json.dumps({"machine": machine()}) + "\n")
 
-    def trainer(strategy: Any, callbacks: list[Any], max_steps: int = 1) -> L.Trainer:
-        return L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=2,
-            max_steps=max_steps,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-            default_root_dir=str(results_file.parent / "root"),
-        )
-
     for case in json.loads(cases_file.read_text()):
         model, fit_kwargs = build(case["workload"], quick, batches=64)
         record: dict[str, Any] = {"case": case}
         if case["kind"] in ("sweep", "compile"):
             clock = StepClock()
             strategy = lightning_pipe.PipelineParallelStrategy(**case["settings"])
-            trainer(strategy, [clock], warmup + steps).fit(model, **fit_kwargs)
+            trainer(strategy, 2, warmup + steps, [clock]).fit(model, **fit_kwargs)
             walls = clock.clock.wall
             cpus = [[(b - a) / 1e6 for a, b in zip(c, c[1:])] for c in _gather(clock.clock.cpu)]
             record["ms"] = [(b - a) / 1e6 for a, b in zip(walls, walls[1:])]
@@ -121,7 +104,7 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
         else:
             path = results_file.parent / f"tune-{case['workload']}-{case['run']}"
             result = lightning_pipe.tune(
-                trainer("pipeline", []), model, space=space(quick), steps=steps, warmup_steps=warmup, path=path,
+                trainer("pipeline", 2, 1, []), model, space=space(quick), steps=steps, warmup_steps=warmup, path=path,
                 retune=True, **fit_kwargs,
             )  # fmt: skip
             record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
@@ -264,16 +247,6 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def write_docs(text: str, docs: Path) -> None:
-    page = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    if BEGIN in page and END in page:
-        head, rest = page.split(BEGIN, 1)
-        page = head + text + rest.split(END, 1)[1]
-    else:
-        page = page.rstrip("\n") + "\n\n" + text + "\n"
-    docs.write_text(page)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="every code path once on tiny workloads (CI smoke)")
@@ -316,7 +289,9 @@ def main() -> None:
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results, args)
     if str(args.docs) != "-":
-        write_docs(text, args.docs)
+        from benchmarks.report import write_section
+
+        write_section(args.docs, text, BEGIN, END)
     print(text)
 
 

@@ -236,6 +236,9 @@ def explain(strategy: Any, per_rank: list[list[Event]], bubbles: list[float]) ->
     if not bubbles or not microbatches:
         return None
     stage_rank = {e.stage: rank for rank, events in enumerate(per_rank) for e in events}
+    stages = strategy.pipeline_size * strategy.stages_per_rank
+    if sorted(stage_rank) != list(range(stages)):
+        return None  # a stage recorded nothing in the traced steps: nothing to take apart
     return explain_bubble(
         action_durations(events),
         statistics.median(bubbles),
@@ -243,7 +246,7 @@ def explain(strategy: Any, per_rank: list[list[Event]], bubbles: list[float]) ->
         strategy.pipeline_size,
         microbatches,
         strategy.stages_per_rank,
-        [stage_rank[s] for s in range(len(stage_rank))],
+        [stage_rank[s] for s in range(stages)],
     )
 
 

@@ -160,7 +160,9 @@ def _search(
     baseline = from_settings(resolved, first.microbatches())
     batch = first.batch_size()
     device = strategy.root_device
+    # Rank 0's machine decides for all: every rank must take the same decisions.
     limit = memory_limit if memory_limit is not None else device_memory(device, setup.devices)
+    limit = collectives.broadcast_object(limit, 0, collectives.world_group(), device)
     profile_start = time.perf_counter()
     profile = _profile(model, settings, first, space, pipeline_size, baseline, device)
     profile_s = time.perf_counter() - profile_start
