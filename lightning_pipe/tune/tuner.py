@@ -95,7 +95,8 @@ def tune(
         max_trials: Most trials, the user's own settings included. With ``steps`` and ``warmup_steps`` it bounds
             the tuning's cost: at most ``max_trials * (steps + warmup_steps)`` training steps plus one profiling
             pass.
-        margin: A candidate is measured only if predicted within this fraction of the best measured step.
+        margin: A candidate is measured only if predicted within this fraction of the prediction for the fastest
+            candidate measured so far.
         memory_limit: Bytes per process that no choice may exceed. Default: the GPU's memory, or on the CPU the
             machine's divided among its processes. On the CPU the peak resident set is measured.
         path: Where the record (``.json``) and the LightningCLI config (``.yaml``) go. Default:
@@ -177,8 +178,8 @@ def _search(
         found.append(baseline)
     transfer = first.transfer()
     measured = {baseline: _measured(first)}
-    trials = [Trial(baseline, measured[baseline].step, first.peaks(pipeline_size), first.action_medians())]
-    trials[0] = Trial(baseline, trials[0].step, trials[0].memory, trials[0].actions, first.first.state_factor)
+    peaks, actions, state = first.peaks(pipeline_size), first.action_medians(), first.first.state_factor
+    trials = [Trial(baseline, measured[baseline].step, peaks, actions, state)]
     while True:
         calibration = calibrate(profile, rule, pipeline_size, trials, transfer)
         predictions = {c: predict(c, profile, rule, pipeline_size, calibration) for c in found}
