@@ -199,9 +199,11 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']},"
         f" {results['elapsed_s']:.0f} s;"
         f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')}; load average at the start:"
-        f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}. {args.runs} runs, interleaved; each figure"
-        " the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
+        f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}, at the end:"
+        f" {', '.join(f'{x:.1f}' for x in results.get('load_end') or [])}. {args.runs} runs, interleaved; each"
+        " figure the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
         "",
+        *_busy(results),
         "| workload | candidates | sweep's best (ms/step) | sweep's worst | tuner's choices (sweep ms / best) |"
         " tuning cost: s (CPU s), trials | in sweeps' worth of steps |",
         "|---|---|---|---|---|---|---|",
@@ -247,6 +249,19 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _busy(results: dict[str, Any]) -> list[str]:
+    """A warning when other jobs loaded the machine (a load average above its core count) at the start or the end."""
+    cores = results["machine"].get("cpu_cores") or 1
+    loads = [*(results["machine"].get("load_average") or []), *(results.get("load_end") or [])]
+    if not loads or max(loads) <= cores:
+        return []
+    return [
+        f"**The machine was shared with other jobs during this run (load average up to {max(loads):.0f} on {cores}"
+        " cores): the step times carry their noise, and a comparison within 5% means little.**",
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="every code path once on tiny workloads (CI smoke)")
@@ -286,6 +301,7 @@ def main() -> None:
         records = [json.loads(line) for line in records_file.read_text().splitlines()]
         results = collect(records, warmup)
         results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=time.perf_counter() - start)
+        results["load_end"] = list(os.getloadavg())
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results, args)
     if str(args.docs) != "-":
