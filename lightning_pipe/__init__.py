@@ -12,16 +12,12 @@ from lightning_pipe.errors import (
     PipelinePeerFailure,
     PipelineUsageError,
 )
-from lightning_pipe.reliability import watchdog
 from lightning_pipe.strategy import PipelineParallelStrategy
 from lightning_pipe.tune import SearchSpace, TuneResult, tune
 
 # Lightning has no entry-point discovery for strategies: registering on import is what makes the string work.
 if PipelineParallelStrategy.strategy_name not in StrategyRegistry:
     PipelineParallelStrategy.register_strategies(StrategyRegistry)
-
-# A rank started by Lightning's launcher or torchrun ends when its launcher does, from now on (docs/reliability.md).
-watchdog.start_if_launched()
 
 __all__ = [
     "MicrobatchError",

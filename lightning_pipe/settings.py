@@ -224,6 +224,22 @@ def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: str) -> 
         )
 
 
+def check_max_restarts(max_restarts: object) -> None:
+    if not _is_int(max_restarts) or max_restarts < 0:  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`max_restarts={max_restarts!r}` must be an int >= 0: how many times Lightning's launcher starts every"
+            " rank again after a failure (0: never). Under torchrun, pass `--max-restarts` to torchrun instead."
+        )
+
+
+def check_async_checkpoint(async_checkpoint: object) -> None:
+    if not isinstance(async_checkpoint, bool):
+        raise PipelineConfigError(
+            f"`async_checkpoint={async_checkpoint!r}` must be True (a save blocks the step only while the state is"
+            " copied to host memory; a thread writes it) or False (a save returns once written)."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- the settings
 @dataclass(frozen=True)
 class PipelineSettings:
@@ -254,6 +270,10 @@ class PipelineSettings:
     activation_checkpointing: int = 0
     #: ``torch.compile`` options of every block (``None``: not compiled)
     compile: Optional[dict[str, Any]] = None
+    #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
+    max_restarts: int = 0
+    #: checkpoints written by a thread after a copy to host memory
+    async_checkpoint: bool = False
     #: the processes of the run; ``None`` until :meth:`resolve`
     world_size: Optional[int] = None
 
@@ -271,6 +291,8 @@ class PipelineSettings:
         check_inner_axis(self.inner_axis)
         compile_options = resolve_compile(self.compile)
         check_compile_schedule(compile_options, canonical_schedule(self.schedule))
+        check_max_restarts(self.max_restarts)
+        check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": canonical_schedule(self.schedule),
             "frontend": "modules" if self.frontend == "auto" else self.frontend,
@@ -282,6 +304,14 @@ class PipelineSettings:
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
+
+    def tuned(self, **changes: Any) -> PipelineSettings:
+        """A copy with ``changes`` (what the tuner chose), validated; only before the processes start."""
+        if self.resolved:
+            raise PipelineUsageError(
+                "The strategy's settings are fixed once its Trainer has started; tune before `trainer.fit`."
+            )
+        return dataclasses.replace(self, **changes)
 
     def resolve(self, world_size: int) -> PipelineSettings:
         """A copy with ``pipeline_size``, ``schedule`` and ``stages_per_rank`` decided for ``world_size`` processes."""

@@ -23,25 +23,25 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe.checkpoint import io as ckpt_io
 from lightning_pipe.checkpoint import optim as ckpt_optim
+from lightning_pipe.checkpoint import resume as ckpt_resume
 from lightning_pipe.checkpoint.hooks import CheckpointHooks
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.measure.memory import MemoryReport, SavedBytesRecorder, state_bytes
+from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
-from lightning_pipe.reliability import failures
+from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
-from lightning_pipe.scope import ignoring, replaced
+from lightning_pipe.scope import quieter_warnings, replaced
 from lightning_pipe.settings import (
     DEFAULT_TIMEOUT,
     DP,
@@ -99,8 +99,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         process_group_backend: ``torch.distributed`` backend. Default ``None``: ``"cpu:gloo,cuda:nccl"`` on CUDA,
             ``gloo`` on CPU.
         timeout: Timeout of collective and point-to-point operations. Default 10 minutes (docs/reliability.md).
-        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file or a lightning-pipe checkpoint
-            directory, each rank reading only its stages' tensors. Default ``None``: the model's own init.
+        init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file, a lightning-pipe checkpoint
+            directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
+            tensors. Default ``None``: the model's own init.
         eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
             process of the pipeline.
         data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
@@ -108,9 +109,12 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
-        compile: ``torch.compile`` each block of this rank's stages (names unchanged): ``True``, or a dict of
-            ``torch.compile`` options (``mode``, ``backend``, ``fullgraph``, ``dynamic``, ``options``). Not with
-            ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV`` (docs/compile.md). Default ``False``.
+        compile: ``torch.compile`` each block in place: ``True`` or a dict of its options (``mode``, ``backend``, ...);
+            not with the schedules that split the backward (docs/compile.md). Default ``False``.
+        max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
+            time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
+        async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
+            memory. Default ``False``.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -138,6 +142,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
         compile: Union[bool, dict[str, Any]] = False,
+        max_restarts: NonNegativeInt = 0,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.
@@ -154,11 +160,14 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._wrapped = Wrapped()
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
+        self._load_peak: Optional[PeakMemory] = None  # measured while `init_weights` was loaded
         self._rng = RngStreams()
         self._init_recording: Optional[InitRecording] = None
         #: what this Trainer entry installed on the user's objects, undone at teardown
         self._run = ExitStack()
         self.num_nodes = 1
+        # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
+        watchdog.start_if_launched()
 
     # ------------------------------------------------------------------ settings and topology
     @property
@@ -221,18 +230,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
         return list(self._wrapped.checkpointed)
 
-    @property
-    def compiled_blocks(self) -> list[str]:
-        """Names (in the network) of this rank's blocks compiled with ``torch.compile`` (``""``: a whole stage)."""
-        return list(self._wrapped.compiled)
-
     def apply_tuned(self, **settings: Any) -> None:
         """Replace settings before the Trainer's first entry (what :func:`lightning_pipe.tune.tune` chose)."""
-        if self._settings.resolved:
-            raise PipelineUsageError(
-                "The strategy's settings are fixed once its Trainer has started; tune before `trainer.fit`."
-            )
-        self._settings = dataclasses.replace(self._settings, **settings)
+        self._settings = self._settings.tuned(**settings)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -272,7 +272,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
 
     def make_launcher(self) -> PipelineLauncher:
         assert self.cluster_environment is not None
-        return PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._settings.timeout)
+        environment, settings = self.cluster_environment, self._settings
+        restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
+        return PipelineLauncher(environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find)
 
     @override
     @failures.in_phase("during start-up")
@@ -286,6 +288,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         kwargs: dict[str, Any] = {"timeout": self._settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if (store := restart.attempt_store(self._settings.timeout)) is not None:
+            kwargs["store"] = store  # a restarted torchrun worker: this attempt's keys only
         pl_compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._settings = dataclasses.replace(self._settings, process_group_backend=backend).resolve(self.world_size)
         self._mesh = self._meshes.build(self._settings, self.root_device.type)
@@ -340,21 +344,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._settings.init_weights is not None:
-            ckpt_io.load_weights(
-                self._settings.init_weights,
-                self.checkpoint_topology(),
-                self.model,
-                network_prefix=split.prefix,
-                strict=module.strict_loading,
-            )
+            self._load_peak = self.load_initial_weights(self._settings.init_weights, split.prefix)
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
-        params = dict(module.named_parameters(remove_duplicate=False))
-        ties = self._tie_groups.copies(
-            self._mesh, self._meshes.layout, split.ties, split.stage_ranks, params, split.prefix
-        )
-        for tie in ties:
-            tie.agree()  # copies initialised per module (meta construction) start from the first stage's values
+        ties = self._tie_groups.copies(self._mesh, self._meshes.layout, split, module)
         # Sharded gradients: the squares of every rank's shard add up over the whole world.
         norm_group = self._world if self._wrapped.sharded else self.pipeline_group
         self._gradients = StageGradients(module, ties, self.data_parallel_group, norm_group, self._wrapped.sharded)
@@ -367,15 +360,11 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         # Lightning clips with the norm of this rank's gradients; the right norm spans every stage. Scoped to this
         # entry: the plugin may be the user's object, reused by another Trainer.
         self._run.enter_context(replaced(self.precision_plugin, "clip_grad_by_norm", self._gradients.clip))
-        if self.data_parallel_size == 1:
-            # Every rank logs the same values of one batch: Lightning's advice to sync them across devices is noise.
-            self._run.enter_context(ignoring(SYNC_DIST_ADVICE, PossibleUserWarning))
-        if self.global_rank != 0:
-            # Libraries' deprecation notices are the same on every rank: rank 0 shows them once.
-            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
-                self._run.enter_context(ignoring("", category))
+        self._run.enter_context(quieter_warnings(self.global_rank, replicated=self.data_parallel_size > 1))
         # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
+        resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
+        self.open_checkpoints(trainer, self._rng, self._settings.async_checkpoint, resumed_from)
         announce_parameters(trainer, module, self.pipeline_group, split)
 
     @property
@@ -391,7 +380,6 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             split.block_names,
             checkpoint_every=self._settings.activation_checkpointing,
             compile_options=self._settings.compile,
-            device=self.root_device,
             dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
             sharded_over=split.sharded_over,
         )
@@ -468,7 +456,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def memory_report(self) -> MemoryReport:
         """What this rank holds: parameter, gradient and optimizer-state bytes now, bytes saved for backward per
         microbatch by each local stage (measured on the first training forward), and the peak allocated while its
-        stages were built (``configure_model`` construction). Logged once, after the first optimizer step."""
+        stages were built (``configure_model`` construction) and while ``init_weights`` was loaded. Logged once, after
+        the first optimizer step."""
         assert self._split is not None
         return MemoryReport(
             rank=self.global_rank,
@@ -476,6 +465,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
+            load_peak=self._load_peak,
         )
 
     @contextmanager
@@ -513,6 +503,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return outcome.output if engine.runtime.has_last or outcome.output_shared else None
 
     # ------------------------------------------------------------------ checkpoints (lightning_pipe.checkpoint.hooks)
+    def checkpoint_network(self) -> tuple[str, Optional[torch.nn.Module]]:
+        return (self._split.network_attr, self._split.network) if self._split is not None else ("", None)
+
     def checkpoint_topology(self) -> ckpt_io.Topology:
         aliases = tied.aliases(self._split.ties, self._split.prefix) if self._split is not None else {}
         return ckpt_io.Topology(
@@ -560,6 +553,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
+        self.close_checkpoints()  # pending saves complete (or are dropped after a failure)
         # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
         self._run.close()
         for recorder in self._saved.values():
@@ -576,7 +570,3 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         strategy_registry.register(
             cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed.pipelining)"
         )
-
-
-#: Lightning's advice (a PossibleUserWarning) to pass `sync_dist=True` for values logged on epoch level.
-SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)`"

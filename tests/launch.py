@@ -48,7 +48,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **THREADS, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
 
 
-_PORT_CLASH = ("EADDRINUSE", "address already in use", "Address already in use")
+_PORT_CLASH = (
+    "EADDRINUSE",
+    "address already in use",
+    "Address already in use",
+    "failed to listen on any local network address",  # the c10d store could not bind its port
+)
 
 
 def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

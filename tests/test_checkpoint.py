@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pipe import PipelineCheckpointError, PipelineParallelStrategy
-from lightning_pipe.checkpoint import convert, io, optim
+from lightning_pipe.checkpoint import convert, io, optim, save
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint.__main__ import main as cli
 from tests.launch import agreed_errors, run_script
@@ -183,12 +183,12 @@ def test_remove_renames_before_deleting_and_refuses_transient(tmp_path):
     (ckpt / "sub").mkdir(parents=True)
     link = tmp_path / "last.ckpt"
     os.symlink(ckpt, link)
-    io.remove(link, "aa")
+    save.remove(link, "aa")
     assert not link.exists() and ckpt.is_dir()  # a link goes, not what it points at
-    io.remove(ckpt, "bb")
+    save.remove(ckpt, "bb")
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(PipelineCheckpointError, match="belongs to a save or removal in progress"):
-        io.remove(tmp_path / "x.ckpt.tmp-12", "cc")
+        save.remove(tmp_path / "x.ckpt.tmp-12", "cc")
 
 
 def test_commit_replaces_previous_only_after_rename(tmp_path):
@@ -197,8 +197,9 @@ def test_commit_replaces_previous_only_after_rename(tmp_path):
     (path / "old").write_text("old")
     tmp.mkdir()
     (tmp / "new").write_text("new")
-    io._commit(tmp, path, "1")
+    save.commit(tmp, path, "1", {"format": fmt.FORMAT_NAME})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"] and (path / "new").exists()
+    assert (path / fmt.MANIFEST).is_file()  # written before the rename
 
 
 def test_load_weights_errors_single_process(tmp_path):
@@ -369,8 +370,11 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_resumable(tmp_path):
     proc = run_script("ckpt_kill.py", str(tmp_path), "crash", nprocs=2, launcher="torchrun", expect_failure=True)
     assert "exitcode: -9" in proc.stderr  # rank 1 died of SIGKILL
     ckpts = tmp_path / "kill"
-    leftovers = [p.name for p in ckpts.iterdir() if fmt.is_transient(p)]
-    assert len(leftovers) == 1 and leftovers[0].startswith("last.ckpt.tmp-")
+    leftovers = sorted(p.name for p in ckpts.iterdir() if fmt.is_transient(p))
+    # The interrupted save, and the epoch's other save, which waited for its resume point (taken when training goes
+    # on, docs/checkpoints.md#atomic-saves): neither was renamed into place.
+    assert len(leftovers) == 2 and leftovers[0].startswith("epoch=1-step=6.ckpt.tmp-")
+    assert leftovers[1].startswith("last.ckpt.tmp-") and not (ckpts / "epoch=1-step=6.ckpt").exists()
     assert torch.load(ckpts / "last.ckpt" / fmt.TRAINER_STATE, weights_only=False)["global_step"] == 3
 
     run_script("ckpt_kill.py", str(tmp_path), "resume", nprocs=2, launcher="torchrun")

@@ -69,6 +69,8 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "inner_axis": "pp",
         "activation_checkpointing": 2,
         "compile": {"mode": "max-autotune-no-cudagraphs"},
+        "max_restarts": 0,
+        "async_checkpoint": True,
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy

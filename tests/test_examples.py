@@ -156,3 +156,35 @@ def test_migrate_before_and_after_match(tmp_path: Path) -> None:
     assert got == pytest.approx(expected, rel=1e-4)
     assert expected[-1] < expected[0]
     assert (tmp_path / "dcp" / ".metadata").exists()
+
+
+def test_hf_finetune_example(tmp_path: Path) -> None:
+    """The README's four commands: a pretrained directory, fine-tuned from it, exported, read by from_pretrained."""
+    pytest.importorskip("transformers")
+    example = EXAMPLES / "hf_finetune"
+    pretrained = tmp_path / "pretrained"
+    run_example(example / "pretrained.py", str(pretrained))
+    assert len(list(pretrained.glob("*.safetensors"))) > 1
+    run_example(
+        example / "train.py",
+        *fit_args(
+            "hf_finetune",
+            tmp_path,
+            f"--model.pretrained={pretrained}",
+            f"--trainer.strategy.init_args.init_weights={pretrained}",
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=2",
+        ),
+    )
+    metrics = logged(tmp_path)
+    assert len(metrics["train_loss"]) == 2 and len(metrics["val_loss"]) == 2
+    # the example's pretrained weights are random: near ln(256) = 5.5, and 4 steps move the loss down
+    assert metrics["val_loss"][-1] < metrics["val_loss"][0] < 5.6
+    (checkpoint,) = tmp_path.rglob("last.ckpt")
+    exported = tmp_path / "fine-tuned"
+    run_example(ROOT / "lightning_pipe" / "checkpoint" / "__main__.py", "export-hf", str(checkpoint), str(exported))
+    out = run_example(example / "evaluate.py", str(pretrained), str(exported))
+    losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "held-out loss" in line]
+    assert len(losses) == 2 and losses[1] < losses[0]

@@ -14,15 +14,18 @@ import time
 import traceback
 from datetime import timedelta
 
+import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
 
+import lightning_pipe
 from lightning_pipe import PipelinePeerFailure
-from lightning_pipe.reliability import failures
+from lightning_pipe.reliability import failures, watchdog
 from lightning_pipe.reliability.board import Board, Failure, describe_exit, pid_alive
 from tests.faults import ACTIONS, LAUNCHERS, ci_matrix, run_fault, scenario_id
 from tests.launch import clean_env, free_port, run_script
+from tests.models import LitLM, quiet_trainer
 
 # ---------------------------------------------------------------------------------------------------- reports (pure)
 
@@ -290,3 +293,95 @@ def test_ci_matrix_covers_every_phase_action_launcher_and_rank():
     combos = {(launcher, action, rank) for launcher in LAUNCHERS for action in ACTIONS for rank in (0, 1)}
     assert {(launcher, c["action"], c["rank"]) for launcher, c in two} == combos
     assert {c["phase"] for _, c in four} == phases and {c["rank"] for _, c in four} == {0, 1, 2, 3}
+
+
+# ---------------------------------------------------------------------------------------------------- nesting, blame
+
+
+def test_a_ranks_own_communication_error_is_reported_as_its_own(store):
+    """An error a rank's own collective raises (it names NCCL or gloo, but no peer is gone) is that rank's failure:
+    recorded for the others and raised as it is, even when a peer's failure happens to be on the board."""
+    own = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1234, invalid usage, NCCL version 2.21.5")
+    size = RuntimeError("[enforce fail at gloo/allreduce.cc:40] inputs.size() == outputs.size(). 2 vs 1")
+    assert not failures.is_broken_connection(own) and not failures.is_broken_connection(size)
+    assert not failures.is_broken_connection(RuntimeError("DataLoader worker (pid 12) timed out after 5 seconds"))
+    assert failures.is_broken_connection(RuntimeError("NCCL communicator was aborted on rank 1."))
+    # Rank 0 hosting the store could not bind its port: its own failure, not a peer's (seen under a loaded machine).
+    bind = dist.DistNetworkError("The server socket has failed to listen on any local network address. port: 39067")
+    assert not failures.is_broken_connection(bind)
+    failures.describe(0, [0])
+    Board.connect(2).record(failures.entry_index() + 1, Failure(1, (1,), "during training", "ValueError: theirs"))
+    with pytest.raises(RuntimeError, match="invalid usage"):
+        with failures.entry():
+            raise own
+    assert Board.connect(2).first(failures.entry_index()).rank == 1  # the board's first stays: first writer wins
+    with pytest.raises(RuntimeError, match="inputs.size"):
+        with failures.entry():
+            raise size
+    assert Board.connect(2).first(failures.entry_index()).sentence().startswith("Rank 0 (pipeline stage 0) failed")
+
+
+def test_an_inner_entry_gives_the_outer_one_its_state_back():
+    outer, inner = object(), object()
+    with failures.entry(outer):
+        index = failures.entry_index()
+        with failures.phase("while saving a checkpoint"):
+            with failures.entry(inner):
+                assert failures.entry_index() == index + 1 and failures.current_phase() == "during start-up"
+            assert failures.in_entry() and failures.entry_index() == index
+            assert failures.current_phase() == "while saving a checkpoint"
+        with pytest.raises(ValueError):
+            with failures.entry(inner):
+                raise ValueError("caught by the outer run")
+        assert failures.in_entry() and failures.reported_at() is None and failures.entry_index() == index
+    assert not failures.in_entry()
+
+
+class InnerTrainer(L.Callback):
+    """Runs a whole Trainer of its own inside the outer run's first training batch."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx:
+            return
+        before = (failures.in_entry(), failures.entry_index(), failures.current_phase())
+        inner = quiet_trainer(strategy=lightning_pipe.PipelineParallelStrategy(), devices=1, max_steps=1)
+        inner.fit(LitLM(n_layers=2, samples=8))
+        self.seen = {"before": before, "after": (failures.in_entry(), failures.entry_index(), failures.current_phase())}
+
+
+def test_a_trainer_inside_a_callback_does_not_clear_the_outer_runs_failure_state():
+    callback = InnerTrainer()
+    outer = quiet_trainer(
+        strategy=lightning_pipe.PipelineParallelStrategy(), devices=1, max_steps=2, callbacks=[callback]
+    )
+    outer.fit(LitLM(n_layers=2, samples=16))
+    assert callback.seen["before"] == callback.seen["after"]
+    assert callback.seen["after"][0] and callback.seen["after"][2] == "during training"
+
+
+def test_launches_register_one_exit_handler(monkeypatch):
+    registered = []
+    monkeypatch.setattr(watchdog.atexit, "register", registered.append)
+    monkeypatch.setattr(watchdog, "_JOIN_REGISTERED", False)
+    monkeypatch.setattr(watchdog, "start", lambda: None)
+    monkeypatch.setattr(watchdog, "_WATCH", watchdog._Watch(None))
+    for _ in range(3):
+        watchdog.watch_children([], 1, timedelta(seconds=5))
+    assert len(registered) == 1 and watchdog._WATCH.join_timeout == 5.0
+
+
+@pytest.mark.slow
+def test_the_watchdog_starts_with_the_strategy_not_on_import():
+    code = (
+        "import threading, lightning_pipe\n"
+        "names = lambda: [t.name for t in threading.enumerate()]\n"
+        "print('import', 'lightning-pipe-watchdog' in names())\n"
+        "lightning_pipe.PipelineParallelStrategy()\n"
+        "print('strategy', 'lightning-pipe-watchdog' in names())\n"
+    )
+    env = clean_env(TORCHELASTIC_RUN_ID="x", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "import False" in out and "strategy True" in out

@@ -7,8 +7,7 @@ import warnings
 import pytest
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lightning_pipe.scope import ignoring, replaced
-from lightning_pipe.strategy import SYNC_DIST_ADVICE
+from lightning_pipe.scope import SYNC_DIST_ADVICE, ignoring, replaced
 
 
 class _Plugin:

@@ -167,3 +167,26 @@ def test_out_of_memory_while_tracing_is_reported_as_out_of_memory(monkeypatch):
     monkeypatch.setattr(pipelining, "pipeline", unreadable)
     with pytest.raises(PipelineModelError, match="torch's tracer could not split TinyLM"):
         trace_stages(TinyLM(n_layers=2), (torch.zeros(2, 4, dtype=torch.long),), {}, ["layers.1"])
+
+
+@pytest.mark.parametrize("pipeline_size", [1, 2])
+def test_a_tie_inside_one_stage_stays_one_parameter_after_meta_construction(pipeline_size):
+    """``to_empty`` gives each name of a meta-device parameter its own tensor: a tie inside one stage (an embedding
+    and its head on a one-stage pipeline) is made one Parameter again; a tie across stages stays a copy per stage."""
+    from tests.hf_models import build
+
+    class Lit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = build("llama", True, layers=2)
+
+    lm = Lit()
+    split = _build(lm, pipeline_size=pipeline_size)
+    names = dict(lm.model.named_parameters(remove_duplicate=False))
+    if pipeline_size == 1:
+        assert names["lm_head.weight"] is names["model.embed_tokens.weight"] and not split.ties
+    else:
+        assert "lm_head.weight" not in names and [t.names for t in split.ties] == [
+            ("model.embed_tokens.weight", "lm_head.weight")
+        ]

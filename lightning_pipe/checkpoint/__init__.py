@@ -3,8 +3,13 @@
 - :mod:`lightning_pipe.checkpoint.format`: the directory layout, manifest and pure checks.
 - :mod:`lightning_pipe.checkpoint.optim`: optimizer state keyed by parameter name, and its mapping to and from one
   device's form (parameters by position in ``configure_optimizers``' order).
-- :mod:`lightning_pipe.checkpoint.io`: collective save/load used by ``PipelineParallelStrategy``, including resuming
-  ``fit`` from a single-device ``.ckpt``.
+- :mod:`lightning_pipe.checkpoint.save`: a save in two halves (the state, synchronous or asynchronous, and every
+  rank's resume point), committed when both are on disk.
+- :mod:`lightning_pipe.checkpoint.io`: collective load used by ``PipelineParallelStrategy``, including resuming ``fit``
+  from a single-device ``.ckpt``.
+- :mod:`lightning_pipe.checkpoint.latest` and :mod:`lightning_pipe.checkpoint.resume`: the newest complete checkpoint
+  a restarted run resumes from; one Trainer entry's checkpoint session.
+- :mod:`lightning_pipe.checkpoint.hooks`: the strategy's checkpoint hooks.
 - :mod:`lightning_pipe.checkpoint.convert`: ``python -m lightning_pipe.checkpoint`` (consolidate to one ``.ckpt``,
   optionally with optimizer state).
 """

@@ -24,6 +24,7 @@ import torch
 
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
+from lightning_pipe.checkpoint.huggingface import RECORD
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
@@ -48,6 +49,8 @@ def inspect(path: Path) -> dict[str, Any]:
     model = [k for k in keys if k.startswith(fmt.MODEL_PREFIX)]
     if fmt.PARAM_GROUPS in manifest:  # names of every parameter: sizes are what a reader can check at a glance
         manifest[fmt.PARAM_GROUPS] = [[len(g) for g in groups] for groups in manifest[fmt.PARAM_GROUPS]]
+    if RECORD in manifest:  # the whole config is for export-hf; the class says what it is
+        manifest[RECORD] = {k: manifest[RECORD].get(k) for k in ("class", "attribute")}
     return {**manifest, "model_entries": len(model), "optimizer_entries": len(keys) - len(model)}
 
 
@@ -86,33 +89,42 @@ def load_model_weights(path: Path, progress: bool = False, chunk_bytes: int = CH
 def load_entries(path: Path, prefix: str, progress: bool = False, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Every DCP entry of the checkpoint directory ``path`` whose key starts with ``prefix``, keyed without it (CPU)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm import tqdm
 
-    reader_meta = dcp.FileSystemReader(path).read_metadata()
-    keys = [k for k in reader_meta.state_dict_metadata if k.startswith(prefix)]
-    chunks = list(_chunks(reader_meta, keys, chunk_bytes))
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    keys = [k for k in metadata.state_dict_metadata if k.startswith(prefix)]
     entries: dict[str, Any] = {}
-    total = sum(size for _, size in chunks)
+    total = sum(size for _, size in _chunks(metadata, keys, chunk_bytes))
     desc = "consolidating" if prefix == fmt.MODEL_PREFIX else f"consolidating {prefix.rstrip('.')}"
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, file=sys.stderr) as bar:
-        for chunk, size in chunks:
-            target: dict[str, Any] = {}
-            for key in chunk:
-                meta = reader_meta.state_dict_metadata[key]
-                name = key[len(prefix) :]
-                if isinstance(meta, TensorStorageMetadata):
-                    target[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
-                else:
-                    target[name] = None  # DCP replaces a non-tensor entry by its stored value
-            state = {prefix.rstrip("."): target}
-            with warnings.catch_warnings():
-                # "assuming the intent is to load in a single process": it is.
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-            entries.update(state[prefix.rstrip(".")])
+        for chunk, size in read_entries(path, keys, chunk_bytes, metadata):
+            entries.update((key[len(prefix) :], value) for key, value in chunk.items())
             bar.update(size)
     return entries
+
+
+def read_entries(
+    path: Path, keys: list[str], chunk_bytes: int = CHUNK_BYTES, metadata: Any = None
+) -> Iterator[tuple[dict[str, Any], int]]:
+    """The DCP entries ``keys`` (full keys) of the checkpoint directory ``path`` on the CPU, in order, read about
+    ``chunk_bytes`` at a time: yields ``({key: value}, bytes)`` per chunk (a larger tensor is a chunk of its own)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = metadata if metadata is not None else dcp.FileSystemReader(path).read_metadata()
+    for chunk, size in _chunks(metadata, keys, chunk_bytes):
+        state: dict[str, Any] = {}
+        for key in chunk:
+            meta = metadata.state_dict_metadata[key]
+            if isinstance(meta, TensorStorageMetadata):
+                state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            else:
+                state[key] = None  # DCP replaces a non-tensor entry by its stored value
+        with warnings.catch_warnings():
+            # "assuming the intent is to load in a single process": it is.
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        yield state, size
 
 
 def load_optimizer_states(path: Path, progress: bool = False, weights_only: bool | None = None) -> dict[str, Any]:

@@ -7,6 +7,8 @@ Pure functions over paths, dicts, key names and shapes; no process group. A chec
                                 ("optimizer_<i>.state.<fqn>.<name>", "optimizer_<i>.param_groups.<fqn>.<name>") entries
     trainer.pt                  everything else Lightning checkpoints (loops, callbacks, hyperparameters, ...)
     lr_schedulers/rank<p>.pt    the LR scheduler state dicts of pipeline rank ``p`` (``torch.save``)
+    resume/rank<r>.pt           global rank ``r``'s resume point: its random streams and data-loader epoch starts
+                                where training continued after the save (lightning_pipe.reliability.loaders)
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ ALIASES = "tied_aliases"
 #: Absent from checkpoints without optimizer state and from those written before it was recorded: readers of format
 #: version 1 ignore keys they do not know, so adding it needed no new version.
 PARAM_GROUPS = "optimizer_param_groups"
+#: Manifest keys (also unknown to older readers of version 1): the trainer's progress and the time of the save (what
+#: a restarted run compares to find the newest checkpoint), and the per-rank resume point files.
+GLOBAL_STEP = "global_step"
+EPOCH = "epoch"
+SAVED_AT = "saved_at"
+RESUME_FILES = "resume_files"
+RESUME_DIR = "resume"
+#: Manifest key (unknown to older readers too): a transformers network's class, config, generation config and the
+#: LightningModule's attribute holding it (:func:`lightning_pipe.checkpoint.huggingface.network_record`): what
+#: ``export-hf`` writes ``config.json`` from.
+NETWORK_RECORD = "huggingface"
 #: Suffixes of the sibling directories a save or removal goes through; none of them is ever a checkpoint to load.
 _TRANSIENT = re.compile(r"\.(tmp|old|trash)-[0-9a-f]+$")
 
@@ -65,8 +78,28 @@ def leftovers(path: Path, kinds: Sequence[str] = ("tmp", "trash")) -> list[Path]
     return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name))
 
 
+def checkpoint_name(path: Path) -> Path:
+    """The checkpoint a transient directory belongs to (``last.ckpt`` for ``last.ckpt.tmp-1a2b``)."""
+    path = Path(path)
+    return path.with_name(_TRANSIENT.sub("", path.name))
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a save's temporary directory (``<name>.tmp-<id>``)."""
+    return bool(re.search(r"\.tmp-[0-9a-f]+$", Path(path).name))
+
+
+def is_trash(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint being deleted (``<name>.trash-<id>``)."""
+    return bool(re.search(r"\.trash-[0-9a-f]+$", Path(path).name))
+
+
 def scheduler_file(pipeline_rank: int) -> str:
     return f"{SCHEDULER_DIR}/rank{pipeline_rank}.pt"
+
+
+def resume_file(global_rank: int) -> str:
+    return f"{RESUME_DIR}/rank{global_rank}.pt"
 
 
 # ---------------------------------------------------------------------------------------------------- manifest
@@ -170,7 +203,8 @@ def missing_files(path: Path, manifest: Mapping[str, Any], storage: Iterable[tup
     """Problems with the files of checkpoint ``path``: listed ones that are missing, shards shorter than the metadata
     says (``storage``: ``(relative file, end offset)`` for every stored item)."""
     problems = []
-    for name in (TRAINER_STATE, DCP_METADATA, *manifest.get("lr_scheduler_files", [])):
+    listed = (*manifest.get("lr_scheduler_files", []), *manifest.get(RESUME_FILES, []))
+    for name in (TRAINER_STATE, DCP_METADATA, *listed):
         if not (path / name).is_file():
             problems.append(f"{name} is missing")
     ends: dict[str, int] = {}

@@ -4,7 +4,8 @@ do under a pipeline, on each rank.
 :class:`CheckpointHooks` is a mixin of ``PipelineParallelStrategy``: it uses the public ``Strategy`` API
 (``broadcast``, ``lightning_module``, ``model``, ``optimizers``, ``is_global_zero``) and the strategy's
 :meth:`CheckpointHooks.checkpoint_topology` (where this process sits, which stages it holds, the aliases of tied
-parameters).
+parameters). Per Trainer entry the strategy opens a :class:`~lightning_pipe.checkpoint.resume.CheckpointSession`
+(:meth:`CheckpointHooks.open_checkpoints`) and closes it at teardown (:meth:`CheckpointHooks.close_checkpoints`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,87 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import io, optim
+from lightning_pipe.checkpoint import huggingface as hf
+from lightning_pipe.checkpoint import io, optim, resume, save
+from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.reliability import failures
 
 
 class CheckpointHooks:
     """Checkpoints as directories of per-rank ``torch.distributed.checkpoint`` shards (docs/checkpoints.md)."""
 
+    _checkpoints: Optional[resume.CheckpointSession] = None
+    _write_group: Optional[tuple[Any, Any]] = None
+    _streams: Any = None
+
     def checkpoint_topology(self) -> io.Topology:
         """Where this process sits, as the checkpoint code needs it (implemented by the strategy)."""
         raise NotImplementedError
+
+    def checkpoint_network(self) -> tuple[str, Optional[nn.Module]]:
+        """The LightningModule's attribute holding the pipelined network (``""``: the module itself) and the network
+        (``None`` before the split; implemented by the strategy)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ one Trainer entry
+    def open_checkpoints(self, trainer: Any, streams: Any, asynchronous: bool, resumed_from: Optional[str]) -> None:
+        """Start this entry's checkpoint session (collective, in ``setup``): ``streams`` are the random streams a
+        resume point keeps; ``resumed_from`` is where the launcher resumed a restarted ``fit`` (checked to be the
+        same on every rank)."""
+        from lightning_pipe.comm import collectives
+
+        topology = self.checkpoint_topology()
+        group = None
+        if asynchronous:
+            world = collectives.world_group()
+            if self._write_group is None or self._write_group[0] is not world:  # one per process group
+                self._write_group = (world, resume.write_group(resume.writer_ranks(topology)))
+            group = self._write_group[1]
+        device = self.root_device  # type: ignore[attr-defined]
+        self._streams = streams
+        self._checkpoints = resume.CheckpointSession(trainer, self.checkpoint_topology, streams, device, group)
+        if resumed_from is not None:
+            resume.check_same_resume(resumed_from)
+        resume.record_run(trainer, topology.world_size, topology.global_rank)
+
+    def close_checkpoints(self) -> None:
+        """End of the entry (teardown): pending saves complete, or are dropped after a failure."""
+        session, self._checkpoints = self._checkpoints, None
+        if session is not None:
+            session.finish()
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """A training loader gets its stand-in (:mod:`lightning_pipe.reliability.loaders`): exact mid-epoch resume."""
+        return self._checkpoints.stand_in(dataloader) if self._checkpoints is not None else dataloader
+
+    @override
+    def on_train_end(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.end_of_training()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.failed = True  # no collective may run any more: pending saves are dropped
+
+    def load_initial_weights(self, source: Path, network_prefix: str) -> PeakMemory:
+        """Load ``init_weights`` into this rank's stages (each rank reads only its own tensors, in the precision's
+        dtype); returns the peak memory of the load."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        with PeakMemory(self.root_device) as peak:  # type: ignore[attr-defined]
+            io.load_weights(
+                source,
+                self.checkpoint_topology(),
+                self.model,  # type: ignore[attr-defined]
+                network_prefix=network_prefix,
+                strict=module.strict_loading,
+                precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
+            )
+        return peak
 
     @property
     @override
@@ -73,7 +143,14 @@ class CheckpointHooks:
         module = self.lightning_module  # type: ignore[attr-defined]
         cls = type(module)
         groups = optim.recorded_param_groups(module)
-        io.save(checkpoint, path, self.checkpoint_topology(), token, f"{cls.__module__}.{cls.__qualname__}", groups)
+        session = self._checkpoints
+        if session is None:  # between Trainer entries (`trainer.save_checkpoint` after `fit`): written at once
+            device = self.root_device  # type: ignore[attr-defined]
+            session = resume.CheckpointSession(module.trainer, self.checkpoint_topology, self._streams, device)
+            session.training_over = True
+        attribute, network = self.checkpoint_network()
+        record = hf.network_record(network, attribute) if network is not None else None  # for export-hf
+        session.save(checkpoint, path, token, f"{cls.__module__}.{cls.__qualname__}", groups, record)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -85,10 +162,24 @@ class CheckpointHooks:
         model, optimizers, topology = self.model, self.optimizers, self.checkpoint_topology()  # type: ignore[attr-defined]
         strict = module.strict_loading
         fitting = module.trainer.state.fn == TrainerFn.FITTING
+        if self._checkpoints is not None:
+            self._checkpoints.writer.finish(None)  # a checkpoint being written is complete before any load
+        if not fitting and hf.is_hf_directory(path):
+            from lightning.pytorch import __version__
+
+            prefix = self.checkpoint_network()[0]
+            precision = self.precision_plugin.precision  # type: ignore[attr-defined]
+            prefix = f"{prefix}." if prefix else ""
+            io.load_weights(path, topology, model, network_prefix=prefix, strict=strict, precision=precision)
+            return {"pytorch-lightning_version": __version__}  # weights only: nothing else for Lightning to restore
         if path.is_dir() or not path.exists():
-            return io.load(
+            rest = io.load(
                 path, topology, model, optimizers if fitting else [], strict=strict, weights_only=weights_only
             )
+            point = rest.pop(io.RESUME_POINT, None)
+            if fitting and self._checkpoints is not None:
+                self._checkpoints.resume_from(point, path)
+            return rest
         if fitting:
             groups = optim.recorded_param_groups(module)
             return io.resume_from_file(
@@ -100,4 +191,8 @@ class CheckpointHooks:
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         """Delete a checkpoint directory (or file) on global rank 0; never a save's temporary directory."""
         if self.is_global_zero:  # type: ignore[attr-defined]
-            io.remove(Path(filepath), uuid.uuid4().hex[:12])
+            token = uuid.uuid4().hex[:12]
+            if self._checkpoints is not None:  # held back until every newer save is committed
+                self._checkpoints.writer.remove(Path(filepath), token)
+            else:
+                save.remove(Path(filepath), token)

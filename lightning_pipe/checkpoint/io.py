@@ -6,9 +6,7 @@ ranks only are agreed on (``_agree``) before any collective that would otherwise
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.comm import collectives
 from lightning_pipe.compat import torch as torch_compat
@@ -50,7 +49,7 @@ def _gather(obj: Any) -> list[Any]:
     return collectives.all_gather_object(obj, collectives.world_group())
 
 
-def _agree(problems: Sequence[str], what: str) -> None:
+def agree(problems: Sequence[str], what: str) -> None:
     """Raise the same error on every rank if any rank found a problem, so no rank waits in a later collective."""
     everyone = _gather(list(problems))
     ranks_of: dict[str, list[int]] = {}
@@ -62,7 +61,7 @@ def _agree(problems: Sequence[str], what: str) -> None:
         raise PipelineCheckpointError(f"{what}:\n" + "\n".join(lines))
 
 
-def _local(problems: list[str], fn: Any, *args: Any) -> Any:
+def local_step(problems: list[str], fn: Any, *args: Any) -> Any:
     """Run a local step; an error becomes a problem to agree on instead of an exception on this rank alone."""
     try:
         return fn(*args)
@@ -112,125 +111,8 @@ def _stored(metadata: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype] | No
     }
 
 
-def _storage_ends(metadata: Any) -> list[tuple[str, int]]:
+def storage_ends(metadata: Any) -> list[tuple[str, int]]:
     return torch_compat.storage_extents(metadata)
-
-
-# ---------------------------------------------------------------------------------------------------- save
-def save(
-    checkpoint: dict[str, Any],
-    path: Path,
-    topo: Topology,
-    token: str,
-    module_class: str,
-    param_groups: optim.ParamGroups | None = None,
-) -> None:
-    """Write Lightning's ``checkpoint`` dict as the directory ``path``; atomic: the directory appears complete or not
-    at all, and a previous checkpoint of the same name is replaced only once the new one is complete.
-
-    ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` hold this rank's entries
-    (:func:`model_state`, :func:`optimizer_state`); ``token`` is the same on every rank. ``param_groups``
-    (:func:`optim.full_param_groups`) goes into the manifest with optimizer states, for ``consolidate
-    --with-optimizer``.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    path = Path(path)
-    tmp = fmt.temporary_path(path, token)
-    problems: list[str] = []
-    if topo.global_rank == 0:
-        _local(problems, _prepare, path, tmp)
-    _agree(problems, f"Could not start saving checkpoint {str(path)!r}")
-
-    state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-    optimizer_states = checkpoint.pop("optimizer_states", None)
-    schedulers = checkpoint.pop("lr_schedulers", None)
-    for i, osd in enumerate(optimizer_states or []):
-        state[f"optimizer_{i}"] = osd
-    # Replicated stages hold identical states: only the first replica's pipeline writes. Sharded ones: every rank
-    # writes its shards (an entry several ranks hold whole, such as a step count, is written once).
-    if topo.sharded or topo.data_parallel_rank == 0:
-        group = collectives.world_group() if topo.sharded else topo.pipeline_group
-        # A one-rank pipeline of replicated stages writes alone.
-        alone = collectives.group_size(group) == 1
-        writer = dcp.FileSystemWriter(tmp)
-        _local(problems, lambda: dcp.save(state, storage_writer=writer, process_group=group, no_dist=alone))
-    if schedulers is not None and topo.data_parallel_rank == 0:
-        _local(problems, _save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
-    if topo.global_rank == 0:
-        manifest = fmt.build_manifest(
-            pipeline_size=topo.pipeline_size,
-            data_parallel_size=topo.data_parallel_size,
-            stages_per_rank=topo.stages_per_rank,
-            schedule=topo.schedule,
-            optimizers=len(optimizer_states or []),
-            lr_schedulers=schedulers is not None,
-            module_class=module_class,
-            param_groups=param_groups if optimizer_states else None,
-            aliases=topo.aliases,
-            sharded=topo.sharded,
-        )
-        _local(problems, _save_file, checkpoint, tmp / fmt.TRAINER_STATE)
-        # The manifest is written last: a directory without one was never completely written.
-        _local(problems, _write_manifest, manifest, tmp)
-    _agree(problems, f"Saving checkpoint {str(path)!r} failed; the previous checkpoint of that name is untouched")
-    if topo.global_rank == 0:
-        _local(problems, _commit, tmp, path, token)
-    _agree(problems, f"Could not move the saved checkpoint into place at {str(path)!r}")
-
-
-def _prepare(path: Path, tmp: Path) -> None:
-    # Leftovers of saves of this name that were killed: nothing can load them.
-    for stale in fmt.leftovers(path):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True)
-
-
-def _save_file(obj: Any, file: Path) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    with open(file, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_manifest(manifest: Mapping[str, Any], directory: Path) -> None:
-    with open(directory / fmt.MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _commit(tmp: Path, path: Path, token: str) -> None:
-    """Rename ``tmp`` to ``path``; a previous ``path`` is moved aside first and deleted only after the rename."""
-    old = None
-    if path.exists() or path.is_symlink():
-        old = fmt.replaced_path(path, token)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
-        _delete(old)
-
-
-def _delete(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
-def remove(path: Path, token: str) -> None:
-    """Delete a checkpoint (a directory, a file, or a link to either); a directory is first renamed to a transient
-    name, so an interrupted deletion never leaves a partial directory under a checkpoint's name."""
-    path = Path(path)
-    if fmt.is_transient(path):
-        raise PipelineCheckpointError(f"Refusing to remove {str(path)!r}: it belongs to a save or removal in progress.")
-    if path.is_dir() and not path.is_symlink():
-        trash = fmt.trash_path(path, token)
-        os.rename(path, trash)
-        shutil.rmtree(trash)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 # ---------------------------------------------------------------------------------------------------- load
@@ -252,12 +134,17 @@ def load(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
+    if hf.is_hf_directory(path):
+        raise PipelineCheckpointError(
+            f"{str(path)!r} is a Hugging Face model directory: it holds weights only, no optimizer or loop state to"
+            f" resume. Start a run from it with `PipelineParallelStrategy(init_weights={str(path)!r})`."
+        )
     problems: list[str] = []
     weights = model_state(module, topo.aliases)
     expected = _shapes("state_dict", weights)
     names = optim.param_names(module, topo.aliases)
-    found = _local(problems, _validate, path, expected, optimizers, names, topo, weights_only)
-    _agree(problems, f"Cannot load checkpoint {str(path)!r}")
+    found = local_step(problems, _validate, path, expected, optimizers, names, topo, weights_only)
+    agree(problems, f"Cannot load checkpoint {str(path)!r}")
     manifest, stored, schedulers, rest = found
     used = [k for rank_keys in _gather(list(expected)) for k in rank_keys]
     unexpected = fmt.unexpected_keys(stored, used)
@@ -282,7 +169,27 @@ def load(
         optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
     if optimizers and schedulers is not None:
         rest["lr_schedulers"] = schedulers
+    if optimizers:
+        rest[RESUME_POINT] = resume_point(path, manifest, topo)
     return rest
+
+
+#: Key of this rank's resume point in what :func:`load` returns (``None`` when the checkpoint has none for it).
+RESUME_POINT = "lightning_pipe_resume_point"
+
+
+def resume_point(path: Path, manifest: Mapping[str, Any], topo: Topology) -> dict[str, Any] | None:
+    """This rank's resume point in checkpoint ``path``: only when it was saved by the same layout (a rank's random
+    streams belong to its stages and replica), and written by a version that keeps one."""
+    same_layout = (
+        manifest.get("pipeline_size") == topo.pipeline_size
+        and manifest.get("data_parallel_size") == topo.data_parallel_size
+        and manifest.get("stages_per_rank") == topo.stages_per_rank
+    )
+    file = path / fmt.resume_file(topo.global_rank)
+    if not same_layout or fmt.resume_file(topo.global_rank) not in manifest.get(fmt.RESUME_FILES, []):
+        return None
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _validate(
@@ -299,7 +206,7 @@ def _validate(
     metadata = None
     if (path / fmt.DCP_METADATA).is_file():
         metadata = dcp.FileSystemReader(path).read_metadata()
-    problems = fmt.missing_files(path, manifest, _storage_ends(metadata) if metadata is not None else [])
+    problems = fmt.missing_files(path, manifest, storage_ends(metadata) if metadata is not None else [])
     if problems:
         raise PipelineCheckpointError(f"it is incomplete or corrupted: {'; '.join(problems)}")
     assert metadata is not None
@@ -356,19 +263,65 @@ def load_weights(
     network_prefix: str,
     strict: bool,
     weights_only: bool | None = True,
+    precision: str | None = None,
 ) -> dict[str, Any]:
-    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, or a
-    directory checkpoint. A file is memory-mapped: a rank reads only its own stages' tensors from it.
+    """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, a
+    directory checkpoint or a Hugging Face model directory (:func:`load_hf`, whose weights take the dtype of the
+    Trainer's ``precision``). A file is memory-mapped: a rank reads only its own stages' tensors from it.
 
     Returns what else a single-file Lightning checkpoint holds (``{}`` for a plain state dict or a directory).
     """
     source = Path(source)
+    if hf.is_hf_directory(source):
+        dtype = hf.PRECISION_DTYPES.get(precision) if precision is not None else None
+        load_hf(source, topo, module, network_prefix=network_prefix, strict=strict, dtype=dtype)
+        return {}
     if source.is_dir():
         load(source, topo, module, [], strict=strict)
         return {}
     weights, rest = _read_file(source, weights_only)
     _copy_weights(source, weights, module, network_prefix=network_prefix, strict=strict)
     return rest
+
+
+def load_hf(
+    source: Path,
+    topo: Topology,
+    module: nn.Module,
+    *,
+    network_prefix: str,
+    strict: bool,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Load this rank's stages from the Hugging Face model directory ``source``; returns the bytes this rank read.
+
+    ``dtype``: the floating-point dtype the network's parameters are cast to first (the Trainer's precision:
+    ``from_config`` builds a network in the dtype its ``config.json`` names, bfloat16 for most published models).
+
+    Each rank reads only its own stages' tensors (:mod:`lightning_pipe.checkpoint.huggingface`); a stored tensor is
+    read once however many of the rank's parameters it fills. The same error is raised on every rank: another model
+    type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
+    without ``strict`` those are a warning and missing weights keep the model's own initialisation.
+    """
+    if dtype is not None:
+        (module.get_submodule(network_prefix[:-1]) if network_prefix else module).to(dtype)
+    problems: list[str] = []
+    plan = local_step(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
+    agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
+    # What every rank reads, leaves unread on purpose and misses: the same verdict on every rank.
+    found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing))
+    used = {name for read, ignorable, _ in found for name in (*read, *ignorable)}
+    missing = sorted({key for _, _, keys in found for key in keys})
+    unexpected = sorted(set(plan.directory.files) - used)
+    if missing or unexpected:
+        message = hf.mismatch_message(Path(source), missing, unexpected, strict)
+        if strict:
+            raise PipelineCheckpointError(message)
+        if topo.global_rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+    read = local_step(problems, hf.copy_into, plan)
+    agree(problems, f"Reading the Hugging Face model directory {str(source)!r} failed")
+    return read
 
 
 def resume_from_file(
@@ -391,8 +344,8 @@ def resume_from_file(
     source = Path(source)
     weights, rest = _read_file(source, weights_only)
     problems: list[str] = []
-    states = _local(problems, _local_optimizer_states, source, rest, module, optimizers, param_groups, topo.aliases)
-    _agree(problems, f"Cannot resume `fit` from {str(source)!r}")
+    states = local_step(problems, _local_optimizer_states, source, rest, module, optimizers, param_groups, topo.aliases)
+    agree(problems, f"Cannot resume `fit` from {str(source)!r}")
     _copy_weights(source, weights, module, network_prefix="", strict=strict)
     for optimizer, state in zip(optimizers, states):
         optimizer.load_state_dict(state)
@@ -402,8 +355,8 @@ def resume_from_file(
 
 def _read_file(source: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
     problems: list[str] = []
-    found = _local(problems, lambda: _split_weights(_mmap(source, weights_only)))
-    _agree(problems, f"Cannot read weights from {str(source)!r}")
+    found = local_step(problems, lambda: _split_weights(_mmap(source, weights_only)))
+    agree(problems, f"Cannot read weights from {str(source)!r}")
     return found
 
 
@@ -415,7 +368,7 @@ def _copy_weights(
     expected = {names[k]: tuple(v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)}
     stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in weights.items()}
     problems = fmt.key_problems(expected, stored)
-    _agree(problems, f"The weights in {str(source)!r} do not match this rank's stages")
+    agree(problems, f"The weights in {str(source)!r} do not match this rank's stages")
     used = {k for rank_keys in _gather(sorted(expected)) for k in rank_keys}
     unexpected = sorted(set(weights) - used)
     if strict and unexpected:
@@ -465,13 +418,7 @@ def _local_optimizer_states(
 def _mmap(source: Path, weights_only: bool | None = True) -> Any:
     if not source.exists():
         raise FileNotFoundError(f"{str(source)!r} does not exist")
-    try:
-        return torch.load(source, map_location="cpu", mmap=True, weights_only=weights_only)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise
-        # Files in torch's legacy (non-zip) format cannot be memory-mapped; they are small enough to read whole.
-        return torch.load(source, map_location="cpu", weights_only=weights_only)
+    return hf.load_mapped(source, weights_only)
 
 
 def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:

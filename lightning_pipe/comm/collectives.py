@@ -77,9 +77,10 @@ def _on(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     return tensor.to(served_device(group, tensor.device))
 
 
-def new_group(ranks: list[int]) -> Group:
-    """A process group of global ``ranks`` (collective: every rank calls it, for every group, in the same order)."""
-    return dist.new_group(ranks)
+def new_group(ranks: list[int], backend: str | None = None) -> Group:
+    """A process group of global ``ranks`` (collective: every rank calls it, for every group, in the same order);
+    ``backend`` as ``torch.distributed.new_group``'s (``None``: the default group's)."""
+    return dist.new_group(ranks, backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------------- collectives

@@ -36,6 +36,24 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 from lightning.pytorch.utilities.exceptions import _TunerExitException as TunerExitException
 
 
+def script_command() -> list[str]:
+    """The command that runs this script again (``python script.py args`` or ``python -m module args``), as
+    Lightning's launcher starts the other ranks (``_basic_subprocess_cmd``). Public replacement: none."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+
+    return list(_basic_subprocess_cmd())
+
+
+def training_dataloader_with(dataloader: Any, sampler: Any) -> Any:
+    """A copy of the training ``DataLoader`` (of the user's class, made again from its constructor's arguments) that
+    draws indices from ``sampler``: what Lightning does to add a ``DistributedSampler``
+    (``lightning.pytorch.utilities.data._update_dataloader``). Public replacement: none."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
 def called_from_model_summary(depth: int = 8) -> bool:
     """Whether the current call comes from Lightning's ``ModelSummary`` forwarding ``example_input_array``.
 
@@ -81,6 +99,8 @@ __all__ = [
     "SubprocessScriptLauncher",
     "TunerExitException",
     "called_from_model_summary",
+    "script_command",
+    "training_dataloader_with",
     "default_process_group_backend_for_device",
     "init_dist_connection",
     "optimizers_to_device",

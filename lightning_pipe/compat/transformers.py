@@ -26,3 +26,12 @@ def head_pp_plan(model: Any) -> dict[str, Any]:
     5.x merges both in an order that puts the heads first).
     """
     return {**(getattr(type(model), "_pp_plan", None) or {}), **(model.__dict__.get("_pp_plan") or {})}
+
+
+def keys_to_ignore(model: Any) -> tuple[list[str], list[str]]:
+    """Regular expressions of the state-dict keys ``from_pretrained`` does not report missing, and of the stored keys
+    it does not report unexpected, for this model (``_keys_to_ignore_on_load_missing`` / ``_unexpected``, class
+    attributes of ``PreTrainedModel``; ``[]`` for other modules). Public replacement: none."""
+    missing = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    unexpected = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return list(missing), list(unexpected)

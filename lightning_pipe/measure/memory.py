@@ -360,12 +360,22 @@ class MemoryReport:
     state: StateBytes
     saved_per_microbatch: dict[int, int]
     construction_peak: int | None
+    #: measured while the initial weights (``init_weights``) were loaded into the allocated stages
+    load_peak: PeakMemory | None = None
 
     def lines(self) -> list[str]:
-        """The log lines: one for the model state, one per stage's saved bytes, one for construction."""
+        """The log lines: one for the model state, one per stage's saved bytes, one each for construction and the
+        loading of initial weights."""
         out = [self.state.report(self.rank, self.stages)]
         for stage, n in sorted(self.saved_per_microbatch.items()):
             out.append(f"rank {self.rank} stage {stage}: {format_bytes(n)} saved for backward per microbatch")
         if self.construction_peak is not None:
             out.append(f"rank {self.rank}: peak {format_bytes(self.construction_peak)} allocated during construction")
+        if self.load_peak is not None:
+            rss = self.load_peak.rss_bytes
+            resident = f", resident set +{format_bytes(rss)}" if rss is not None else ""
+            out.append(
+                f"rank {self.rank}: peak {format_bytes(self.load_peak.bytes)} allocated{resident} while loading"
+                " init_weights"
+            )
         return out

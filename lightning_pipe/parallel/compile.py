@@ -48,6 +48,14 @@ def check_compiler(options: Mapping[str, Any], device: torch.device) -> None:
         )
 
 
+def stage_device(stages: Mapping[int, nn.Module]) -> torch.device:
+    """Where the stages' parameters live (they are moved to the rank's device before they are wrapped)."""
+    for stage in stages.values():
+        for tensor in stage.parameters():
+            return tensor.device
+    return torch.device("cpu")
+
+
 def apply_compile(stage_module: nn.Module, block_names: Sequence[str], options: Mapping[str, Any]) -> list[str]:
     """Compile the blocks of ``block_names`` that ``stage_module`` holds (names relative to it); return their names.
 

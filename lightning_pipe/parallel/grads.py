@@ -192,18 +192,12 @@ class TieGroups:
         self._mesh: Any = None
         self._groups: dict[tuple[str, ...], tuple[Any, int]] = {}
 
-    def copies(
-        self,
-        mesh: Any,
-        layout: Any,
-        ties: Sequence[Any],
-        stage_ranks: Sequence[int],
-        parameters: dict[str, nn.Parameter],
-        prefix: str,
-    ) -> list[TiedCopy]:
-        """``layout`` is the :class:`~lightning_pipe.comm.mesh.MeshLayout` of ``mesh``; ``ties`` the split's
-        :class:`~lightning_pipe.split.tied.Tie` list; ``parameters`` this rank's, by full name
-        (``named_parameters(remove_duplicate=False)``), whose network names start with ``prefix``."""
+    def copies(self, mesh: Any, layout: Any, split: Any, module: nn.Module) -> list[TiedCopy]:
+        """This rank's copies of the :class:`~lightning_pipe.split.builder.Split`'s ties in ``module`` (the
+        LightningModule, wrapped), each given the value of the stage that holds it under its first name. ``layout`` is
+        the :class:`~lightning_pipe.comm.mesh.MeshLayout` of ``mesh``. Collective."""
+        ties, stage_ranks, prefix = split.ties, split.stage_ranks, split.prefix
+        parameters = dict(module.named_parameters(remove_duplicate=False))
         me = collectives.world_rank()
         if self._mesh is not mesh:
             groups = {}
@@ -224,6 +218,8 @@ class TieGroups:
             param = next(parameters[prefix + n] for n in tie.names if prefix + n in parameters)
             group, source = self._groups[tie.names]
             copies.append(TiedCopy(param, group, source))
+        for copy in copies:
+            copy.agree()  # copies initialised per module (meta construction) start from the first stage's values
         return copies
 
 

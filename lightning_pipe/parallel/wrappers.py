@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from lightning_pipe.comm import collectives
@@ -16,7 +15,7 @@ from lightning_pipe.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from lightning_pipe.parallel.compile import apply_compile, check_compiler, remove_compile
+from lightning_pipe.parallel.compile import apply_compile, check_compiler, remove_compile, stage_device
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -46,7 +45,6 @@ def wrap_stages(
     *,
     checkpoint_every: int,
     compile_options: dict[str, Any] | None = None,
-    device: torch.device | None = None,
     dp_mesh: DeviceMesh | None,
     sharded_over: tuple[int, ...] | None,
 ) -> Wrapped:
@@ -76,7 +74,7 @@ def wrap_stages(
         )
     done = Wrapped(sharded_over=wanted)
     if compile_options is not None:
-        check_compiler(compile_options, device or torch.device("cpu"))
+        check_compiler(compile_options, stage_device(stages))
     in_stage = [f"body.{name}" for name in block_names]
     for stage in stages.values():
         done.checkpointed += apply_activation_checkpointing(stage, in_stage, checkpoint_every)

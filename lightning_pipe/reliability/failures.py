@@ -46,19 +46,24 @@ _PHASE_ATTR = "_lightning_pipe_phase"
 
 # Exceptions that are control flow, an operator's decision, or a consequence of another rank's failure: not recorded.
 _NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit, PipelinePeerFailure)  # DCP's error is a BaseException
-# What gloo, NCCL and the c10d store say when the other end of a connection is gone or silent.
+# What gloo, NCCL and the c10d store say when the other end of a connection is gone or silent (never a bare "nccl" or
+# "gloo": a rank's own misuse of a collective names its backend too, and is its own failure).
 _BROKEN_CONNECTION = (
     "connection closed by peer",
     "connection reset by peer",
     "broken pipe",
-    "timed out",
-    "timeout",
     "connection refused",
     "connection was likely closed",
-    "nccl",
-    "gloo",
-    "socket",
+    "remote process exited",  # NCCL: a peer died
+    "communicator was aborted",  # NCCL: aborted after a peer's failure
+    "ncclremoteerror",
 )
+# This rank could not open the store's port (taken by another process): its own failure, whatever the error's type.
+_OWN_PORT = ("failed to listen on any local network address", "address already in use")
+# A wait on a peer that ran out (gloo: "Timed out waiting 60000ms for recv operation", NCCL's watchdog: "collective
+# operation timeout"): only with a word that names a transfer, not any error that mentions a timeout.
+_TIMEOUT = ("timed out", "timeout")
+_TRANSFER = ("recv", "send", "collective", "barrier", "allreduce", "all_reduce", "broadcast", "store")
 _STAGE_PHASES = {
     "train": "during training",
     "sanity_check": "during the validation sanity check",
@@ -78,7 +83,11 @@ class _Process:
     rank: Optional[int] = None
     stages: tuple[int, ...] = ()
     world_size: int = 1
+    #: Trainer entries started so far in this process (every rank starts them in the same order)
     entry: int = 0
+    #: the running entry (its index keys the board), its Trainer and phases; an inner entry (a Trainer in a callback,
+    #: Lightning's Tuner) saves the outer one's and gives them back when it ends
+    current: int = 0
     in_entry: bool = False
     trainer: Any = None
     phases: list[str] = field(default_factory=list)
@@ -177,7 +186,8 @@ def in_entry() -> bool:
 
 
 def entry_index() -> int:
-    return _PROCESS.entry
+    """The running Trainer entry's index (the last one started, between entries)."""
+    return _PROCESS.current if _PROCESS.in_entry else _PROCESS.entry
 
 
 def reported_at() -> Optional[float]:
@@ -190,16 +200,21 @@ def entry(trainer: Any = None) -> Iterator[None]:
     """Around one Trainer entry (``fit``, ``validate``, ...): record this rank's own failure for the others, and
     raise a peer's failure instead of the broken connection it caused here."""
     p = _PROCESS
+    outer = (p.current, p.in_entry, p.trainer, p.phases, p.reported)
     p.entry += 1
-    p.in_entry, p.trainer, p.reported = True, trainer, None
+    p.current, p.in_entry, p.trainer, p.phases, p.reported = p.entry, True, trainer, [], None
+    failed: Optional[float] = None
     try:
         yield
     except BaseException as err:
-        p.reported = time.monotonic()
+        failed = p.reported = time.monotonic()
         _reraise(err)
     finally:
-        p.in_entry, p.trainer = False, None
-        p.phases.clear()
+        p.current, p.in_entry, p.trainer, p.phases, p.reported = outer
+        if failed is not None and not p.in_entry:
+            # The process is on its way out with this failure: the watchdog stays quiet meanwhile. (An outer entry
+            # that the exception leaves too records its own time; one that catches it keeps running as before.)
+            p.reported = failed
 
 
 def _reraise(err: BaseException) -> None:
@@ -287,12 +302,15 @@ def is_broken_connection(err: BaseException) -> bool:
     """Whether ``err`` is what a collective, a point-to-point transfer or the store raises when a peer is gone."""
     import torch.distributed as dist
 
-    if isinstance(err, getattr(dist, "DistError", ())):
-        return True
-    if not isinstance(err, (RuntimeError, ConnectionError, TimeoutError)):
+    if isinstance(err, (dist.DistNetworkError, dist.DistStoreError)):
+        # The connection to a peer or to the store broke; not this rank failing to open its own port.
+        return not any(marker in str(err).lower() for marker in _OWN_PORT)
+    if not isinstance(err, (RuntimeError, ConnectionError, TimeoutError)):  # DistBackendError is a RuntimeError
         return False
     text = str(err).lower()
-    return any(marker in text for marker in _BROKEN_CONNECTION)
+    if any(marker in text for marker in _BROKEN_CONNECTION):
+        return True
+    return any(m in text for m in _TIMEOUT) and any(m in text for m in _TRANSFER)
 
 
 def _root_error(err: BaseException) -> BaseException:
@@ -325,7 +343,7 @@ def record(err: BaseException) -> None:
     b = board()
     if b is not None and failure.rank >= 0:
         try:
-            b.record(_PROCESS.entry, failure)
+            b.record(entry_index(), failure)
         except (RuntimeError, ValueError):
             pass
     _write_torchelastic_error_file(err, failure.traceback)
@@ -340,7 +358,7 @@ def record_exit(rank: int, pid: int, returncode: Optional[int], stages: Sequence
     try:
         if not stages:
             failure = replace(failure, stages=tuple(b.registered().get(rank, {}).get("stages", ())))
-        return b.record(_PROCESS.entry, failure)
+        return b.record(entry_index(), failure)
     except (RuntimeError, ValueError):
         return failure
 
@@ -363,7 +381,7 @@ def first_failure() -> Optional[Failure]:
     if b is None:
         return None
     try:
-        return b.first(_PROCESS.entry)
+        return b.first(entry_index())
     except (RuntimeError, ValueError):
         return None
 
@@ -378,7 +396,7 @@ def find_first_failure(wait: float = REPORT_WAIT) -> tuple[Optional[Failure], bo
         b = board()
         try:
             dead = _dead_peers(b)  # before reading: a rank that raised wrote its record before it died
-            first = b.first(_PROCESS.entry) if b is not None else None
+            first = b.first(entry_index()) if b is not None else None
         except (RuntimeError, ValueError):
             b, dead, first = None, _dead_peers(None), None
         if first is not None:

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 from typing_extensions import override
 
 from lightning_pipe.errors import PipelinePeerFailure
-from lightning_pipe.reliability import failures
+from lightning_pipe.reliability import failures, restart
 from lightning_pipe.reliability.board import Failure, describe_exit, pid_alive
 
 #: Seconds between two checks of the parent and the children.
@@ -46,6 +46,7 @@ EXIT_CODE = 1
 
 _WATCH: Optional[_Watch] = None
 _WATCH_LOCK = threading.Lock()
+_JOIN_REGISTERED = False
 
 
 def start() -> None:
@@ -58,8 +59,9 @@ def start() -> None:
 
 
 def start_if_launched() -> None:
-    """Start the watchdog now in a rank a launcher started (called on ``import lightning_pipe``), so that a rank whose
-    launcher dies while it imports, loads data or builds its model does not go on until its first Trainer entry."""
+    """Start the watchdog now in a rank a launcher started (called when a ``PipelineParallelStrategy`` is made, not on
+    import), so that a rank whose launcher dies while it loads data or builds its model does not go on until its first
+    Trainer entry."""
     if _expected_parent() is not None:
         start()
 
@@ -69,6 +71,9 @@ def _expected_parent() -> Optional[int]:
 
     if dist.is_torchelastic_launched():
         return os.getppid()  # torchrun's agent
+    supervisor = restart.supervised_parent()
+    if supervisor is not None:
+        return supervisor  # the supervisor of `max_restarts` (reliability.restart)
     launcher = os.environ.get(failures.LAUNCHER_PID)
     if not launcher or int(launcher) == os.getpid() or os.environ.get("LOCAL_RANK", "0") == "0":
         return None
@@ -103,6 +108,7 @@ class _Watch(threading.Thread):
         super().__init__(name="lightning-pipe-watchdog", daemon=True)
         self.parent = parent
         self.children: list[tuple[int, subprocess.Popen]] = []
+        self.join_timeout: Optional[float] = None
         self.ending_children = False
         self._child_failed_at: Optional[float] = None
         self._peer_seen: Optional[tuple[int, float]] = None  # (entry, when)
@@ -131,6 +137,8 @@ class _Watch(threading.Thread):
         # Not the failure board: the launcher hosted the store, which is gone with it.
         if self.parent == _lightning_launcher():
             launcher = f"rank {os.environ.get(failures.LAUNCHER_RANK, '0')}"
+        elif os.environ.get(restart.SUPERVISOR_PID) == str(self.parent):
+            launcher = "the supervising process (max_restarts)"
         else:
             launcher = "torchrun's agent"
         self._end(
@@ -225,7 +233,17 @@ def _first_failure_or(rank: int, proc: subprocess.Popen) -> Failure:
 
 def watch_children(procs: list[subprocess.Popen], first_rank: int, timeout: Optional[timedelta]) -> None:
     """Watch the ranks Lightning's launcher started (global ranks ``first_rank``, ``first_rank + 1``, ...)."""
+    global _JOIN_REGISTERED
     start()
     assert _WATCH is not None
     _WATCH.children = [(first_rank + i, proc) for i, proc in enumerate(procs)]
-    atexit.register(_WATCH.join_children, None if timeout is None else timeout.total_seconds())
+    _WATCH.join_timeout = None if timeout is None else timeout.total_seconds()
+    with _WATCH_LOCK:
+        if not _JOIN_REGISTERED:  # once per process, however many launches: it joins the children of the last one
+            atexit.register(_join_children_at_exit)
+            _JOIN_REGISTERED = True
+
+
+def _join_children_at_exit() -> None:
+    if _WATCH is not None:
+        _WATCH.join_children(_WATCH.join_timeout)

@@ -36,7 +36,7 @@ from lightning_pipe.split.surgery import (
     stage_view,
     trace_stages,
 )
-from lightning_pipe.split.tied import Tie, plan_ties
+from lightning_pipe.split.tied import Tie, plan_ties, retie, tied_groups
 
 SPLIT_ATTR = "_lightning_pipe_split"
 
@@ -247,6 +247,9 @@ def split_module(
         construction_peak = None
         prune(network, [u for s in local for u in units_per_stage[s]], layout.units, placeholder=plan.placeholder)
         if meta:
+            # Parameters shared inside this rank's stages (not across stages: `ties`), to be shared again afterwards.
+            across = {name for tie in ties for name in tie.names}
+            shared = [group for group in tied_groups(network) if not across.intersection(group)]
             with PeakMemory(device) as peak:
                 initialize(
                     network,
@@ -257,6 +260,7 @@ def split_module(
                     recording=recording,
                     prefix=prefix,
                 )
+            retie(network, shared)
             construction_peak = peak.bytes
         elif num_stages > 1:
             warn_whole_model(full_bytes, _tensor_bytes(network))

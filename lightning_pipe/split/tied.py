@@ -27,6 +27,16 @@ def tied_groups(network: nn.Module, units: Sequence[str] | None = None) -> list[
     return [group for group in groups if len({_unit_of(name, units) for name in group}) > 1]
 
 
+def retie(network: nn.Module, groups: Sequence[Sequence[str]]) -> None:
+    """Make each group's names one Parameter again, the first name's (``to_empty`` of a meta-device network gives
+    every name its own tensor; sharing inside a stage must survive it, as it would on one device)."""
+    for first, *others in groups:
+        param = network.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(network.get_submodule(owner) if owner else network, attr, param)
+
+
 def _unit_of(name: str, units: Sequence[str]) -> str | None:
     return next((unit for unit in units if name.startswith(unit + ".")), None)
 

@@ -1,14 +1,16 @@
 """The random streams of a pipelined run: the data stream every rank of a pipeline shares, and the compute stream.
 
-See :class:`RngStreams`.
+See :class:`RngStreams`; :meth:`RngStreams.state_dict` is what a checkpoint's resume point keeps of them.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from lightning_pipe.comm import collectives
@@ -42,3 +44,29 @@ class RngStreams:
         finally:
             self._compute = torch.get_rng_state()
             torch.set_rng_state(data)
+
+    def state_dict(self, device: Optional[torch.device] = None) -> dict[str, Any]:
+        """Every random stream of this process: the data stream (torch's global CPU generator), the compute stream,
+        Python's and NumPy's global generators, and ``device``'s generator when it is a CUDA device. Tensors and
+        plain values only, so a checkpoint holding it loads with ``weights_only=True``."""
+        name, keys, position, has_gauss, gauss = np.random.get_state()
+        state: dict[str, Any] = {
+            "data": torch.get_rng_state(),
+            "compute": None if self._compute is None else self._compute.clone(),
+            "python": random.getstate(),
+            "numpy": (name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), position, has_gauss, gauss),
+        }
+        if device is not None and device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """Set every stream :meth:`state_dict` returned (a CUDA state only on a CUDA ``device``)."""
+        torch.set_rng_state(state["data"])
+        self._compute = None if state["compute"] is None else state["compute"].clone()
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        name, keys, position, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+        if device is not None and device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], device)

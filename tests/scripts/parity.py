@@ -11,6 +11,7 @@ import lightning.pytorch as L
 import torch
 
 import lightning_pipe
+from lightning_pipe.parallel.compile import compiled_blocks
 from tests.models import LitLM
 
 
@@ -28,7 +29,8 @@ class Compiled(L.Callback):
     blocks their own forward back."""
 
     def on_train_start(self, trainer, pl_module):
-        self.blocks = trainer.strategy.compiled_blocks
+        stages = trainer.strategy.runtime.stages.values()
+        self.blocks = [name for stage in stages for name in compiled_blocks(stage.body)]
         self.checkpointed = trainer.strategy.checkpointed_blocks
 
     @staticmethod

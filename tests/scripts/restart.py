@@ -1,0 +1,143 @@
+"""A pipeline run that a rank may kill (SIGKILL) in its first attempt, restarted by its launcher and resumed by the
+strategy from the newest complete checkpoint; or the same run uninterrupted, as the reference.
+
+Usage: restart.py OUT CONFIG_JSON. CONFIG: ``devices`` (2: a 2-stage pipeline; 4: 2 stages x 2 data-parallel
+replicas), ``async`` (asynchronous checkpoints), ``max_restarts`` (for Lightning's launcher; torchrun's comes from
+``--max-restarts``), ``kill`` (absent: no fault): ``{"rank", "step", "where"}`` with ``where`` ``"step"`` (inside the
+rank's stage forward of training step ``step``) or ``"write"`` (inside the writing of its shard of the first checkpoint
+saved at or after step ``step``: for an asynchronous save, in the writing thread while training goes on).
+
+The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes,
+so checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are
+saved every 5 steps (all kept) and as ``last.ckpt``. Every attempt appends ``{"attempt", "step", "loss"}`` per step to
+``losses.rank<R>.jsonl``; the last attempt saves its stages' final weights as ``final.rank<R>.pt``; an attempt that
+resumed writes ``resumed.rank<R>.json`` (from which step, when its first step ended).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_pipe
+from tests.models import VOCAB, LitLM, token_dataset
+
+STEPS = 24
+EVERY = 5
+
+
+def attempt() -> int:
+    for name in ("TORCHELASTIC_RESTART_COUNT", "LIGHTNING_PIPE_RESTART_COUNT"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+class DropoutLM(LitLM):
+    """LitLM with dropout after every block (a random stream on every stage), shuffled data, validation."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model.layers = nn.ModuleList(nn.Sequential(block, nn.Dropout(0.1)) for block in self.model.layers)
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(48), batch_size=8, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(token_dataset(16, seed=1), batch_size=8)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)))
+
+
+class Record(L.Callback):
+    def __init__(self, out: Path, cfg: dict) -> None:
+        self.out, self.cfg, self.first = out, cfg, True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        kill = self.cfg.get("kill")
+        if attempt() == 0 and kill and kill["where"] == "step" and rank() == kill["rank"]:
+            if trainer.global_step + 1 == kill["step"]:
+                block = next(m for m in pl_module.model.layers if m is not None)
+                block.register_forward_hook(lambda *_: die(self.out, trainer.global_step))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
+        line = {"attempt": attempt(), "step": trainer.global_step, "loss": loss.hex()}
+        with open(self.out / f"losses.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self.first and attempt() > 0:
+            resumed = {"attempt": attempt(), "from_step": trainer.global_step - 1, "first_step_end": time.time()}
+            (self.out / f"resumed.rank{trainer.global_rank}.json").write_text(json.dumps(resumed))
+        self.first = False
+
+
+def die(out: Path, completed: int) -> None:
+    """SIGKILL this process; ``completed``: the training steps done before it."""
+    info = {"rank": rank(), "completed": completed, "time": time.time(), "pid": os.getpid()}
+    (out / "injected.json").write_text(json.dumps(info))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_write_kill(out: Path, cfg: dict, trainer_step) -> None:
+    """SIGKILL this rank inside the writing of its shard of the first checkpoint saved at or after the given step."""
+    kill = cfg.get("kill")
+    if attempt() > 0 or not kill or kill["where"] != "write" or rank() != kill["rank"]:
+        return
+    write_data = dcp.FileSystemWriter.write_data
+
+    def write_then_die(writer, plan, planner):
+        if trainer_step() >= kill["step"]:
+            die(out, trainer_step())
+        return write_data(writer, plan, planner)
+
+    dcp.FileSystemWriter.write_data = write_then_die
+
+
+def main() -> None:
+    out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
+    (out / f"pid.rank{rank()}.attempt{attempt()}").write_text(str(os.getpid()))
+    L.seed_everything(0)
+    model = DropoutLM(n_layers=4)
+    strategy = lightning_pipe.PipelineParallelStrategy(
+        pipeline_size=2, async_checkpoint=cfg.get("async", False), max_restarts=cfg.get("max_restarts", 0)
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=cfg["devices"],
+        max_steps=STEPS,
+        val_check_interval=EVERY,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        callbacks=[
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=-1, save_last=True),
+            Record(out, cfg),
+        ],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    arm_write_kill(out, cfg, lambda: trainer.global_step)
+    trainer.fit(model)
+    state = {k: v for k, v in model.state_dict().items()}
+    torch.save(state, out / f"final.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Fine-tuning a pretrained Hugging Face directory under the pipeline, and exporting the result for
+``from_pretrained``: a tiny Llama and Qwen2, tied and untied, saved in several shards, fine-tuned from the directory
+with 1F1B at 2 processes and Interleaved1F1B at 4, equal to a single-device ``from_pretrained`` fine-tune; exported,
+``from_pretrained`` of the export gives the single-device fine-tuned model's logits."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lightning_pipe.checkpoint import hf_export  # noqa: E402
+from tests.hf_pretrained import fine_tune, probe_logits, save_pretrained  # noqa: E402
+from tests.launch import agreed_errors, run_script  # noqa: E402
+
+NAMES = ("llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hf-pretrained")
+    for name in NAMES:
+        family, tie = name.split("-")
+        save_pretrained(work / name, family, tie == "tied", seed=len(name))
+    save_pretrained(work / "llama-6-layers", "llama", True, layers=6)
+    return work
+
+
+@functools.cache
+def reference(path: str) -> tuple[list[float], torch.Tensor]:
+    """Losses and probe logits of a single-device `from_pretrained` fine-tune of the directory."""
+    model, _ = fine_tune(path)
+    return model.step_losses, probe_logits(model.model)
+
+
+def _check_schedule(work, schedule: str, nprocs: int) -> None:
+    import transformers
+
+    for name in NAMES:
+        losses, logits = reference(str(work / name))
+        ranks = [torch.load(work / f"{schedule}-{name}.rank{r}.pt") for r in range(nprocs)]
+        for rank in ranks:
+            torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0)
+            assert rank["load_peak"][0] is not None
+        src, dst = work / f"ckpt-{schedule}-{name}", work / f"export-{schedule}-{name}"
+        out = hf_export.export(src, dst, max_shard_size="40KB")
+        files = sorted(p.name for p in out.iterdir())
+        assert "config.json" in files and "generation_config.json" in files and hf_export.INDEX in files
+        assert len([f for f in files if f.endswith(".safetensors")]) > 1
+        weight_map = json.loads((out / hf_export.INDEX).read_text())["weight_map"]
+        assert ("lm_head.weight" in weight_map) == name.endswith("untied")
+        exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+        assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == name.endswith("-tied")
+        torch.testing.assert_close(probe_logits(exported), logits, rtol=0, atol=TOL)
+
+
+@pytest.mark.slow
+def test_fine_tune_from_directory_and_export_1f1b_2_procs(work):
+    run_script("hf_pretrained.py", str(work), "1F1B", "2", nprocs=2)
+    _check_schedule(work, "1F1B", 2)
+
+
+@pytest.mark.slow
+def test_fine_tune_from_directory_and_export_interleaved_4_procs(work):
+    run_script("hf_pretrained.py", str(work), "Interleaved1F1B", "4", nprocs=4, launcher="torchrun")
+    _check_schedule(work, "Interleaved1F1B", 4)
+
+
+@pytest.mark.slow
+def test_precision_ckpt_path_and_agreed_errors_2_procs(work):
+    run_script("hf_pretrained.py", str(work), "checks", nprocs=2)
+    ranks = [torch.load(work / f"checks.rank{r}.pt") for r in range(2)]
+    for rank in ranks:
+        assert rank["dtypes"] == ["torch.bfloat16"] and rank["bf16_equal"] and rank["ckpt_path_equal"]
+    # each rank holds (and read) only its own stages' tensors
+    assert not set(ranks[0]["keys"]) & set(ranks[1]["keys"]) - {"model.lm_head.weight"}
+    assert "model.lm_head.weight" in ranks[1]["keys"] and "model.model.embed_tokens.weight" in ranks[0]["keys"]
+    errors = agreed_errors(work)
+    assert "holds a 'llama' model (its config.json) but the network is a Qwen2ForCausalLM" in errors["model-type"]
+    assert "the model's 'model.lm_head.weight' are not in it" in errors["missing"]
+    assert "it holds 'model.layers.6.input_layernorm.weight'" in errors["unexpected"]
+    assert "is a Hugging Face model directory: it holds weights only" in errors["fit-resume"]
+
+
+@pytest.mark.slow
+def test_one_stage_from_directory_equals_from_pretrained(work):
+    """A one-process pipeline keeps the tied head one parameter with the embedding, as on one device."""
+    from lightning_pipe import PipelineParallelStrategy
+
+    path = work / "llama-tied"
+    losses, logits = reference(str(path))
+    model, _ = fine_tune(path, PipelineParallelStrategy(init_weights=path), devices=1)
+    torch.testing.assert_close(model.step_losses, losses, rtol=TOL, atol=0)
+    assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
