@@ -26,6 +26,7 @@ docs/benchmarks.md) gets its generated section.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -182,6 +183,19 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
+def stopped_run(out: Path, warmup: int) -> dict[str, Any]:
+    """The results of the runs a stopped worker completed (every case of the run recorded), from its files."""
+    cases = json.loads((out / "cases.json").read_text())
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    planned = collections.Counter(case["run"] for case in cases)
+    recorded = collections.Counter(r["case"]["run"] for r in records if "case" in r)
+    done = [n for n in sorted(planned) if recorded[n] == planned[n]]
+    results = collect([r for r in records if "machine" in r or r["case"]["run"] in done], warmup)
+    started = time.localtime((out / "cases.json").stat().st_mtime)
+    results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S", started), elapsed_s=None, runs=(len(done), len(planned)))
+    return results
+
+
 def _label(settings: dict[str, Any]) -> str:
     from lightning_pipe.tune.space import Candidate
 
@@ -189,18 +203,25 @@ def _label(settings: dict[str, Any]) -> str:
     return Candidate(*(settings[k] for k in keys), bool(settings.get("compile"))).label
 
 
+def _duration(results: dict[str, Any]) -> str:
+    if results.get("elapsed_s") is None:
+        return "duration not recorded"
+    return f"{results['elapsed_s']:.0f} s"
+
+
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     m = results["machine"]
+    done, planned = results.get("runs") or (args.runs, args.runs)
+    runs = f"{done} runs, interleaved" if done == planned else f"The worker was stopped after {done} of {planned} runs"
     lines = [
         BEGIN,
         "",
         "### Results",
         "",
-        f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']},"
-        f" {results['elapsed_s']:.0f} s;"
+        f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']}, {_duration(results)};"
         f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')}; load average at the start:"
         f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}, at the end:"
-        f" {', '.join(f'{x:.1f}' for x in results.get('load_end') or [])}. {args.runs} runs, interleaved; each"
+        f" {', '.join(f'{x:.1f}' for x in results.get('load_end') or []) or 'not recorded'}. {runs}; each"
         " figure the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
         "",
         *_busy(results),
@@ -274,6 +295,9 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--report-only", action="store_true", help="rewrite the docs from OUT/results.json")
+    parser.add_argument(
+        "--from-records", action="store_true", help="report a stopped run from OUT/records.jsonl: its complete runs"
+    )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
@@ -286,6 +310,9 @@ def main() -> None:
     start = time.perf_counter()
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
+    elif args.from_records:
+        results = stopped_run(args.out, warmup)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
     else:
         cases_file, records_file = args.out / "cases.json", args.out / "records.jsonl"
         cases_file.write_text(json.dumps(plan(args)))

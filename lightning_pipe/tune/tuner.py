@@ -87,7 +87,8 @@ def tune(
     Arguments:
         trainer: A Trainer whose strategy is ``PipelineParallelStrategy`` (``strategy="pipeline"``), not yet fitted.
         model: The LightningModule (not changed: trials train copies of it).
-        datamodule, train_dataloaders: The training data, as for ``trainer.fit`` (default: the model's own).
+        datamodule: The training data's LightningDataModule, as for ``trainer.fit`` (default: the model's own data).
+        train_dataloaders: Or the training loaders, as for ``trainer.fit``.
         space: The candidates (:class:`SearchSpace`). Default: every schedule, the divisors of the batch size from
             the pipeline size up, 2 stages per rank for the multi-stage schedules, with and without activation
             checkpointing, not compiled.
