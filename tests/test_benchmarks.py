@@ -100,6 +100,24 @@ def test_tune_report_compares_the_choice_with_the_sweep():
     assert "| mlp | 2 | 1F1B M=4 v=1 (11.0) | 1F1B M=8 v=1 (12.5) |" in text
 
 
+def test_tune_report_of_a_stopped_worker_keeps_only_its_complete_runs(tmp_path):
+    from benchmarks import tune as tune_bench
+
+    a = {"schedule": "1F1B", "microbatches": 4, "stages_per_rank": 1, "activation_checkpointing": 0, "compile": False}
+    b = {**a, "microbatches": 8}
+    cases = [{"kind": "sweep", "workload": "mlp", "run": run, "settings": s} for run in (0, 1) for s in (a, b)]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    # run 0 complete (b fastest), run 1 stopped after one case (a far faster: it must not count)
+    records = [{"machine": {"cpu": "x", "cpu_cores": 2}}]
+    records += [_sweep(0, a, [99.0, 20.0]), _sweep(0, b, [99.0, 10.0]), _sweep(1, a, [99.0, 1.0])]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = tune_bench.stopped_run(tmp_path, warmup=1)
+    assert results["runs"] == (1, 2) and results["elapsed_s"] is None
+    assert results["workloads"]["mlp"]["best"] == b
+    text = tune_bench.markdown(results, Namespace(quick=False, runs=2))
+    assert "The worker was stopped after 1 of 2 runs" in text and "duration not recorded" in text
+
+
 @pytest.mark.slow
 def test_tune_quick_run(tmp_path):
     """The smoke of benchmarks/tune.py: every workload's sweep and tuner once on tiny models, the docs left alone."""
