@@ -10,7 +10,13 @@ from torch import nn
 
 from lightning_pipe import PipelineConfigError, PipelineParallelStrategy
 from lightning_pipe.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_pipe.parallel.compile import apply_compile, check_compiler, compiled_blocks, remove_compile
+from lightning_pipe.parallel.compile import (
+    apply_compile,
+    check_compiler,
+    compiled_blocks,
+    remove_compile,
+    stage_device,
+)
 from lightning_pipe.parallel.wrappers import unwrap_stages
 from lightning_pipe.settings import SPLIT_BACKWARD, PipelineSettings
 from tests.launch import run_script
@@ -84,6 +90,27 @@ def test_missing_cpp_compiler_is_named(monkeypatch):
     with pytest.raises(PipelineConfigError, match="needs a C\\+\\+ compiler"):
         check_compiler({}, torch.device("cpu"))
     check_compiler({"backend": "aot_eager"}, torch.device("cpu"))  # no C++ needed
+
+
+def test_missing_cpp_compiler_is_named_by_wrap_stages_on_the_stages_device(monkeypatch):
+    """wrap_stages checks the compiler for the device the stages' parameters were moved to (no C++ on a meta device:
+    that check is the CPU's)."""
+    import lightning_pipe.parallel.compile as compile_module
+    from lightning_pipe.parallel.wrappers import wrap_stages
+
+    monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
+    assert stage_device({0: nn.Module()}) == torch.device("cpu")  # no parameters: the CPU
+    with pytest.raises(PipelineConfigError, match="needs a C\\+\\+ compiler"):
+        wrap_stages(
+            {0: _stage()}, ["layers.1"], checkpoint_every=0, compile_options={}, dp_mesh=None, sharded_over=None
+        )
+    on_meta = _stage().to("meta")
+    assert stage_device({0: on_meta}) == torch.device("meta")
+    done = wrap_stages(
+        {0: on_meta}, ["layers.1"], checkpoint_every=0, compile_options={}, dp_mesh=None, sharded_over=None
+    )
+    assert done.compiled == ["layers.1"]
+    unwrap_stages({0: on_meta})
 
 
 def _stage() -> nn.Module:
