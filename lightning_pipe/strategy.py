@@ -109,6 +109,8 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
+        compile: ``torch.compile`` each block in place: ``True`` or a dict of its options (``mode``, ``backend``, ...);
+            not with the schedules that split the backward (docs/compile.md). Default ``False``.
         max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
             time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
         async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
@@ -139,6 +141,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
+        compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
         async_checkpoint: bool = False,
     ) -> None:
@@ -227,6 +230,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def checkpointed_blocks(self) -> list[str]:
         """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
         return list(self._wrapped.checkpointed)
+
+    def apply_tuned(self, **settings: Any) -> None:
+        """Replace settings before the Trainer's first entry (what :func:`lightning_pipe.tune.tune` chose)."""
+        self._settings = self._settings.tuned(**settings)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -373,6 +380,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             stages,
             split.block_names,
             checkpoint_every=self._settings.activation_checkpointing,
+            compile_options=self._settings.compile,
             dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
             sharded_over=split.sharded_over,
         )
