@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 # An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
 # is reported as a parse error naming the key instead of failing later inside the strategy.
@@ -42,6 +42,11 @@ SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
 #: Schedules that place two stages per rank in a V: stage s and stage 2*P-1-s share a rank, so the last stage is on
 #: pipeline rank 0.
 V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
+#: Schedules that split each backward into an input-gradient and a weight-gradient action (zero bubble). torch 2.13
+#: refuses compiled stages under them (docs/compile.md says why).
+SPLIT_BACKWARD: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
+#: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
+COMPILE_OPTIONS: tuple[str, ...] = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 BALANCE_MODES = ("auto", "params", "blocks")
 FRONTENDS = ("auto", "modules", "trace")
 DataParallelMode = Literal["ddp", "fsdp"]
@@ -211,6 +216,38 @@ def resolve_every(activation_checkpointing: Union[bool, int]) -> int:
     return activation_checkpointing
 
 
+def resolve_compile(compile: Union[bool, dict[str, Any], None]) -> Optional[dict[str, Any]]:
+    """``torch.compile`` keyword arguments for ``compile``: ``None`` (off) for ``False``, ``{}`` for ``True``."""
+    if compile is None:
+        return None
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if not isinstance(compile, dict) or not all(isinstance(k, str) for k in compile):
+        raise PipelineConfigError(
+            f"`compile={compile!r}` must be True, False or a dict of torch.compile options (e.g."
+            " {'mode': 'max-autotune'})."
+        )
+    unknown = sorted(set(compile) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise PipelineConfigError(
+            f"`compile` has options torch.compile does not take per block: {unknown}. Use only"
+            f" {', '.join(COMPILE_OPTIONS)}."
+        )
+    return dict(compile)
+
+
+def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: str) -> None:
+    """Refuse compiled blocks under the schedules that split the backward (:data:`SPLIT_BACKWARD`)."""
+    if compile is not None and schedule in SPLIT_BACKWARD:
+        raise PipelineConfigError(
+            f"`compile` cannot be used with `schedule={schedule!r}`: {', '.join(sorted(SPLIT_BACKWARD))} split each"
+            " backward into an input-gradient and a weight-gradient pass over the same autograd graph, and a"
+            " compiled block's backward is a single node that computes both at once (torch 2.13 refuses compiled"
+            " stages under these schedules). Use `schedule` 'GPipe', '1F1B', 'Interleaved1F1B' or 'LoopedBFS' with"
+            " `compile`, or turn `compile` off."
+        )
+
+
 def check_max_restarts(max_restarts: object) -> None:
     if not _is_int(max_restarts) or max_restarts < 0:  # type: ignore[operator]
         raise PipelineConfigError(
@@ -257,6 +294,8 @@ class PipelineSettings:
     activation_checkpointing: int = 0
     tensor_parallel: Union[Literal["auto"], int] = "auto"
     loss_parallel: bool = False
+    #: ``torch.compile`` options of every block (``None``: not compiled)
+    compile: Optional[dict[str, Any]] = None
     #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
     max_restarts: int = 0
     #: checkpoints written by a thread after a copy to host memory
@@ -279,6 +318,8 @@ class PipelineSettings:
         check_tensor_parallel(self.tensor_parallel, self.frontend)
         if not isinstance(self.loss_parallel, bool):
             raise PipelineConfigError(f"`loss_parallel` must be True or False, got {self.loss_parallel!r}.")
+        compile_options = resolve_compile(self.compile)
+        check_compile_schedule(compile_options, canonical_schedule(self.schedule))
         check_max_restarts(self.max_restarts)
         check_async_checkpoint(self.async_checkpoint)
         normal = {
@@ -288,9 +329,18 @@ class PipelineSettings:
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),
+            "compile": compile_options,
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
+
+    def tuned(self, **changes: Any) -> PipelineSettings:
+        """A copy with ``changes`` (what the tuner chose), validated; only before the processes start."""
+        if self.resolved:
+            raise PipelineUsageError(
+                "The strategy's settings are fixed once its Trainer has started; tune before `trainer.fit`."
+            )
+        return dataclasses.replace(self, **changes)
 
     def resolve(self, world_size: int) -> PipelineSettings:
         """A copy with ``pipeline_size``, ``schedule``, ``stages_per_rank`` and ``tensor_parallel`` decided for

@@ -116,6 +116,8 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             own (``base_model_tp_plan``). ``"auto"``: 1.
         loss_parallel: Run each step (the loss and its backward) inside torch's ``loss_parallel()``, for a head whose
             output stays split over the vocabulary. Default ``False``.
+        compile: ``torch.compile`` each block in place: ``True`` or a dict of its options (``mode``, ``backend``, ...);
+            not with the schedules that split the backward (docs/compile.md). Default ``False``.
         max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
             time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
         async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
@@ -148,6 +150,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
         tensor_parallel: Union[Literal["auto"], PositiveInt] = "auto",
         loss_parallel: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
         async_checkpoint: bool = False,
     ) -> None:
@@ -174,6 +177,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         self.num_nodes = 1
         # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
         watchdog.start_if_launched()
+        collectives.destroy_at_exit()  # registered before the launch's: rank 0 joins its ranks, then destroys
 
     # ------------------------------------------------------------------ settings and topology
     @property
@@ -212,6 +216,10 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     def checkpointed_blocks(self) -> list[str]:
         """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
         return list(self._wrapped.checkpointed)
+
+    def apply_tuned(self, **settings: Any) -> None:
+        """Replace settings before the Trainer's first entry (what :func:`lightning_pipe.tune.tune` chose)."""
+        self._settings = self._settings.tuned(**settings)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -370,6 +378,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             stages,
             split.block_names,
             checkpoint_every=self._settings.activation_checkpointing,
+            compile_options=self._settings.compile,
             dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
             sharded_over=split.sharded_over,
             tensor_parallel=TensorParallel(split, self.device_mesh) if self.tensor_parallel_size > 1 else None,

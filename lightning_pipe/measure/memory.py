@@ -162,7 +162,12 @@ class SavedTensorBytes:
             # Holding the storage keeps its address from being reused by another tensor while we count.
             storage = part.untyped_storage()
             self._seen[key] = (storage.nbytes(), storage)
-        return t
+        # Not `t` itself: an op that saves its own output (ReLU, sigmoid, softmax) would then hold that output's
+        # Python object in its grad_fn, which the output references: a cycle through C++ that Python's collector
+        # cannot see, keeping the whole graph (activations, the batch, parameters) alive for good. A detached alias
+        # holds the same storage and no grad_fn. (Saved tensors are values in backward; double backward through a
+        # measured forward would lose them: the strategy never runs one.)
+        return t.detach()
 
     def __enter__(self) -> SavedTensorBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -336,6 +341,47 @@ class PeakMemory:
             peak = _rss_peak()
             if self._rss_base is not None and peak is not None:
                 self.rss_bytes = max(peak - self._rss_base, 0)
+
+
+class ProcessPeak:
+    """The most memory this process held since :meth:`reset`: on CUDA the allocator's peak of allocated bytes; on the
+    CPU the peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``: Linux), which counts
+    everything the process holds (Python, libraries, data), not only tensors. :meth:`read` is ``None`` where no peak
+    can be read (or, on the CPU, reset)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._ok = False
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._ok = True
+        else:
+            self._ok = self.device.type == "cpu" and _rss_peak_reset()
+
+    def read(self) -> int | None:
+        if not self._ok:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return _rss_peak()
+
+
+def device_memory(device: torch.device, processes: int = 1) -> int | None:
+    """The memory one of ``processes`` processes sharing ``device`` can use: a GPU's total memory, or on the CPU
+    the machine's (``MemTotal``, Linux) divided among the processes; ``None`` where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 // max(processes, 1)
+    except OSError:
+        pass
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------- report

@@ -179,6 +179,12 @@ def _frontend(network: nn.Module, settings: PipelineSettings) -> _Frontend:
     return _Frontend(find_layout(network, settings.blocks), None, call_with_activation)
 
 
+def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
+    """The network the strategy would split and its units, without splitting it."""
+    _, network = resolve_module(lightning_module, settings.module)
+    return network, _frontend(network, settings).layout
+
+
 def _counts(
     lightning_module: Any,
     network: nn.Module,
