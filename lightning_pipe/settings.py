@@ -51,8 +51,9 @@ BALANCE_MODES = ("auto", "params", "blocks")
 FRONTENDS = ("auto", "modules", "trace")
 DataParallelMode = Literal["ddp", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
-DP, PP = "dp", "pp"
-#: Which mesh axis holds consecutive ranks (ranks on one node when the launcher fills nodes in order).
+DP, PP, TP = "dp", "pp", "tp"
+#: Which of the axes "dp" and "pp" holds consecutive ranks (ranks on one node when the launcher fills nodes in order);
+#: "tp" is always innermost.
 InnerAxis = Literal["dp", "pp"]
 
 #: Default ``timeout`` of the strategy's process group: a third of torch's 30 minutes. A rank that raises or dies no
@@ -113,19 +114,42 @@ def check_pipeline_size(pipeline_size: Union[int, str]) -> None:
         raise PipelineConfigError(f"`pipeline_size` must be 'auto' or an int >= 1, got {pipeline_size!r}.")
 
 
-def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int) -> tuple[int, int]:
-    """Return ``(pipeline_size, data_parallel_size)``; ``"auto"`` makes every process one stage of one pipeline."""
+def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int, tensor_parallel: int = 1) -> tuple[int, int]:
+    """Return ``(pipeline_size, data_parallel_size)`` for ``world_size`` processes of which each ``tensor_parallel``
+    consecutive ones share every stage; ``"auto"`` makes the rest one pipeline, without data parallelism."""
     check_pipeline_size(pipeline_size)
-    if pipeline_size == "auto":
-        return world_size, 1
-    size = int(pipeline_size)
-    if world_size % size != 0:
+    if world_size % tensor_parallel != 0:
         raise PipelineConfigError(
-            f"The world size ({world_size} processes) is not divisible by `pipeline_size={size}`: every"
+            f"The world size ({world_size} processes) is not divisible by `tensor_parallel={tensor_parallel}`: every"
+            " stage is held by a whole group of tensor-parallel processes. Set `tensor_parallel` to a divisor of the"
+            " world size, or change `devices`/`num_nodes`."
+        )
+    if pipeline_size == "auto":
+        return world_size // tensor_parallel, 1
+    size = int(pipeline_size)
+    if world_size % (size * tensor_parallel) != 0:
+        shared = f" x `tensor_parallel={tensor_parallel}`" if tensor_parallel > 1 else ""
+        raise PipelineConfigError(
+            f"The world size ({world_size} processes) is not divisible by `pipeline_size={size}`{shared}: every"
             " data-parallel replica needs a whole pipeline. Set `pipeline_size` to a divisor of the world size, or"
             " change `devices`/`num_nodes`."
         )
-    return size, world_size // size
+    return size, world_size // (size * tensor_parallel)
+
+
+def check_tensor_parallel(tensor_parallel: Union[int, str], frontend: str) -> int:
+    """Validate ``tensor_parallel`` (with the frontend it must work with); return its size (``"auto"`` is 1)."""
+    if tensor_parallel != "auto" and (not _is_int(tensor_parallel) or tensor_parallel < 1):  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`tensor_parallel` must be 'auto' or an int >= 1 (processes sharing every stage), got {tensor_parallel!r}."
+        )
+    size = 1 if tensor_parallel == "auto" else int(tensor_parallel)
+    if size > 1 and frontend == "trace":
+        raise PipelineConfigError(
+            f"`tensor_parallel={size}` needs `frontend='modules'`: torch's tracer (`frontend='trace'`) rejects the"
+            " DTensor parameters and activations of tensor-parallel layers. Use `frontend='modules'` (or 'auto')."
+        )
+    return size
 
 
 def check_microbatch_settings(microbatches: Union[int, str], microbatch_size: Union[int, None]) -> None:
@@ -268,6 +292,8 @@ class PipelineSettings:
     inner_axis: str = DP
     #: checkpoint every k-th block of the block stack (0: none)
     activation_checkpointing: int = 0
+    tensor_parallel: Union[Literal["auto"], int] = "auto"
+    loss_parallel: bool = False
     #: ``torch.compile`` options of every block (``None``: not compiled)
     compile: Optional[dict[str, Any]] = None
     #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
@@ -289,6 +315,9 @@ class PipelineSettings:
             raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'trace'.")
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
+        check_tensor_parallel(self.tensor_parallel, self.frontend)
+        if not isinstance(self.loss_parallel, bool):
+            raise PipelineConfigError(f"`loss_parallel` must be True or False, got {self.loss_parallel!r}.")
         compile_options = resolve_compile(self.compile)
         check_compile_schedule(compile_options, canonical_schedule(self.schedule))
         check_max_restarts(self.max_restarts)
@@ -314,11 +343,14 @@ class PipelineSettings:
         return dataclasses.replace(self, **changes)
 
     def resolve(self, world_size: int) -> PipelineSettings:
-        """A copy with ``pipeline_size``, ``schedule`` and ``stages_per_rank`` decided for ``world_size`` processes."""
-        pipeline_size, _ = resolve_pipeline_size(self.pipeline_size, world_size)
+        """A copy with ``pipeline_size``, ``schedule``, ``stages_per_rank`` and ``tensor_parallel`` decided for
+        ``world_size`` processes."""
+        tensor_parallel = check_tensor_parallel(self.tensor_parallel, self.frontend)
+        pipeline_size, _ = resolve_pipeline_size(self.pipeline_size, world_size, tensor_parallel)
         schedule, stages_per_rank = resolve_schedule(self.schedule, self.stages_per_rank)
         return dataclasses.replace(
             self,
+            tensor_parallel=tensor_parallel,
             pipeline_size=pipeline_size,
             schedule=schedule,
             stages_per_rank=stages_per_rank,
@@ -336,9 +368,14 @@ class PipelineSettings:
 
     @property
     def data_parallel_size(self) -> int:
-        """Pipelines (data-parallel replicas): ``world_size / pipeline_size``."""
+        """Pipelines (data-parallel replicas): ``world_size / (pipeline_size * tensor_parallel)``."""
         self._require("data_parallel_size")
-        return int(self.world_size) // int(self.pipeline_size)  # type: ignore[arg-type]
+        return int(self.world_size) // (int(self.pipeline_size) * self.tensor_parallel_size)  # type: ignore[arg-type]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Processes sharing every stage (``"auto"``: 1); known before :meth:`resolve`."""
+        return 1 if self.tensor_parallel == "auto" else int(self.tensor_parallel)
 
     @property
     def num_stages(self) -> int:
