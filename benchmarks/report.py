@@ -99,14 +99,16 @@ class Stats:
                         self.runs(strategy_suite, "strategy", model, schedule, m, None, field="cpu_ms"),
                     )
                     out[name].append({"schedule": schedule, "microbatches": m, **pair, "cpu": cpu})
-        out["small_log"] = self.pair(
-            self.runs("small", "hand", small, "1F1B", 4, None),
-            self.runs("small", "strategy_log", small, "1F1B", 4, None),
-        )
-        out["small_nosigterm"] = self.pair(
-            self.runs("small", "hand", small, "1F1B", 4, None),
-            self.runs("small", "strategy_nosigterm", small, "1F1B", 4, None),
-        )
+        for name, kind in (("small_log", "strategy_log"), ("small_nosigterm", "strategy_nosigterm")):
+            out[name] = self.pair(
+                self.runs("small", "hand", small, "1F1B", 4, None),
+                self.runs("small", kind, small, "1F1B", 4, None),
+            )
+            if out[name]:
+                out[name]["cpu"] = self.pair(
+                    self.runs("small", "hand", small, "1F1B", 4, None, field="cpu_ms"),
+                    self.runs("small", kind, small, "1F1B", 4, None, field="cpu_ms"),
+                )
         out["lightning_own"] = self.pair(
             self.runs("small", "single_hand", small, None, 1, None),
             self.runs("small", "single_lightning", small, None, 1, None),
@@ -117,8 +119,11 @@ class Stats:
         )
         one_f_one_b = [r for r in out["small"] if r["schedule"] == "1F1B"]
         compute_ratios = [r["ratio"]["median"] for r in out["compute"]]
+        cpu = one_f_one_b[0]["cpu"] if one_f_one_b else None
         out["targets"] = {
             "small_overhead_ms": one_f_one_b[0]["diff"]["median"] if one_f_one_b else None,
+            # The same fixed cost in CPU time (both processes): what other jobs on a shared machine disturb least.
+            "small_overhead_cpu_ms": cpu["diff"]["median"] if cpu else None,
             "small_overhead_target_ms": 1.5,
             "compute_ratio": max(compute_ratios) if compute_ratios else None,
             "compute_ratio_target": 1.02,
@@ -254,7 +259,8 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         "(`benchmarks/lit.py`) with `Trainer(strategy=PipelineParallelStrategy(schedule=..., microbatches=...))`.",
         "",
         f"Targets: fixed cost per step on the small network (1F1B) at most {t['small_overhead_target_ms']} ms: "
-        f"**{_num(t['small_overhead_ms'], 2)} ms**, {_met(t['small_overhead_ms'], t['small_overhead_target_ms'])}; "
+        f"**{_num(t['small_overhead_ms'], 2)} ms** wall clock ({_num(t.get('small_overhead_cpu_ms'), 2)} ms of CPU "
+        f"time, both processes), {_met(t['small_overhead_ms'], t['small_overhead_target_ms'])}; "
         f"ratio on the compute-bound network at most {t['compute_ratio_target']}: worst schedule "
         f"**{_num(t['compute_ratio'], 3)}**, {_met(t['compute_ratio'], t['compute_ratio_target'])}.",
         "",
@@ -273,13 +279,14 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         s = o["small_log"]
         lines.append(
             f"| 1F1B, with `self.log` | {_ms(s['a'], 2)} | {_ms(s['b'], 2)} | {_ms(s['diff'], 2)} | "
-            f"{_x(s['ratio'])} | |"
+            f"{_x(s['ratio'])} | {_ms(s['cpu']['diff'], 2) if s.get('cpu') else ''} |"
         )
     if o.get("small_nosigterm"):
         s = o["small_nosigterm"]
         lines.append(
             f"| 1F1B, without Lightning's per-step SIGTERM broadcast (benchmark-only patch) | {_ms(s['a'], 2)} | "
-            f"{_ms(s['b'], 2)} | {_ms(s['diff'], 2)} | {_x(s['ratio'])} | |"
+            f"{_ms(s['b'], 2)} | {_ms(s['diff'], 2)} | {_x(s['ratio'])} |"
+            f" {_ms(s['cpu']['diff'], 2) if s.get('cpu') else ''} |"
         )
     lines += [
         "",
@@ -291,9 +298,13 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         " hand-written loop does not make, part of Lightning's own cost. The last row shows the strategy without it.",
     ]
     lines += ["", "Compute-bound network (8 x Linear(1024) + ReLU, batch 512, 8 microbatches), ms per step:", ""]
-    lines += ["| schedule | hand-written loop | strategy | ratio |", "|---|---|---|---|"]
+    lines += ["| schedule | hand-written loop | strategy | ratio | ratio, CPU time |", "|---|---|---|---|---|"]
     for row in o["compute"]:
-        lines.append(f"| {row['schedule']} | {_ms(row['a'])} | {_ms(row['b'])} | {_x(row['ratio'])} |")
+        cpu = row.get("cpu")
+        lines.append(
+            f"| {row['schedule']} | {_ms(row['a'])} | {_ms(row['b'])} | {_x(row['ratio'])} |"
+            f" {_x(cpu['ratio']) if cpu else '-'} |"
+        )
     if "overhead.png" in rel:
         lines += ["", f"![strategy against the hand-written loop]({rel['overhead.png']})"]
     lines += ["", "For reference, on one process (small network):", ""]
@@ -427,11 +438,16 @@ def _relative(path: Path, base: Path) -> str:
 
 def write_docs(results: dict[str, Any], docs: Path, images: list[Path]) -> None:
     """Replace the generated section of ``docs`` (or append one)."""
+    write_section(docs, markdown(results, images, docs), BEGIN, END)
+
+
+def write_section(docs: Path, block: str, begin: str, end: str) -> None:
+    """Put ``block`` (which starts with ``begin`` and ends with ``end``) in place of ``docs``' section between those
+    markers, or append it."""
     text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    block = markdown(results, images, docs)
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     docs.write_text(text)

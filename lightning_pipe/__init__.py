@@ -13,6 +13,7 @@ from lightning_pipe.errors import (
     PipelineUsageError,
 )
 from lightning_pipe.strategy import PipelineParallelStrategy
+from lightning_pipe.tune import SearchSpace, TuneResult, tune
 
 # Lightning has no entry-point discovery for strategies: registering on import is what makes the string work.
 if PipelineParallelStrategy.strategy_name not in StrategyRegistry:
@@ -26,5 +27,8 @@ __all__ = [
     "PipelineParallelStrategy",
     "PipelinePeerFailure",
     "PipelineUsageError",
+    "SearchSpace",
+    "TuneResult",
     "__version__",
+    "tune",
 ]

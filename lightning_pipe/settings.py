@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 # An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
 # is reported as a parse error naming the key instead of failing later inside the strategy.
@@ -42,12 +42,18 @@ SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
 #: Schedules that place two stages per rank in a V: stage s and stage 2*P-1-s share a rank, so the last stage is on
 #: pipeline rank 0.
 V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
+#: Schedules that split each backward into an input-gradient and a weight-gradient action (zero bubble). torch 2.13
+#: refuses compiled stages under them (docs/compile.md says why).
+SPLIT_BACKWARD: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
+#: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
+COMPILE_OPTIONS: tuple[str, ...] = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 BALANCE_MODES = ("auto", "params", "blocks")
 FRONTENDS = ("auto", "modules", "dataflow", "trace")
 DataParallelMode = Literal["ddp", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
-DP, PP = "dp", "pp"
-#: Which mesh axis holds consecutive ranks (ranks on one node when the launcher fills nodes in order).
+DP, PP, TP = "dp", "pp", "tp"
+#: Which of the axes "dp" and "pp" holds consecutive ranks (ranks on one node when the launcher fills nodes in order);
+#: "tp" is always innermost.
 InnerAxis = Literal["dp", "pp"]
 
 #: Default ``timeout`` of the strategy's process group: a third of torch's 30 minutes. A rank that raises or dies no
@@ -108,19 +114,42 @@ def check_pipeline_size(pipeline_size: Union[int, str]) -> None:
         raise PipelineConfigError(f"`pipeline_size` must be 'auto' or an int >= 1, got {pipeline_size!r}.")
 
 
-def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int) -> tuple[int, int]:
-    """Return ``(pipeline_size, data_parallel_size)``; ``"auto"`` makes every process one stage of one pipeline."""
+def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int, tensor_parallel: int = 1) -> tuple[int, int]:
+    """Return ``(pipeline_size, data_parallel_size)`` for ``world_size`` processes of which each ``tensor_parallel``
+    consecutive ones share every stage; ``"auto"`` makes the rest one pipeline, without data parallelism."""
     check_pipeline_size(pipeline_size)
-    if pipeline_size == "auto":
-        return world_size, 1
-    size = int(pipeline_size)
-    if world_size % size != 0:
+    if world_size % tensor_parallel != 0:
         raise PipelineConfigError(
-            f"The world size ({world_size} processes) is not divisible by `pipeline_size={size}`: every"
+            f"The world size ({world_size} processes) is not divisible by `tensor_parallel={tensor_parallel}`: every"
+            " stage is held by a whole group of tensor-parallel processes. Set `tensor_parallel` to a divisor of the"
+            " world size, or change `devices`/`num_nodes`."
+        )
+    if pipeline_size == "auto":
+        return world_size // tensor_parallel, 1
+    size = int(pipeline_size)
+    if world_size % (size * tensor_parallel) != 0:
+        shared = f" x `tensor_parallel={tensor_parallel}`" if tensor_parallel > 1 else ""
+        raise PipelineConfigError(
+            f"The world size ({world_size} processes) is not divisible by `pipeline_size={size}`{shared}: every"
             " data-parallel replica needs a whole pipeline. Set `pipeline_size` to a divisor of the world size, or"
             " change `devices`/`num_nodes`."
         )
-    return size, world_size // size
+    return size, world_size // (size * tensor_parallel)
+
+
+def check_tensor_parallel(tensor_parallel: Union[int, str], frontend: str) -> int:
+    """Validate ``tensor_parallel`` (with the frontend it must work with); return its size (``"auto"`` is 1)."""
+    if tensor_parallel != "auto" and (not _is_int(tensor_parallel) or tensor_parallel < 1):  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`tensor_parallel` must be 'auto' or an int >= 1 (processes sharing every stage), got {tensor_parallel!r}."
+        )
+    size = 1 if tensor_parallel == "auto" else int(tensor_parallel)
+    if size > 1 and frontend == "trace":
+        raise PipelineConfigError(
+            f"`tensor_parallel={size}` needs `frontend='modules'`: torch's tracer (`frontend='trace'`) rejects the"
+            " DTensor parameters and activations of tensor-parallel layers. Use `frontend='modules'` (or 'auto')."
+        )
+    return size
 
 
 def check_microbatch_settings(microbatches: Union[int, str], microbatch_size: Union[int, None]) -> None:
@@ -203,6 +232,38 @@ def resolve_every(activation_checkpointing: Union[bool, int]) -> int:
     return activation_checkpointing
 
 
+def resolve_compile(compile: Union[bool, dict[str, Any], None]) -> Optional[dict[str, Any]]:
+    """``torch.compile`` keyword arguments for ``compile``: ``None`` (off) for ``False``, ``{}`` for ``True``."""
+    if compile is None:
+        return None
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if not isinstance(compile, dict) or not all(isinstance(k, str) for k in compile):
+        raise PipelineConfigError(
+            f"`compile={compile!r}` must be True, False or a dict of torch.compile options (e.g."
+            " {'mode': 'max-autotune'})."
+        )
+    unknown = sorted(set(compile) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise PipelineConfigError(
+            f"`compile` has options torch.compile does not take per block: {unknown}. Use only"
+            f" {', '.join(COMPILE_OPTIONS)}."
+        )
+    return dict(compile)
+
+
+def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: str) -> None:
+    """Refuse compiled blocks under the schedules that split the backward (:data:`SPLIT_BACKWARD`)."""
+    if compile is not None and schedule in SPLIT_BACKWARD:
+        raise PipelineConfigError(
+            f"`compile` cannot be used with `schedule={schedule!r}`: {', '.join(sorted(SPLIT_BACKWARD))} split each"
+            " backward into an input-gradient and a weight-gradient pass over the same autograd graph, and a"
+            " compiled block's backward is a single node that computes both at once (torch 2.13 refuses compiled"
+            " stages under these schedules). Use `schedule` 'GPipe', '1F1B', 'Interleaved1F1B' or 'LoopedBFS' with"
+            " `compile`, or turn `compile` off."
+        )
+
+
 def check_max_restarts(max_restarts: object) -> None:
     if not _is_int(max_restarts) or max_restarts < 0:  # type: ignore[operator]
         raise PipelineConfigError(
@@ -247,6 +308,10 @@ class PipelineSettings:
     inner_axis: str = DP
     #: checkpoint every k-th block of the block stack (0: none)
     activation_checkpointing: int = 0
+    tensor_parallel: Union[Literal["auto"], int] = "auto"
+    loss_parallel: bool = False
+    #: ``torch.compile`` options of every block (``None``: not compiled)
+    compile: Optional[dict[str, Any]] = None
     #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
     max_restarts: int = 0
     #: checkpoints written by a thread after a copy to host memory
@@ -269,6 +334,11 @@ class PipelineSettings:
         check_blocks(self.blocks, self.frontend)
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
+        check_tensor_parallel(self.tensor_parallel, self.frontend)
+        if not isinstance(self.loss_parallel, bool):
+            raise PipelineConfigError(f"`loss_parallel` must be True or False, got {self.loss_parallel!r}.")
+        compile_options = resolve_compile(self.compile)
+        check_compile_schedule(compile_options, canonical_schedule(self.schedule))
         check_max_restarts(self.max_restarts)
         check_async_checkpoint(self.async_checkpoint)
         normal = {
@@ -279,16 +349,28 @@ class PipelineSettings:
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),
+            "compile": compile_options,
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 
+    def tuned(self, **changes: Any) -> PipelineSettings:
+        """A copy with ``changes`` (what the tuner chose), validated; only before the processes start."""
+        if self.resolved:
+            raise PipelineUsageError(
+                "The strategy's settings are fixed once its Trainer has started; tune before `trainer.fit`."
+            )
+        return dataclasses.replace(self, **changes)
+
     def resolve(self, world_size: int) -> PipelineSettings:
-        """A copy with ``pipeline_size``, ``schedule`` and ``stages_per_rank`` decided for ``world_size`` processes."""
-        pipeline_size, _ = resolve_pipeline_size(self.pipeline_size, world_size)
+        """A copy with ``pipeline_size``, ``schedule``, ``stages_per_rank`` and ``tensor_parallel`` decided for
+        ``world_size`` processes."""
+        tensor_parallel = check_tensor_parallel(self.tensor_parallel, self.frontend)
+        pipeline_size, _ = resolve_pipeline_size(self.pipeline_size, world_size, tensor_parallel)
         schedule, stages_per_rank = resolve_schedule(self.schedule, self.stages_per_rank)
         return dataclasses.replace(
             self,
+            tensor_parallel=tensor_parallel,
             pipeline_size=pipeline_size,
             schedule=schedule,
             stages_per_rank=stages_per_rank,
@@ -306,9 +388,14 @@ class PipelineSettings:
 
     @property
     def data_parallel_size(self) -> int:
-        """Pipelines (data-parallel replicas): ``world_size / pipeline_size``."""
+        """Pipelines (data-parallel replicas): ``world_size / (pipeline_size * tensor_parallel)``."""
         self._require("data_parallel_size")
-        return int(self.world_size) // int(self.pipeline_size)  # type: ignore[arg-type]
+        return int(self.world_size) // (int(self.pipeline_size) * self.tensor_parallel_size)  # type: ignore[arg-type]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Processes sharing every stage (``"auto"``: 1); known before :meth:`resolve`."""
+        return 1 if self.tensor_parallel == "auto" else int(self.tensor_parallel)
 
     @property
     def num_stages(self) -> int:

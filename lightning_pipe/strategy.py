@@ -36,8 +36,10 @@ from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
+from lightning_pipe.measure.memory import tensor_parallel_share as tp_share
 from lightning_pipe.parallel import data_parallel as dp_modes
-from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups
+from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
+from lightning_pipe.parallel.tensor_parallel import TensorParallel
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
 from lightning_pipe.reliability import failures, restart, watchdog
 from lightning_pipe.reliability.launcher import PipelineLauncher
@@ -45,7 +47,6 @@ from lightning_pipe.scope import quieter_warnings, replaced
 from lightning_pipe.settings import (
     DEFAULT_TIMEOUT,
     DP,
-    PP,
     DataParallelMode,
     InnerAxis,
     NonNegativeInt,
@@ -54,7 +55,7 @@ from lightning_pipe.settings import (
     ScheduleName,
 )
 from lightning_pipe.split import tied
-from lightning_pipe.split.builder import Split, is_split, split_module
+from lightning_pipe.split.builder import Split, has_network, is_split, split_module
 from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.metrics import bind_metrics
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
 
-class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, ParallelStrategy):
+class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.LauncherHook, ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule: ``Trainer(strategy="pipeline")``.
 
     The network is cut into stages; each process builds and keeps only its own stages (parameter names stay those of
@@ -89,13 +90,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         stages_per_rank: Stages each process holds. ``"auto"``: 1 for ``GPipe``/``1F1B``, 2 for the others (round
             robin, or a V for ``ZBVZeroBubble``/``DualPipeV``).
         module: Attribute holding the network. ``"auto"``: the only child with parameters, else the LightningModule.
-        frontend: ``"modules"`` (the network's forward skips units set to ``None``), ``"dataflow"`` (an unmodified
-            forward runs on every stage and each value a unit computes goes to the stages that read it: encoder-
-            decoders, U-Nets) or ``"trace"`` (torch's tracer cuts an unmodified network from
-            ``example_input_array``). ``"auto"``: ``"modules"``.
-        blocks: The container of repeated blocks inside ``module``, or a list of them (``"dataflow"``: an encoder's
-            and a decoder's layers). ``"auto"``: the largest by parameter count; with ``"dataflow"``, every
-            container of repeated blocks.
+        frontend: ``"modules"`` (the forward skips units set to ``None``), ``"dataflow"`` (an unmodified forward on
+            every stage, values routed to the stages that read them) or ``"trace"``. ``"auto"``: ``"modules"``.
+        blocks: The container(s) of repeated blocks. ``"auto"``: the largest by parameters (``"dataflow"``: all).
         split_points: Names of the blocks that begin stages 1..N-1. Default ``None``: use ``balance``.
         balance: ``"params"`` (fewest parameters on the largest stage), ``"blocks"`` (even split) or blocks per stage
             (``[3, 5]``). ``"auto"``: by measured cost when the LightningModule has ``example_input_array``, else
@@ -113,6 +110,14 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         inner_axis: The mesh axis of consecutive ranks (one node): ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th block of
             the stack. Default ``False``.
+        tensor_parallel: Processes sharing every stage, each layer split over them (mesh axis ``"tp"``, innermost).
+            With more than 1 the network is cut before ``configure_model``, which applies ``parallelize_module`` with
+            ``self.device_mesh["tp"]`` to the units this rank holds; a Hugging Face model without such a plan gets its
+            own (``base_model_tp_plan``). ``"auto"``: 1.
+        loss_parallel: Run each step (the loss and its backward) inside torch's ``loss_parallel()``, for a head whose
+            output stays split over the vocabulary. Default ``False``.
+        compile: ``torch.compile`` each block in place: ``True`` or a dict of its options (``mode``, ``backend``, ...);
+            not with the schedules that split the backward (docs/compile.md). Default ``False``.
         max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure, each
             time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
         async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
@@ -143,6 +148,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
+        tensor_parallel: Union[Literal["auto"], PositiveInt] = "auto",
+        loss_parallel: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
         async_checkpoint: bool = False,
     ) -> None:
@@ -169,6 +177,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.num_nodes = 1
         # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
         watchdog.start_if_launched()
+        collectives.destroy_at_exit()  # registered before the launch's: rank 0 joins its ranks, then destroys
 
     # ------------------------------------------------------------------ settings and topology
     @property
@@ -196,29 +205,6 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return int(self._settings.stages_per_rank)
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The process topology: axes ``"dp"`` (data-parallel replicas) and ``"pp"`` (stages of one pipeline)."""
-        if self._mesh is None:
-            raise PipelineUsageError("The device mesh is built when the processes start (setup_environment).")
-        return self._mesh
-
-    @property
-    def pipeline_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, PP) if self._mesh is not None else 0
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return meshes.axis_rank(self.device_mesh, DP) if self._mesh is not None else 0
-
-    @property
-    def pipeline_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, PP)
-
-    @property
-    def data_parallel_group(self) -> Any:
-        return meshes.axis_group(self.device_mesh, DP)
-
-    @property
     def gradient_sync(self) -> GradientSync:
         """The once-per-optimizer-step gradient synchronisation (its ``bucket_bytes`` can be set after setup;
         ``count`` and ``last_buckets`` say what it did)."""
@@ -230,6 +216,10 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     def checkpointed_blocks(self) -> list[str]:
         """Names (in the network) of this rank's blocks whose activations are recomputed in backward."""
         return list(self._wrapped.checkpointed)
+
+    def apply_tuned(self, **settings: Any) -> None:
+        """Replace settings before the Trainer's first entry (what :func:`lightning_pipe.tune.tune` chose)."""
+        self._settings = self._settings.tuned(**settings)
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -304,7 +294,13 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Modules created in ``configure_model`` go on the meta device: each rank allocates only its own stages, and
-        replays on them what ``configure_model`` did to their tensors (recorded here)."""
+        replays on them what ``configure_model`` did to their tensors (recorded here). With ``tensor_parallel > 1`` a
+        network built in ``__init__`` is cut first: ``configure_model`` splits the units this rank holds."""
+        module = self.lightning_module
+        if self.tensor_parallel_size > 1 and module is not None and has_network(module, self._settings.module):
+            self._split_network(module)
+            yield
+            return
         with torch.device("meta"), record_init() as recording:
             yield
         self._init_recording = recording.finish(self.lightning_module)
@@ -317,22 +313,11 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        check_supported(module, self.precision_plugin)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
-        if fitting and not is_split(module):
-            ckpt_optim.record_param_groups(module)
-        self._split = split = split_module(
-            module,
-            self._settings,
-            pipeline_rank=self.pipeline_rank,
-            device=self.root_device,
-            agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
-            announce=rank_zero_info,
-            recording=self._init_recording,
+        self._split = split = self._split_network(module)
+        self._engine = StepEngine(
+            module, split, self._settings, self.pipeline_group, self.root_device, self._rng, self.device_mesh
         )
-        self._init_recording = None  # replayed: its meta tensors can go
-        self._engine = StepEngine(module, split, self._settings, self.pipeline_group, self.root_device, self._rng)
         self._run.callback(self._close_engine)
         self._run.callback(bind_metrics(module, self.data_parallel_group))
         if fitting and not self._saved:
@@ -345,9 +330,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
         ties = self._tie_groups.copies(self._mesh, self._meshes.layout, split, module)
-        # Sharded gradients: the squares of every rank's shard add up over the whole world.
-        norm_group = self._world if self._wrapped.sharded else self.pipeline_group
-        self._gradients = StageGradients(module, ties, self.data_parallel_group, norm_group, self._wrapped.sharded)
+        self._gradients = stage_gradients(module, ties, self.device_mesh, self._wrapped)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -358,28 +341,49 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         # entry: the plugin may be the user's object, reused by another Trainer.
         self._run.enter_context(replaced(self.precision_plugin, "clip_grad_by_norm", self._gradients.clip))
         self._run.enter_context(quieter_warnings(self.global_rank, replicated=self.data_parallel_size > 1))
-        # Every stage must draw the same shuffling order; rank 0 of the pipeline decides it.
+        # Every stage draws the same shuffling order (the processes sharing a stage the same dropout): rank 0 decides.
+        self._rng.agree(self.tensor_parallel_group, collectives.group_ranks(self.tensor_parallel_group)[0])
         self._rng.agree(self.pipeline_group, self.runtime.group_ranks[0])
         resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
         self.open_checkpoints(trainer, self._rng, self._settings.async_checkpoint, resumed_from)
         announce_parameters(trainer, module, self.pipeline_group, split)
+
+    def _split_network(self, module: Any) -> Split:
+        """This rank's stages: cut now (in place, replaying ``configure_model``'s recorded initialisation) or found
+        from an earlier cut (:func:`split_module`)."""
+        check_supported(module, self.precision_plugin)
+        # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
+        if module.trainer.state.fn == TrainerFn.FITTING and not is_split(module):
+            ckpt_optim.record_param_groups(module)
+        recording, self._init_recording = self._init_recording, None  # replayed: its meta tensors can go
+        return split_module(
+            module,
+            self._settings,
+            pipeline_rank=self.pipeline_rank,
+            device=self.root_device,
+            agree=lambda value: collectives.broadcast_object(value, 0, self._world, device=self.root_device),
+            announce=rank_zero_info,
+            recording=recording,
+        )
 
     @property
     def _world(self) -> Any:
         return collectives.world_group()
 
     def _wrap_stages(self, split: Split) -> None:
-        """Activation checkpointing and FSDP on this rank's stages (:func:`lightning_pipe.parallel.wrappers.
-        wrap_stages`), before the optimizers are created: they must hold the sharded parameters."""
+        """Tensor parallelism, activation checkpointing and FSDP on this rank's stages (:func:`wrap_stages`), before the
+        optimizers are created: they must hold the sharded parameters."""
         stages = self.runtime.stages
         self._wrapped = wrap_stages(
             stages,
             split.block_names,
             checkpoint_every=self._settings.activation_checkpointing,
+            compile_options=self._settings.compile,
             dp_mesh=self.device_mesh[DP] if self._settings.sharded else None,
             sharded_over=split.sharded_over,
+            tensor_parallel=TensorParallel(split, self.device_mesh) if self.tensor_parallel_size > 1 else None,
         )
-        split.sharded_over = self._wrapped.sharded_over
+        split.sharded_over, split.tensor_parallel = self._wrapped.sharded_over, self._wrapped.tensor_parallel
         self._run.callback(unwrap_stages, stages)
 
     def _close_engine(self) -> None:
@@ -461,6 +465,7 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             state=state_bytes(self.model, self.optimizers),
             saved_per_microbatch={s: r.bytes for s, r in self._saved.items() if r.bytes is not None},
             construction_peak=self._split.construction_peak,
+            tensor_parallel=tp_share(self.model, self.tensor_parallel_rank, self.tensor_parallel_size),
             load_peak=self._load_peak,
         )
 
@@ -503,7 +508,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
         return (self._split.network_attr, self._split.network) if self._split is not None else ("", None)
 
     def checkpoint_topology(self) -> ckpt_io.Topology:
-        aliases = tied.aliases(self._split.ties, self._split.prefix) if self._split is not None else {}
+        # Every tied parameter once, under its first name, whether its names are on one stage or several: the
+        # checkpoint is then the same for every layout.
+        aliases = tied.aliases(self._split.shared, self._split.prefix) if self._split is not None else {}
         return ckpt_io.Topology(
             global_rank=self.global_rank,
             world_size=self.world_size,
@@ -516,6 +523,9 @@ class PipelineParallelStrategy(CheckpointHooks, pl_compat.LauncherHook, Parallel
             pipeline_group=self.pipeline_group,
             aliases=aliases,
             sharded=self._wrapped.sharded,
+            tensor_parallel_rank=self.tensor_parallel_rank,
+            tensor_parallel_size=self.tensor_parallel_size,
+            replica_group=self._meshes.replica_group,
         )
 
     # ------------------------------------------------------------------ collectives

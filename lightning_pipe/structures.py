@@ -5,6 +5,7 @@ Pure helpers shared by every layer; they know nothing of pipelines.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -45,3 +46,10 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, Mapping):
         return [t for v in obj.values() for t in tensors_in(v)]
     return []
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (a tensor split over processes: FSDP and tensor-parallel parameters, their
+    gradients and activations), without importing ``torch.distributed.tensor``: none exists before it was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)

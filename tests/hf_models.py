@@ -29,6 +29,8 @@ def build(family: str, tie: bool, layers: int = 8):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    if family == "qwen3":  # per-head query/key norms (q_norm, k_norm)
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8))
     from tests.hf_families import build as build_family  # any other family of transformers' registry, tiny
 
     return build_family(family, tie, layers)

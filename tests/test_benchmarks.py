@@ -66,3 +66,67 @@ def test_quick_run_writes_every_output(tmp_path):
     assert {p.name for p in (out / "img").iterdir()} >= {"overhead.png", "speedup.png", "timeline-1F1B-M8.png"}
     assert "`--quick`: a smoke run" in page.read_text()
     assert (ROOT / "docs" / "benchmarks.md").read_text() == docs_before
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks/tune.py
+def _sweep(run, settings, ms):
+    return {"case": {"kind": "sweep", "workload": "mlp", "run": run, "settings": settings}, "ms": ms}
+
+
+def test_tune_report_compares_the_choice_with_the_sweep():
+    from benchmarks import tune as tune_bench
+
+    a = {"schedule": "1F1B", "microbatches": 4, "stages_per_rank": 1, "activation_checkpointing": 0, "compile": False}
+    b = {**a, "microbatches": 8}
+    records = [{"machine": {"cpu": "x", "load_average": [0.1, 0.2, 0.3]}}]
+    for run, (ms_a, ms_b) in enumerate([(10.0, 12.0), (11.0, 13.0), (30.0, 12.5)]):
+        # warm-up step first (dropped), then the measured steps
+        records += [_sweep(run, a, [99.0, ms_a, ms_a]), _sweep(run, b, [99.0, ms_b])]
+        cost = {"wall_s": 0.23, "launch_s": 0.1, "cpu_s": 0.4, "trials": 2.0}
+        choice = b if run == 1 else a
+        records.append(
+            {"case": {"kind": "tune", "workload": "mlp", "run": run}, "choice": choice, "label": "x", "cost": cost}
+            | {"table": "t"}
+        )
+    results = tune_bench.collect(records, warmup=1)
+    w = results["workloads"]["mlp"]
+    assert w["best"] == a and w["candidates"] == 2
+    assert w["one_sweep_s"] == pytest.approx((11.0 + 12.5) / 1e3)
+    assert [t["ratio"] for t in w["tunes"]] == [1.0, pytest.approx(12.5 / 11.0), 1.0]
+    assert w["tunes"][0]["sweeps"] == pytest.approx(0.23 / 0.0235)
+    results.update(date="d", elapsed_s=1.0)
+    text = tune_bench.markdown(results, Namespace(quick=False, runs=3))
+    assert text.startswith(tune_bench.BEGIN) and text.endswith(tune_bench.END)
+    assert "| mlp | 2 | 1F1B M=4 v=1 (11.0) | 1F1B M=8 v=1 (12.5) |" in text
+
+
+def test_tune_report_of_a_stopped_worker_keeps_only_its_complete_runs(tmp_path):
+    from benchmarks import tune as tune_bench
+
+    a = {"schedule": "1F1B", "microbatches": 4, "stages_per_rank": 1, "activation_checkpointing": 0, "compile": False}
+    b = {**a, "microbatches": 8}
+    cases = [{"kind": "sweep", "workload": "mlp", "run": run, "settings": s} for run in (0, 1) for s in (a, b)]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    # run 0 complete (b fastest), run 1 stopped after one case (a far faster: it must not count)
+    records = [{"machine": {"cpu": "x", "cpu_cores": 2}}]
+    records += [_sweep(0, a, [99.0, 20.0]), _sweep(0, b, [99.0, 10.0]), _sweep(1, a, [99.0, 1.0])]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = tune_bench.stopped_run(tmp_path, warmup=1)
+    assert results["runs"] == (1, 2) and results["elapsed_s"] is None
+    assert results["workloads"]["mlp"]["best"] == b
+    text = tune_bench.markdown(results, Namespace(quick=False, runs=2))
+    assert "The worker was stopped after 1 of 2 runs" in text and "duration not recorded" in text
+
+
+@pytest.mark.slow
+def test_tune_quick_run(tmp_path):
+    """The smoke of benchmarks/tune.py: every workload's sweep and tuner once on tiny models, the docs left alone."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "tune.py"), "--quick", "--no-compile", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["workloads"]) == {"mlp", "gpt", "gpt-vocab"}
+    for w in results["workloads"].values():
+        assert w["candidates"] == 4 and len(w["tunes"]) == 1 and w["tunes"][0]["ratio"] is not None
+    assert "### Results" in proc.stdout and "tuner" in proc.stdout

@@ -420,3 +420,17 @@ def test_single_file_resume_errors(converted):
     for name, pattern in expected.items():
         with pytest.raises(PipelineCheckpointError, match="(?s)" + pattern):
             raise PipelineCheckpointError(errors[name])
+
+
+def test_consolidate_drops_the_stand_in_loaders_states():
+    """The strategy's resumable stand-in loaders write a marker state that plain Lightning's loaders cannot take
+    (Lightning refuses a resume whose count of loader states differs); a loader's own state stays."""
+    from lightning_pipe.reliability.loaders import LOADER_STATE
+
+    own = {"sampler_iter_yielded": 3}
+    checkpoint = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [dict(LOADER_STATE), own]}}}}
+    convert._drop_stand_in_loader_states(checkpoint)
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [own]
+    empty: dict = {}
+    convert._drop_stand_in_loader_states(empty)  # a checkpoint without loops (saved outside fit) is left alone
+    assert empty == {}

@@ -68,6 +68,9 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "data_parallel": "fsdp",
         "inner_axis": "pp",
         "activation_checkpointing": 2,
+        "tensor_parallel": 1,
+        "loss_parallel": True,
+        "compile": {"mode": "max-autotune-no-cudagraphs"},
         "max_restarts": 0,
         "async_checkpoint": True,
     }
@@ -81,6 +84,8 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     assert settings.module == "net"
     assert settings.timeout == timedelta(minutes=10)
     assert (settings.data_parallel, settings.inner_axis, settings.activation_checkpointing) == ("fsdp", "pp", 2)
+    assert (settings.tensor_parallel, settings.loss_parallel) == (1, True)
+    assert settings.compile == {"mode": "max-autotune-no-cudagraphs"}
 
 
 def test_timeout_accepts_null(tmp_path) -> None:

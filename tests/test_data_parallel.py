@@ -75,7 +75,7 @@ def test_clip_without_group_equals_torch():
 
 def test_default_layout_keeps_replicas_of_a_stage_on_consecutive_ranks():
     layout = MeshLayout(pipeline_size=2, data_parallel_size=3)
-    assert layout.inner == "dp" and layout.axis_names == ("pp", "dp")
+    assert layout.inner == "dp" and layout.axis_names == ("pp", "dp", "tp")
     assert layout.replica_ranks(0) == [0, 1, 2] and layout.pipeline_ranks(0) == [0, 3]
     assert [layout.coordinates(r) for r in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     pipelines_inner = MeshLayout(2, 3, inner="pp")

@@ -257,7 +257,7 @@ def test_forward_only_on_one_rank_runs_stages_in_eval_mode_without_grad():
     torch.manual_seed(0)
     first, second = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9)), nn.Sequential(nn.Linear(4, 2))
     stages = {i: StageModule(body, i, 2, call_with_activation) for i, body in enumerate([first, second])}
-    runtime = PipelineRuntime(stages, 2, [0, 0], None, torch.device("cpu"))
+    runtime = PipelineRuntime(stages, 2, [0, 0], None, torch.device("cpu"), mesh_of=lambda axes: None)
     x = torch.randn(5, 4)
     executor = ForwardOnlyExecutor(runtime, PipelineSettings(eval_microbatches=2), None)
     sizes = executor.plan(len(x))

@@ -160,3 +160,22 @@ def test_each_stage_holds_a_kth_of_parameters_and_adam_state(k):
         prune(stage, units, layout.units)
         initialize(stage, torch.device("cpu"), seed=0)
         assert trained_state(stage) <= single / k * 1.1, units
+
+
+def test_measuring_saved_bytes_keeps_no_graph_alive():
+    """ReLU saves its own output: had the pack hook kept the output's Python object, the graph would hold it and it
+    the graph, a cycle through C++ that Python never frees (it leaked a microbatch's graph, batch included, per
+    Trainer)."""
+    import gc
+    import weakref
+
+    from lightning_pipe.measure.memory import SavedTensorBytes
+
+    layer = torch.nn.Linear(4, 4)
+    with SavedTensorBytes(exclude=list(layer.parameters())) as meter:
+        out = torch.relu(layer(torch.randn(2, 4)))
+    gone = weakref.ref(out)
+    del out  # a forward whose backward never runs (torch's shape inference, an abandoned step)
+    gc.collect()
+    assert gone() is None
+    assert meter.bytes == 2 * (2 * 4 * 4)  # the linear's input and the ReLU's output

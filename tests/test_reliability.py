@@ -258,6 +258,35 @@ def test_rank0_waits_for_its_ranks_and_fails_when_one_failed():
     assert "Rank 1 failed first: its process (pid" in proc.stderr and "exited with code 3" in proc.stderr
 
 
+_EXIT = """
+import atexit, sys
+import torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs after the strategy's
+import lightning_pipe
+lightning_pipe.PipelineParallelStrategy()
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+dist.barrier()
+if sys.argv[2] == "fail":
+    raise RuntimeError("the user's error")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["clean", "fail"])
+def test_the_process_group_is_destroyed_at_a_clean_exit_only(tmp_path, ending):
+    """A clean exit destroys the group before the interpreter's finalisation (gloo's threads would abort it); after an
+    uncaught exception the group is left for the failure report."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT, str(tmp_path / "store"), ending],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == (0 if ending == "clean" else 1), proc.stderr
+    assert f"initialized at exit: {ending == 'fail'}" in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------------- fault matrix
 
 _MATRIX = ci_matrix()

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as L
 import numpy as np
@@ -20,9 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 import lightning_pipe
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import latest, save
-from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.errors import MicrobatchError, PipelineConfigError
 from lightning_pipe.reliability import loaders, restart
 from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.step.report import check_training_batches
 from lightning_pipe.step.rng import RngStreams
 from tests.models import quiet_trainer, token_dataset
 from tests.resume_models import ShuffledDropoutLM
@@ -96,6 +98,19 @@ def test_stand_ins_by_kind_of_loader():
     stateful.load_state_dict({"at": 1})
     assert stateful.loader.loaded == {"at": 1}
     assert [loader.index for loader in continuation.loaders] == [0, 1, 2, 3]
+
+
+def test_the_fit_start_batch_check_sees_through_the_stand_in():
+    # Lightning hands the strategy the stand-in, not the user's DataLoader: the short last batch is still found.
+    continuation = loaders.Continuation(lambda: {}, lambda state: None, lambda: 0)
+    settings = PipelineSettings(microbatches=8).resolve(2)
+    for loader in (
+        DataLoader(token_dataset(60), batch_size=8),
+        DataLoader(token_dataset(60), batch_size=8, shuffle=True),
+    ):
+        trainer = SimpleNamespace(train_dataloader=loaders.stand_in(loader, continuation))
+        with pytest.raises(MicrobatchError, match=r"last batch of each epoch \(60 samples in batches of 8\) has 4"):
+            check_training_batches(trainer, settings, global_rank=0)
 
 
 def test_a_resume_point_is_taken_at_the_next_batch_request():

@@ -56,7 +56,7 @@ def test_ties_across_stages_are_planned():
     check_ownership(model, layout.units)  # a tie is not refused
     (tie,) = plan_ties(model, layout.units, stage_units(layout, [1, 1]))
     assert tie.names == ("embed.weight", "head.weight") and tie.stages == (0, 1) and tie.canonical == "embed.weight"
-    assert aliases([tie], "model.") == {"model.head.weight": "model.embed.weight"}
+    assert aliases([tie.names], "model.") == {"model.head.weight": "model.embed.weight"}
     assert plan_ties(model, layout.units, stage_units(layout, [2])) == []  # one stage: a plain shared parameter
 
 

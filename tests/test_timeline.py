@@ -16,6 +16,7 @@ import torch
 from lightning_pipe.callbacks import PipelineTimeline
 from lightning_pipe.callbacks.timeline import draw_gantt
 from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.measure.simulate import BubbleGap, explain_bubble
 from lightning_pipe.measure.timeline import (
     Event,
     StepSummary,
@@ -63,6 +64,21 @@ def _gpipe_events(k: int, m: int, f: int = 10, b: int = 20) -> list[list[Event]]
 @pytest.mark.parametrize(("k", "m"), [(2, 4), (4, 4), (4, 16)])
 def test_an_ideal_gpipe_step_has_the_theoretical_bubble(k, m):
     assert step_bubbles(_gpipe_events(k, m)) == {0: pytest.approx(theoretical_bubble(k, m))}
+
+
+def test_the_bubble_taken_apart():
+    equal = {(s, k): t for s in (0, 1) for k, t in (("F", 1.0), ("B", 2.0))}
+    gap = explain_bubble(equal, 0.25, "1F1B", 2, 4, 1, [0, 1])
+    assert gap.schedule == pytest.approx(0.2) == pytest.approx(gap.theory)
+    assert gap.loss == gap.imbalance == 0.0 and gap.other == pytest.approx(0.05)
+    measured = {**equal, (1, "F"): 1.5, (1, "L"): 0.5}
+    gap = explain_bubble(measured, 0.4, "1F1B", 2, 4, 1, [0, 1])
+    assert gap.loss > 0 and gap.imbalance > 0
+    assert gap.schedule + gap.loss + gap.imbalance + gap.other == pytest.approx(0.4)
+    assert "+ last stage's loss" in gap.describe()
+    zbv = {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 1.0), ("W", 1.0))}
+    gap = explain_bubble(zbv, 0.1, "ZBVZeroBubble", 2, 8, 2, [0, 1, 1, 0])
+    assert gap.schedule < gap.theory  # the zero-bubble schedule goes below the formula
 
 
 def test_summaries_count_compute_only():
@@ -188,6 +204,14 @@ def test_the_trace_has_every_action_of_every_rank(runs, cfg):
         rows = [r for r in csv.DictReader(f) if r.get("pipeline/bubble")]
     assert len(rows) >= 2 and all(0.0 <= float(r["pipeline/bubble"]) < 1.0 for r in rows)
     assert float(rows[0]["pipeline/bubble_theory"]) == pytest.approx(ranks[0]["theory"])
+    # The traced steps' bubble, taken apart (rank 0 writes the files and explains).
+    gap = BubbleGap(**ranks[0]["explanation"])
+    assert ranks[1]["explanation"] is None and trace["metadata"]["bubble_explained"]["measured"] == gap.measured
+    assert gap.schedule + gap.loss + gap.imbalance + gap.other == pytest.approx(gap.measured)
+    assert gap.theory == pytest.approx(ranks[0]["theory"])
+    if cfg["schedule"] in ("GPipe", "1F1B"):
+        # the loss lengthens the last stage, on the critical path (under a V schedule it may fill idle time instead)
+        assert gap.schedule == pytest.approx(gap.theory) and gap.loss > 0
 
 
 @pytest.mark.slow

@@ -16,7 +16,9 @@ steps since the last report) beside ``pipeline/bubble_theory`` (see
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -27,16 +29,21 @@ from typing_extensions import override
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.measure.simulate import BubbleGap, explain_bubble
 from lightning_pipe.measure.timeline import (
     COMPUTE,
     Event,
     StepSummary,
     TimelineRecorder,
+    action_durations,
     bubble_fraction,
     chrome_trace,
     summarize,
     theoretical_bubble,
 )
+
+# A child of Lightning's logger: its lines appear wherever Lightning's own INFO lines do.
+log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
 
 def _check_count(name: str, value: Any, allow_none: bool = False) -> None:
@@ -87,6 +94,10 @@ class PipelineTimeline(pl.Callback):
         self.theory: float | None = None
         #: the files written at the end of training (on the rank that writes them)
         self.files: list[Path] = []
+        #: the traced steps' median bubble taken apart (theory, the schedule, the last stage's loss, stage imbalance,
+        #: communication and other; :func:`lightning_pipe.measure.simulate.explain_bubble`), on the rank that writes
+        #: the files
+        self.explanation: BubbleGap | None = None
         self._recorder: TimelineRecorder | None = None
         self._strategy: Any = None
         self._step = 0
@@ -202,6 +213,10 @@ class PipelineTimeline(pl.Callback):
             "bubble_theory": self.theory,
             "time_unit": "us since the recording's origin (the same instant on every rank)",
         }
+        self.explanation = explain(strategy, per_rank, [self.bubbles[s] for s in steps if s in self.bubbles])
+        if self.explanation is not None:
+            metadata["bubble_explained"] = dataclasses.asdict(self.explanation)
+            log.info(f"PipelineTimeline: {self.explanation.describe()}")
         trace_file = dirpath / "timeline.json"
         trace_file.write_text(json.dumps(chrome_trace(per_rank, metadata)))
         self.files = [trace_file]
@@ -212,6 +227,27 @@ class PipelineTimeline(pl.Callback):
             title = gantt_title(strategy.schedule_name, per_rank, step, self.bubbles.get(step), self.theory)
             draw_gantt([[e for e in events if e.step == step] for events in per_rank], chart_file, title)
             self.files.append(chart_file)
+
+
+def explain(strategy: Any, per_rank: list[list[Event]], bubbles: list[float]) -> BubbleGap | None:
+    """The traced steps' median bubble taken apart, from their median action times (``None`` without steps)."""
+    events = [e for events in per_rank for e in events]
+    microbatches = len({e.microbatch for e in events if e.kind == "F" and e.stage == 0})
+    if not bubbles or not microbatches:
+        return None
+    stage_rank = {e.stage: rank for rank, events in enumerate(per_rank) for e in events}
+    stages = strategy.pipeline_size * strategy.stages_per_rank
+    if sorted(stage_rank) != list(range(stages)):
+        return None  # a stage recorded nothing in the traced steps: nothing to take apart
+    return explain_bubble(
+        action_durations(events),
+        statistics.median(bubbles),
+        strategy.schedule_name,
+        strategy.pipeline_size,
+        microbatches,
+        strategy.stages_per_rank,
+        [stage_rank[s] for s in range(stages)],
+    )
 
 
 def summary_row(row: torch.Tensor) -> StepSummary | None:

@@ -27,6 +27,7 @@ from lightning_pipe.checkpoint import optim
 from lightning_pipe.checkpoint.huggingface import RECORD
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.reliability.loaders import LOADER_STATE
 
 #: Bytes read per DCP call while consolidating: bounds the progress bar's granularity, not memory (the whole model is
 #: held anyway).
@@ -162,6 +163,17 @@ def load_optimizer_states(path: Path, progress: bool = False, weights_only: bool
     return {"optimizer_states": states, "lr_schedulers": schedulers[0] if schedulers else []}
 
 
+def _drop_stand_in_loader_states(checkpoint: dict[str, Any]) -> None:
+    """Remove the training loaders' states that the strategy's stand-in loaders (``ResumableLoader``) wrote: plain
+    Lightning's ``DataLoader`` has none, and Lightning refuses to resume a run whose count of loader states differs
+    from its loaders' ("The CombinedLoader has 0 stateful loaders, but found 1 states"). A loader's own state (a
+    torchdata ``StatefulDataLoader``) stays."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = loop.get("combined_loader")
+    if isinstance(states, list):
+        loop["combined_loader"] = [s for s in states if s != LOADER_STATE]
+
+
 def consolidate(
     src: Path, dst: Path, progress: bool = False, weights_only: bool | None = None, with_optimizer: bool = False
 ) -> Path:
@@ -183,6 +195,7 @@ def consolidate(
     if not isinstance(trainer_state, Mapping):
         raise PipelineCheckpointError(f"{str(src / fmt.TRAINER_STATE)!r} is not a Lightning checkpoint dict.")
     checkpoint = {**trainer_state, "state_dict": weights, **optimizer_state}
+    _drop_stand_in_loader_states(checkpoint)
     if not with_optimizer:
         # A resume would find no optimizer state: drop what would be restored without it.
         for key in ("optimizer_states", "lr_schedulers"):

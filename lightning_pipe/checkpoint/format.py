@@ -115,6 +115,7 @@ def build_manifest(
     param_groups: Sequence[Sequence[Sequence[str | None]]] | None = None,
     aliases: Mapping[str, str] | None = None,
     sharded: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """The manifest of a checkpoint saved by a pipeline of ``pipeline_size`` ranks.
 
@@ -122,7 +123,8 @@ def build_manifest(
     whether each pipeline rank wrote its scheduler file; ``param_groups`` the optimizers' parameter order on one
     device, when known; ``aliases`` the other names of tied parameters (``{name: first name}``), stored once;
     ``sharded`` whether the data-parallel ranks wrote shards (FSDP) instead of one replica writing whole
-    tensors (informative: either loads into either).
+    tensors, ``tensor_parallel_size`` over how many processes each stage's layers were split (informative: every
+    layout loads into every other).
     """
     manifest = {
         "format": FORMAT_NAME,
@@ -130,6 +132,7 @@ def build_manifest(
         "pipeline_size": pipeline_size,
         "data_parallel_size": data_parallel_size,
         "data_parallel": "fsdp" if sharded else "ddp",
+        "tensor_parallel_size": tensor_parallel_size,
         "stages_per_rank": stages_per_rank,
         "num_stages": pipeline_size * stages_per_rank,
         "schedule": schedule,
@@ -148,6 +151,7 @@ def describe(manifest: Mapping[str, Any]) -> str:
     """One line on what wrote the checkpoint, for error messages."""
     return (
         f"saved by {manifest.get('module_class', '?')} with pipeline_size={manifest.get('pipeline_size')},"
+        f" tensor_parallel={manifest.get('tensor_parallel_size', 1)},"
         f" {manifest.get('stages_per_rank')} stage(s) per rank, schedule {manifest.get('schedule')}"
     )
 

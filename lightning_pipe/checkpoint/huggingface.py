@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
+from lightning_pipe.comm.dtensor import assign_whole_, is_dtensor, local
 from lightning_pipe.compat import transformers as hf_compat
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.split.tied import tied_groups
@@ -258,9 +259,13 @@ def plan_load(
     targets: dict[str, list[torch.Tensor]] = {}
     for key, name in names.items():
         filled = targets.setdefault(name, [])
-        if all(t.data_ptr() != local[key].data_ptr() for t in filled):  # one copy per storage
+        if all(_storage(t) != _storage(local[key]) for t in filled):  # one copy per storage
             filled.append(local[key])
     return LoadPlan(directory, targets, missing, unread | matching(directory.files, skip_unexpected))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return local(t).data_ptr()  # a DTensor has no storage of its own: its shard's
 
 
 def base_model_prefix(network: nn.Module) -> str:
@@ -352,20 +357,32 @@ Piece = list[tuple[str, tuple[int, int] | None]]
 
 def _copy_safetensors(file: Path, names: Sequence[str], targets: Mapping[str, Sequence[torch.Tensor]]) -> int:
     read = 0
-    for piece in pieces(_sizes(file, names), READ_BYTES):
+    split = [name for name in names if any(is_dtensor(t) for t in targets[name])]
+    for piece in pieces(_sizes(file, names, split), READ_BYTES):
         # A mapping per piece: the file pages it touched leave the resident set when it closes.
         with _open(file) as f:
             for name, rows in piece:
                 value = f.get_tensor(name) if rows is None else f.get_slice(name)[rows[0] : rows[1]]
                 for target in targets[name]:
-                    (target if rows is None else target[rows[0] : rows[1]]).copy_(value)
+                    _copy(target if rows is None else target[rows[0] : rows[1]], value)
                 read += value.numel() * value.element_size()
                 del value
     return read
 
 
-def _sizes(file: Path, names: Sequence[str]) -> list[tuple[str, int, int]]:
-    """``(name, rows, bytes)`` of each tensor, from the file's header."""
+def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``value`` (the stored tensor, whole) into ``target``: a tensor-parallel parameter (DTensor) takes its own
+    slice, cut locally (every rank reads the whole tensor)."""
+    if is_dtensor(target):
+        assign_whole_(target, value)
+    else:
+        target.copy_(value)
+
+
+def _sizes(file: Path, names: Sequence[str], whole: Iterable[str] = ()) -> list[tuple[str, int, int]]:
+    """``(name, rows, bytes)`` of each tensor, from the file's header; the tensors ``whole`` as one row (read in
+    one piece: they fill DTensors, which take their slice of the whole tensor)."""
+    whole = set(whole)
     sizes = []
     with _open(file) as f:
         for name in names:
@@ -374,7 +391,9 @@ def _sizes(file: Path, names: Sequence[str]) -> list[tuple[str, int, int]]:
             numel = 1
             for d in shape:
                 numel *= d
-            sizes.append((name, shape[0] if shape else 1, numel * _ELEMENT_BYTES.get(view.get_dtype(), 1)))
+            sizes.append(
+                (name, shape[0] if shape and name not in whole else 1, numel * _ELEMENT_BYTES.get(view.get_dtype(), 1))
+            )
     return sizes
 
 
@@ -407,7 +426,7 @@ def _copy_bin(file: Path, names: Sequence[str], targets: Mapping[str, Sequence[t
     read = 0
     for name in names:
         for target in targets[name]:
-            target.copy_(loaded[name])
+            _copy(target, loaded[name])
         read += loaded[name].numel() * loaded[name].element_size()
     return read
 

@@ -19,6 +19,7 @@ from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.comm import collectives
+from lightning_pipe.comm.dtensor import assign_whole_, place_like
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 
@@ -41,6 +42,12 @@ class Topology:
     aliases: Mapping[str, str] = field(default_factory=dict)
     #: whether parameters and optimizer state are sharded over the data-parallel ranks (FSDP DTensors)
     sharded: bool = False
+    #: this process's place among those sharing its stages, and how many they are (tensor parallelism)
+    tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
+    #: the group of every process of this rank's data-parallel replica (its pipeline without tensor parallelism):
+    #: they write a replicated checkpoint together
+    replica_group: Any = None
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -147,6 +154,8 @@ def load(
     agree(problems, f"Cannot load checkpoint {str(path)!r}")
     manifest, stored, schedulers, rest = found
     used = [k for rank_keys in _gather(list(expected)) for k in rank_keys]
+    # A tied parameter's other names: stored by checkpoints that kept them (one stage held every name), equal to it.
+    used += [fmt.MODEL_PREFIX + name for name in topo.aliases]
     unexpected = fmt.unexpected_keys(stored, used)
     if strict and unexpected:
         raise PipelineCheckpointError(
@@ -303,8 +312,11 @@ def load_hf(
     type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
     without ``strict`` those are a warning and missing weights keep the model's own initialisation.
     """
-    if dtype is not None:
-        (module.get_submodule(network_prefix[:-1]) if network_prefix else module).to(dtype)
+    network = module.get_submodule(network_prefix[:-1]) if network_prefix else module
+    tensors = [*network.parameters(), *network.buffers()]
+    if dtype is not None and any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+        # Only when needed: `to` swaps DTensor parameters (tensor parallelism), which fails once autograd holds them.
+        network.to(dtype)
     problems: list[str] = []
     plan = local_step(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
     agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
@@ -348,9 +360,23 @@ def resume_from_file(
     agree(problems, f"Cannot resume `fit` from {str(source)!r}")
     _copy_weights(source, weights, module, network_prefix="", strict=strict)
     for optimizer, state in zip(optimizers, states):
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(_laid_out_like_parameters(optimizer, state))
     rest.pop("optimizer_states", None)
     return rest
+
+
+def _laid_out_like_parameters(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer state dict of whole tensors, from one device) with each entry shaped like its parameter
+    laid out as the parameter is (this rank's slice of a tensor-parallel or FSDP DTensor)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {}
+    for index, entries in state["state"].items():
+        p = params[index]
+        placed[index] = {
+            key: place_like(value, p) if isinstance(value, torch.Tensor) and value.shape == p.shape else value
+            for key, value in entries.items()
+        }
+    return {**state, "state": placed}
 
 
 def _read_file(source: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -376,9 +402,8 @@ def _copy_weights(
             f"{str(source)!r} holds weights the model does not have: {fmt.format_keys(unexpected)}. Check that it"
             " belongs to this model, or set `strict_loading = False` on the LightningModule to ignore them."
         )
-    with torch.no_grad():
-        for key, tensor in local.items():
-            tensor.copy_(weights[names[key]])
+    for key, tensor in local.items():
+        assign_whole_(tensor, weights[names[key]])  # this rank's slice of a DTensor
 
 
 def _local_optimizer_states(

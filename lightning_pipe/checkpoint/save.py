@@ -92,10 +92,11 @@ def start_save(
     for i, osd in enumerate(optimizer_states or []):
         state[f"optimizer_{i}"] = osd
     write = None
-    # Replicated stages hold identical states: only the first replica's pipeline writes. Sharded ones: every rank
-    # writes its shards (an entry several ranks hold whole, such as a step count, is written once).
+    # Replicated stages hold identical states: only the first replica's processes write (each its tensor-parallel
+    # shards). Sharded ones: every rank writes its shards (an entry several ranks hold whole, such as a step count or
+    # a layer kept whole by tensor parallelism, is written once).
     if topo.sharded or topo.data_parallel_rank == 0:
-        group = collectives.world_group() if topo.sharded else topo.pipeline_group
+        group = collectives.world_group() if topo.sharded else topo.replica_group
         alone = collectives.group_size(group) == 1  # a one-rank pipeline of replicated stages writes alone
         writer = dcp.FileSystemWriter(tmp)
         if write_group is None:
@@ -106,7 +107,7 @@ def start_save(
             write = local_step(
                 problems, lambda: dcp.async_save(state, storage_writer=writer, process_group=write_group, no_dist=alone)
             )
-    if schedulers is not None and topo.data_parallel_rank == 0:
+    if schedulers is not None and topo.data_parallel_rank == 0 and topo.tensor_parallel_rank == 0:
         local_step(problems, save_file, schedulers, tmp / fmt.scheduler_file(topo.pipeline_rank))
     manifest = None
     if topo.global_rank == 0:
@@ -121,6 +122,7 @@ def start_save(
             param_groups=param_groups if optimizer_states else None,
             aliases=topo.aliases,
             sharded=topo.sharded,
+            tensor_parallel_size=topo.tensor_parallel_size,
         )
         manifest.update(
             {

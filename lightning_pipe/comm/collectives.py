@@ -9,6 +9,8 @@ device the group serves and hands results back on the caller's device, so no oth
 
 from __future__ import annotations
 
+import atexit
+import sys
 from typing import Any
 
 import torch
@@ -21,6 +23,33 @@ Group = Any
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+_DESTROY_AT_EXIT = False
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group when this process exits normally (registered once per process).
+
+    Without it, the interpreter's finalisation can destroy gloo's worker threads while they still hold work objects
+    whose tensors reference Python objects: a rank that finished cleanly then dies with SIGABRT ("terminate called
+    without an active exception"), and its launcher reports a crash. Lightning never destroys the group (a later
+    Trainer in the same process reuses it), so the last moment is the exit. Register it before Lightning's launcher
+    starts the other ranks: exit handlers run last-registered first, so rank 0 waits for its ranks (reliability/
+    watchdog.py) before its group goes. After an uncaught exception nothing is destroyed: the failure report comes
+    first, and a peer may still be waiting on this rank.
+    """
+    global _DESTROY_AT_EXIT
+    if not _DESTROY_AT_EXIT:
+        atexit.register(_destroy_if_clean)
+        _DESTROY_AT_EXIT = True
+
+
+def _destroy_if_clean() -> None:
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def world_group() -> Group:

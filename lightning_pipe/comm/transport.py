@@ -2,7 +2,8 @@
 
 The forward-only evaluation pass sends stage activations (whose shapes change with every short batch) and predictions
 without torch's shape inference: each object goes as a pickled skeleton (structure, non-tensor leaves, tensor shapes
-and dtypes) followed by its tensors, which never pass through pickle.
+and dtypes) followed by its tensors, which never pass through pickle. A DTensor (a tensor-parallel activation) goes as
+its local part with its layout in the skeleton, and is rebuilt on the receiver's mesh.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.comm import collectives
+from lightning_pipe.comm.dtensor import Layout, MeshLookup, is_dtensor
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.structures import map_structure
 
@@ -25,6 +27,8 @@ class _Slot:
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    #: a DTensor's layout (``shape`` is then its local part's), ``None`` for a plain tensor
+    layout: Layout | None = None
 
 
 def pack(obj: Any, detach: bool = True) -> tuple[Any, list[torch.Tensor]]:
@@ -35,15 +39,28 @@ def pack(obj: Any, detach: bool = True) -> tuple[Any, list[torch.Tensor]]:
     def to_slot(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
+        if is_dtensor(leaf) and detach:
+            layout, part = Layout.of(leaf), leaf.to_local().detach().contiguous()  # type: ignore[attr-defined]
+            tensors.append(part)
+            return _Slot(len(tensors) - 1, tuple(part.shape), part.dtype, layout)
         tensors.append(leaf.detach().contiguous() if detach else leaf)
         return _Slot(len(tensors) - 1, tuple(leaf.shape), leaf.dtype)
 
     return map_structure(obj, to_slot), tensors
 
 
-def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`pack`."""
-    return map_structure(skeleton, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
+def unpack(skeleton: Any, tensors: list[torch.Tensor], mesh_of: MeshLookup | None = None) -> Any:
+    """Inverse of :func:`pack`; ``mesh_of`` gives the mesh on which a sent DTensor is rebuilt."""
+
+    def from_slot(leaf: Any) -> Any:
+        if not isinstance(leaf, _Slot):
+            return leaf
+        if leaf.layout is None:
+            return tensors[leaf.index]
+        assert mesh_of is not None, "the receiver of a DTensor knows the mesh to rebuild it on"
+        return leaf.layout.rebuild(tensors[leaf.index], mesh_of)
+
+    return map_structure(skeleton, from_slot)
 
 
 def slots(skeleton: Any) -> list[_Slot]:
@@ -73,8 +90,8 @@ def send_object(obj: Any, dst: int, group: Any, device: torch.device) -> list[An
     return [collectives.isend(t, dst, group) for t in (length, payload, *tensors)]
 
 
-def recv_object(src: int, group: Any, device: torch.device) -> Any:
-    """Receive one object sent by :func:`send_object` from global rank ``src``."""
+def recv_object(src: int, group: Any, device: torch.device, mesh_of: MeshLookup | None = None) -> Any:
+    """Receive one object sent by :func:`send_object` from global rank ``src`` (DTensors rebuilt on ``mesh_of``)."""
     length = torch.empty(1, dtype=torch.int64, device=device)
     collectives.recv_(length, src, group)
     payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
@@ -85,7 +102,7 @@ def recv_object(src: int, group: Any, device: torch.device) -> Any:
         t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         collectives.recv_(t, src, group)
         tensors.append(t)
-    return unpack(skeleton, tensors)
+    return unpack(skeleton, tensors, mesh_of)
 
 
 def wait_all(works: list[Any]) -> None:

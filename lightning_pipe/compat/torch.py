@@ -271,3 +271,32 @@ def user_frame(own_file: str) -> str:
     if frame is None:
         return "an unknown place"
     return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+def schedule_actions(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> list[list[tuple]]:
+    """Each pipeline rank's compute actions, in the order torch's schedule runs them: ``(stage, kind, microbatch)``
+    with kind ``"F"`` (forward), ``"B"`` (full backward), ``"I"`` (input-gradient backward) or ``"W"`` (weight-gradient
+    backward); a DualPipeV ``OVERLAP_F_B`` action becomes its forward then its backward.
+
+    ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops`` builds the schedule on mock stages, so the
+    schedule's own checks run: an invalid combination (1F1B with fewer microbatches than stages, DualPipeV with fewer
+    than twice the ranks, ZBV with other than 2 stages per rank) raises ``ValueError``. torch 2.13 has no public way
+    to read a schedule's action order.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    try:
+        ops = get_schedule_ops(schedule, pipeline_size, microbatches, stages_per_rank)
+    except AssertionError as err:  # the visualizer asserts the stages-per-rank rule of single/multi-stage schedules
+        raise ValueError(str(err)) from None
+    return [[action for op in rank if op is not None for action in _split_action(op)] for rank in ops]
+
+
+def _split_action(op: Any) -> list[tuple]:
+    kind = str(op.computation_type.value)  # torch's _ComputationType is a str enum: "F", "I", "OVERLAP_F_B", ...
+    if op.sub_actions:  # OVERLAP_F_B: (forward; backward) of two stages, run one after the other
+        return [action for sub in op.sub_actions for action in _split_action(sub)]
+    if kind not in ("F", "B", "I", "W"):
+        return []  # communication, resharding, gradient reduction: not compute
+    return [(op.stage_index, kind, op.microbatch_index)]

@@ -45,6 +45,17 @@ def recorded_by(model: Any, output: str) -> Optional[tuple[tuple[type, int], ...
     return tuple(found)
 
 
+def head_tp_plan(model: Any) -> dict[str, str]:
+    """The task model's tensor-parallel plan entries (``"lm_head": "colwise_rep"``): the class's ``_tp_plan`` with the
+    instance's on top.
+
+    The instance's ``_tp_plan`` (set by ``post_init``) also holds the base model's entries: prefixed in transformers
+    5 (with ``"model.embed_tokens": "embedding_rowwise"`` when the embeddings are tied), both prefixed and not in 4.x.
+    Public replacement: ``model.tp_plan`` (a property over the same dict in 4.x; absent in some 5.x versions).
+    """
+    return {**(getattr(type(model), "_tp_plan", None) or {}), **(model.__dict__.get("_tp_plan") or {})}
+
+
 def keys_to_ignore(model: Any) -> tuple[list[str], list[str]]:
     """Regular expressions of the state-dict keys ``from_pretrained`` does not report missing, and of the stored keys
     it does not report unexpected, for this model (``_keys_to_ignore_on_load_missing`` / ``_unexpected``, class

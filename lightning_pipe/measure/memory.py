@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.compat import torch as torch_compat
-from lightning_pipe.structures import tensors_in
+from lightning_pipe.structures import is_dtensor, tensors_in
 
 
 def format_bytes(n: float) -> str:
@@ -104,6 +104,24 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] =
     )
 
 
+def split_parameter_bytes(module: nn.Module, axis: str) -> int:
+    """Bytes of ``module``'s parameters this rank holds as its shard of a DTensor split over mesh ``axis`` (e.g.
+    ``"tp"``), each storage once."""
+    split = []
+    for p in module.parameters():
+        if is_dtensor(p):
+            names = tuple(p.device_mesh.mesh_dim_names or ())  # type: ignore[attr-defined]
+            if any(n == axis and not pl.is_replicate() for n, pl in zip(names, p.placements)):  # type: ignore[attr-defined]
+                split.append(p)
+    return _unique_bytes(split)
+
+
+def tensor_parallel_share(module: nn.Module, rank: int, size: int) -> tuple[int, int, int] | None:
+    """``(rank, size, bytes)`` of a :class:`MemoryReport`'s ``tensor_parallel``: the bytes of this rank's shards of
+    parameters split over the ``"tp"`` axis; ``None`` without tensor parallelism (``size`` 1)."""
+    return (rank, size, split_parameter_bytes(module, "tp")) if size > 1 else None
+
+
 # ------------------------------------------------------------------------------------------ saved for backward
 def _storage_key_or_none(t: torch.Tensor) -> tuple[Any, ...] | None:
     """The storage key of ``t``, its local shard's for a DTensor, or None for a tensor without live storage (an FSDP
@@ -134,12 +152,22 @@ class SavedTensorBytes:
         return sum(n for n, _ in self._seen.values())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in self._exclude and key not in self._seen:
+        part = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+        key = _storage_key_or_none(part)
+        if key is None:
+            # The result of a collective not waited for yet (tensor parallelism's all-reduce of a layer's output):
+            # its storage is not there yet, its size is.
+            self._seen[("pending", id(part))] = (part.numel() * part.element_size(), part)
+        elif key not in self._exclude and key not in self._seen:
             # Holding the storage keeps its address from being reused by another tensor while we count.
-            storage = t.untyped_storage()
+            storage = part.untyped_storage()
             self._seen[key] = (storage.nbytes(), storage)
-        return t
+        # Not `t` itself: an op that saves its own output (ReLU, sigmoid, softmax) would then hold that output's
+        # Python object in its grad_fn, which the output references: a cycle through C++ that Python's collector
+        # cannot see, keeping the whole graph (activations, the batch, parameters) alive for good. A detached alias
+        # holds the same storage and no grad_fn. (Saved tensors are values in backward; double backward through a
+        # measured forward would lose them: the strategy never runs one.)
+        return t.detach()
 
     def __enter__(self) -> SavedTensorBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -223,6 +251,19 @@ def _rss_now() -> int | None:
     return None
 
 
+def _cpu_storage(t: torch.Tensor) -> Any:
+    """The storage of ``t`` on the CPU (a DTensor's: its shard's), or None (on another device, or without storage)."""
+    part = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    if part.device.type != "cpu":
+        return None
+    try:
+        storage = part.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:  # a tensor subclass without storage, or one that is not there yet (a pending collective)
+        return None
+    return storage
+
+
 class _CPUTensorTracker:
     """Live and peak bytes of the CPU tensors created while it is active (see the module docstring)."""
 
@@ -244,12 +285,10 @@ class _CPUTensorTracker:
 
     def track(self, out: Any, inputs: Any) -> None:
         # Views and in-place results share an input's storage: not an allocation (the input may predate us).
-        shared = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+        shared = {s.data_ptr() for s in map(_cpu_storage, tensors_in(inputs)) if s is not None}
         for t in tensors_in(out):
-            if t.device.type != "cpu":
-                continue
-            storage = t.untyped_storage()
-            if id(storage) in self._ids or storage.data_ptr() in shared:
+            storage = _cpu_storage(t)
+            if storage is None or id(storage) in self._ids or storage.data_ptr() in shared:
                 continue
             n = storage.nbytes()
             self._ids.add(id(storage))
@@ -304,23 +343,74 @@ class PeakMemory:
                 self.rss_bytes = max(peak - self._rss_base, 0)
 
 
+class ProcessPeak:
+    """The most memory this process held since :meth:`reset`: on CUDA the allocator's peak of allocated bytes; on the
+    CPU the peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``: Linux), which counts
+    everything the process holds (Python, libraries, data), not only tensors. :meth:`read` is ``None`` where no peak
+    can be read (or, on the CPU, reset)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._ok = False
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._ok = True
+        else:
+            self._ok = self.device.type == "cpu" and _rss_peak_reset()
+
+    def read(self) -> int | None:
+        if not self._ok:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return _rss_peak()
+
+
+def device_memory(device: torch.device, processes: int = 1) -> int | None:
+    """The memory one of ``processes`` processes sharing ``device`` can use: a GPU's total memory, or on the CPU
+    the machine's (``MemTotal``, Linux) divided among the processes; ``None`` where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 // max(processes, 1)
+    except OSError:
+        pass
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------- report
 @dataclass(frozen=True)
 class MemoryReport:
-    """What one rank measured at startup; ``saved_per_microbatch`` maps stage index to bytes."""
+    """What one rank measured at startup; ``saved_per_microbatch`` maps stage index to bytes; ``tensor_parallel``:
+    this rank's place among the ``(rank, size)`` processes sharing its stages, with the bytes of its parameter shards
+    split over them (``None`` without tensor parallelism)."""
 
     rank: int
     stages: tuple[int, ...]
     state: StateBytes
     saved_per_microbatch: dict[int, int]
     construction_peak: int | None
+    tensor_parallel: tuple[int, int, int] | None = None
     #: measured while the initial weights (``init_weights``) were loaded into the allocated stages
     load_peak: PeakMemory | None = None
 
     def lines(self) -> list[str]:
-        """The log lines: one for the model state, one per stage's saved bytes, one each for construction and the
-        loading of initial weights."""
+        """The log lines: one for the model state, one for the tensor-parallel share, one per stage's saved bytes,
+        one each for construction and the loading of initial weights."""
         out = [self.state.report(self.rank, self.stages)]
+        if self.tensor_parallel is not None:
+            tp_rank, size, split = self.tensor_parallel
+            out.append(
+                f"rank {self.rank} is tensor-parallel rank {tp_rank} of {size}: {format_bytes(split)} of its parameters"
+                f" are its 1/{size} share of layers split over the {size} ranks ({format_bytes(split * size)} in all);"
+                f" the other {format_bytes(max(self.state.parameters - split, 0))} are held whole by each"
+            )
         for stage, n in sorted(self.saved_per_microbatch.items()):
             out.append(f"rank {self.rank} stage {stage}: {format_bytes(n)} saved for backward per microbatch")
         if self.construction_peak is not None:

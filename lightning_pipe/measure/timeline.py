@@ -14,6 +14,7 @@ schedule, and the Chrome-trace/Perfetto JSON of a set of steps (one process trac
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,6 +137,15 @@ def step_bubbles(per_rank_events: Sequence[Iterable[Event]]) -> dict[int, float]
     summaries = [summarize(events) for events in per_rank_events]
     steps = set.intersection(*(set(s) for s in summaries)) if summaries else set()
     return {step: bubble_fraction([s[step] for s in summaries]) for step in sorted(steps)}
+
+
+def action_durations(events: Iterable[Event]) -> dict[tuple[int, str], float]:
+    """Median seconds of each ``(stage, kind)`` compute action in ``events`` (of any ranks and steps)."""
+    found: dict[tuple[int, str], list[int]] = {}
+    for e in events:
+        if e.kind in COMPUTE:
+            found.setdefault((e.stage, e.kind), []).append(e.end - e.start)
+    return {key: statistics.median(values) / 1e9 for key, values in found.items()}
 
 
 def chrome_trace(per_rank_events: Sequence[Iterable[Event]], metadata: Mapping[str, Any] | None = None) -> dict:

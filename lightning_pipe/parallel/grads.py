@@ -1,16 +1,24 @@
-"""Gradients across a pipeline: hand-over past Lightning's ``zero_grad``, data-parallel mean, global-norm clipping."""
+"""Gradients across a pipeline: hand-over past Lightning's ``zero_grad``, data-parallel mean, global-norm clipping.
+
+Gradients may be DTensors (FSDP shards, tensor-parallel shards): every operation here works on this rank's part of
+them, and the norm counts each element of each gradient once over the whole mesh.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from lightning_pipe.comm import collectives
+from lightning_pipe.comm.dtensor import is_dtensor, local, sharded_axes
+from lightning_pipe.errors import PipelineModelError
+from lightning_pipe.parallel.tensor_parallel import TensorParallelGradients, agreed
+from lightning_pipe.settings import DP, PP, TP
 
 
 class GradientStash:
@@ -43,6 +51,10 @@ class GradientStash:
         pending, self._pending = self._pending, []
         scale, self.scale = self.scale, None
         for p, g in pending:
+            if is_dtensor(g) and tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+                # DTensor may return a gradient laid out otherwise than its parameter (a vocabulary-parallel
+                # embedding's comes back whole): give it the parameter's layout, as the optimizer and the sums expect.
+                g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
             if scale is not None:
                 g.mul_(scale)
             if p.grad is None:
@@ -66,13 +78,29 @@ class TiedCopy:
     def agree(self) -> None:
         """Give every copy the source's value (after initialisation or loading)."""
         with torch.no_grad():
-            collectives.broadcast_(_local(self.param.data), self.source, self.group)
+            collectives.broadcast_(local(self.param.data), self.source, self.group)
 
     def sum_gradients(self) -> None:
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        # Under FSDP every copy is sharded alike over its replica group: the local shards sum.
-        collectives.all_reduce_(_local(self.param.grad), self.group)
+        # Every copy is laid out alike (FSDP and tensor-parallel shards; `check_layout`): the local parts sum.
+        collectives.all_reduce_(local(self.param.grad), self.group)
+
+    def check_layout(self, name: str) -> None:
+        """Refuse copies laid out differently on the ranks sharing them (one split over "tp", one whole): their
+        local parts would not add up (collective over the copy's group)."""
+        p = self.param
+        mine = (str(tuple(p.placements)) if is_dtensor(p) else "whole", tuple(local(p).shape))  # type: ignore[attr-defined]
+        everyone = collectives.all_gather_object(mine, self.group)
+        if len(set(everyone)) > 1:
+            ranks = collectives.group_ranks(self.group)
+            shown = "; ".join(f"rank {r}: {lay} {shape}" for r, (lay, shape) in zip(ranks, everyone))
+            raise PipelineModelError(
+                f"The copies of the tied parameter {name!r} on different pipeline stages are laid out differently"
+                f" ({shown}), so their gradients cannot be summed. Split every module sharing it alike (e.g. the"
+                " embedding with `RowwiseParallel(input_layouts=Replicate())` and the head with `ColwiseParallel`:"
+                " both shard the vocabulary), or neither."
+            )
 
 
 #: Bucket size of the data-parallel all-reduce, as ``DistributedDataParallel``'s default ``bucket_cap_mb=25``.
@@ -95,10 +123,17 @@ def plan_buckets(sizes: Sequence[tuple[int, torch.dtype]], bucket_bytes: int) ->
     return buckets
 
 
+class ExtraSync(Protocol):
+    """More synchronisation a parallelism adds once per optimizer step (tensor parallelism's)."""
+
+    def synchronize(self, params: Sequence[nn.Parameter]) -> None: ...
+
+
 class GradientSync:
     """What happens to gradients once per optimizer step, after the last backward of the accumulation window and
-    before clipping: tied copies summed over the stages sharing them, then the mean over the replicas of
-    ``data_parallel_group`` when ``average`` (``data_parallel="ddp"``), in buckets.
+    before clipping: tied copies summed over the stages sharing them, ``extra`` synchronisation (tensor parallelism's
+    partial gradients), then the mean over the replicas of ``data_parallel_group`` when ``average``
+    (``data_parallel="ddp"``), in buckets.
 
     Running it once per optimizer step (not per accumulated batch) is what ``Strategy.optimizer_step`` allows: the
     closure it receives runs the window's last ``training_step`` and ``backward``; clipping and the step follow.
@@ -113,10 +148,12 @@ class GradientSync:
         average: bool,
         ties: Sequence[TiedCopy] = (),
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        extra: ExtraSync | None = None,
     ) -> None:
         self.data_parallel_group = data_parallel_group
         self.average = average
         self.ties = list(ties)
+        self.extra = extra
         self.bucket_bytes = bucket_bytes
         #: synchronisations so far, and the buckets of the latest one (tests count them)
         self.count = 0
@@ -128,11 +165,13 @@ class GradientSync:
         # every copy then steps identically (same values, same optimizer state), so the copies stay bitwise equal.
         for tie in self.ties:
             tie.sum_gradients()
+        if self.extra is not None:
+            self.extra.synchronize(params)
         group = self.data_parallel_group
         if not self.average or collectives.group_size(group) == 1:
             self.last_buckets = 0
             return
-        grads = [p.grad for p in reversed(params) if p.grad is not None]
+        grads = [local(p.grad) for p in reversed(params) if p.grad is not None]
         buckets = plan_buckets([(g.numel() * g.element_size(), g.dtype) for g in grads], self.bucket_bytes)
         scale = 1.0 / collectives.group_size(group)
         started = [
@@ -147,42 +186,62 @@ class GradientSync:
         self.last_buckets = len(buckets)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (FSDP), ``t`` itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+#: ``counted(grad) -> bool``: whether this rank counts ``grad`` in the norm (another rank holding the same part does)
+Counted = Callable[[torch.Tensor], bool]
+
+
+def counted_once(coordinates: Mapping[str, int], over: Sequence[str]) -> Counted:
+    """Which gradients a rank counts when the norm is summed over the mesh axes ``over`` (besides "pp"), at
+    ``coordinates`` (``{axis: this rank's index}``): a gradient split over an axis is counted by every rank along it
+    (each holds another part), one held whole along it only at index 0 (the others hold the same values)."""
+
+    def counted(grad: torch.Tensor) -> bool:
+        split = sharded_axes(grad)
+        return all(axis in split or coordinates[axis] == 0 for axis in over)
+
+    return counted
 
 
 def clip_grad_norm_across(
-    params: Sequence[nn.Parameter], max_norm: float, group: Any, not_counted: Sequence[nn.Parameter] = ()
+    params: Sequence[nn.Parameter],
+    max_norm: float,
+    group: Any,
+    not_counted: Sequence[nn.Parameter] = (),
+    counted: Counted | None = None,
 ) -> torch.Tensor:
     """Clip by the 2-norm of all gradients of all stages: this rank's part (its shard, for sharded gradients)
-    combined over ``group`` (the pipeline; every rank when the stages are sharded over data-parallel ranks).
+    combined over ``group`` (the pipeline; every rank when the stages are sharded over data-parallel or
+    tensor-parallel ranks), each part counted by one rank (``counted``, :func:`counted_once`).
 
     ``not_counted``: parameters whose gradient another rank counts (copies of a tied parameter), clipped all the same.
     """
     skip = {id(p) for p in not_counted}
-    local_grads = [_local(p.grad) for p in params if p.grad is not None and id(p) not in skip]
+    local_grads = [
+        local(p.grad)
+        for p in params
+        if p.grad is not None and id(p) not in skip and (counted is None or counted(p.grad))
+    ]
     with_grad = [p for p in params if p.grad is not None]
-    device = _local(with_grad[0].grad).device if with_grad else torch.device("cpu")
+    device = local(with_grad[0].grad).device if with_grad else torch.device("cpu")
     if local_grads:
-        local = torch.nn.utils.get_total_norm(local_grads, norm_type=2.0)
+        mine = torch.nn.utils.get_total_norm(local_grads, norm_type=2.0)
     else:
-        local = torch.zeros((), device=device)
-    squared = local.double().pow(2)
+        mine = torch.zeros((), device=device)
+    squared = mine.double().pow(2)
     collectives.all_reduce_(squared, group)
-    total = squared.sqrt().to(local.dtype)
+    total = squared.sqrt().to(mine.dtype)
     # As torch.nn.utils.clip_grads_with_norm_, on the local tensors (a DTensor's shard is a view of it).
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in with_grad:
-        grad = _local(p.grad)
+        grad = local(p.grad)
         grad.mul_(coefficient.to(grad.device))
     return total
 
 
 class TieGroups:
     """This rank's copies of parameters that units of several stages share (:class:`TiedCopy`), each with the process
-    group of the ranks holding a copy: one group per tie and data-parallel replica.
+    group of the ranks holding a copy: one group per tie, data-parallel replica and tensor-parallel rank (a copy's
+    parts are summed with the same parts of the other stages' copies).
 
     Groups are made once per mesh (every rank creates every group, in one order: a collective) and reused by later
     Trainer entries.
@@ -198,29 +257,51 @@ class TieGroups:
         the :class:`~lightning_pipe.comm.mesh.MeshLayout` of ``mesh``. Collective."""
         ties, stage_ranks, prefix = split.ties, split.stage_ranks, split.prefix
         parameters = dict(module.named_parameters(remove_duplicate=False))
-        me = collectives.world_rank()
         if self._mesh is not mesh:
-            groups = {}
-            for tie in ties:
-                owners = sorted({stage_ranks[s] for s in tie.stages})
-                if len(owners) < 2:
-                    continue  # every stage sharing it lives on one rank: one Parameter object, nothing to sum
-                for replica in range(layout.data_parallel_size):
-                    ranks = [layout.rank(replica, p) for p in owners]
-                    group = collectives.new_group(ranks)
-                    if me in ranks:
-                        groups[tie.names] = (group, layout.rank(replica, stage_ranks[tie.stages[0]]))
-            self._mesh, self._groups = mesh, groups
-        copies = []
+            self._mesh, self._groups = mesh, _tie_groups(layout, ties, stage_ranks)
+        copies, names = [], []
         for tie in ties:
             if tie.names not in self._groups:
                 continue
             param = next(parameters[prefix + n] for n in tie.names if prefix + n in parameters)
             group, source = self._groups[tie.names]
             copies.append(TiedCopy(param, group, source))
+            names.append(prefix + tie.canonical)
+        if layout.tensor_parallel_size > 1:
+            _check_layouts(copies, names)  # before `agree`: a broadcast between shards of different shapes would hang
         for copy in copies:
             copy.agree()  # copies initialised per module (meta construction) start from the first stage's values
         return copies
+
+
+def _tie_groups(layout: Any, ties: Sequence[Any], stage_ranks: Sequence[int]) -> dict[tuple[str, ...], tuple[Any, int]]:
+    """This rank's group and source rank per tie (collective: every rank creates every group, in one order)."""
+    me = collectives.world_rank()
+    groups = {}
+    for tie in ties:
+        owners = sorted({stage_ranks[s] for s in tie.stages})
+        if len(owners) < 2:
+            continue  # every stage sharing it lives on one rank: one Parameter object, nothing to sum
+        for replica in range(layout.data_parallel_size):
+            for tp in range(layout.tensor_parallel_size):
+                ranks = [layout.rank(replica, p, tp) for p in owners]
+                group = collectives.new_group(ranks)
+                if me in ranks:
+                    groups[tie.names] = (group, layout.rank(replica, stage_ranks[tie.stages[0]], tp))
+    return groups
+
+
+def _check_layouts(copies: Sequence[TiedCopy], names: Sequence[str]) -> None:
+    """Every copy's layout checked in its group, then the first problem raised on every rank of the world."""
+    problems = []
+    for copy, name in zip(copies, names):
+        try:
+            copy.check_layout(name)  # collective in the copy's group: every copy is checked
+        except PipelineModelError as err:
+            problems.append(str(err))
+    with agreed(collectives.world_group()):
+        if problems:
+            raise PipelineModelError(problems[0])
 
 
 class StageGradients:
@@ -229,8 +310,10 @@ class StageGradients:
     over every stage (:func:`clip_grad_norm_across`).
 
     ``module``: the LightningModule; ``sharded``: its stages are FSDP roots, whose sharded parameters (fixed after
-    wrapping) receive the reduce-scattered gradients, and whose gradient norm spans the whole world
-    (``norm_group``); otherwise the trainable parameters as they are at each step, and the pipeline's group.
+    wrapping) receive the reduce-scattered gradients; otherwise the trainable parameters as they are at each step.
+    The norm is summed over ``norm_group`` (the pipeline, or the whole world when parameters are sharded over
+    data-parallel or tensor-parallel ranks), each part counted by one rank (``counted``); ``extra``: tensor
+    parallelism's synchronisation.
     """
 
     def __init__(
@@ -240,11 +323,14 @@ class StageGradients:
         data_parallel_group: Any,
         norm_group: Any,
         sharded: bool,
+        counted: Counted | None = None,
+        extra: ExtraSync | None = None,
     ) -> None:
         self.module = module
         self.stash = GradientStash()
-        self.sync = GradientSync(data_parallel_group, average=not sharded, ties=ties)
+        self.sync = GradientSync(data_parallel_group, average=not sharded, ties=ties, extra=extra)
         self.norm_group = norm_group
+        self.counted = counted
         self._sharded = _trainable(module) if sharded else None
         me = collectives.world_rank()
         #: copies of tied parameters whose gradient another rank counts in the norm
@@ -263,8 +349,34 @@ class StageGradients:
     def clip(self, optimizer: Any, max_norm: float) -> None:
         """Lightning's ``clip_grad_by_norm`` with the norm of every stage's gradients."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_across(params, max_norm, self.norm_group, not_counted=self._copies)
+        clip_grad_norm_across(params, max_norm, self.norm_group, not_counted=self._copies, counted=self.counted)
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def stage_gradients(module: nn.Module, ties: Sequence[TiedCopy], mesh: Any, wrapped: Any) -> StageGradients:
+    """This rank's :class:`StageGradients` on the strategy's ``mesh`` (axes ``"pp"``, ``"dp"``, ``"tp"``), for stages
+    wrapped as ``wrapped`` says (:class:`~lightning_pipe.parallel.wrappers.Wrapped`).
+
+    The norm spans the pipeline, or the whole world when parameters are split over data-parallel (FSDP) or
+    tensor-parallel ranks, each element counted once (:func:`counted_once`). With tensor parallelism, parameters
+    whole on every rank but applied to split activations (``wrapped.tensor_parallel.partial``) get their gradients
+    summed over ``"tp"``.
+    """
+    sharded = wrapped.sharded
+    partial = wrapped.tensor_parallel.partial if wrapped.tensor_parallel is not None else ()
+    tp_group = mesh.get_group(TP)
+    tensor_parallel = collectives.group_size(tp_group) > 1
+    over = (DP, TP) if sharded or tensor_parallel else ()
+    coordinates = {DP: mesh.get_local_rank(DP), TP: mesh.get_local_rank(TP)}
+    return StageGradients(
+        module,
+        ties,
+        mesh.get_group(DP),
+        collectives.world_group() if over else mesh.get_group(PP),
+        sharded,
+        counted=counted_once(coordinates, over),
+        extra=TensorParallelGradients(module, tp_group, partial) if tensor_parallel else None,
+    )

@@ -36,6 +36,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from lightning_pipe.compat import lightning as pl_compat
 
 _END = object()
+#: A :class:`ResumableLoader`'s ``state_dict`` (it marks the loader resumable for Lightning; the position is elsewhere)
+LOADER_STATE = {"lightning_pipe": 1}
 
 
 def _generator_state(obj: Any) -> Optional[torch.Tensor]:
@@ -223,7 +225,7 @@ class ResumableLoader(PassLoader):
         object.__setattr__(self, "index_sampler", sampler)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lightning_pipe": 1}
+        return dict(LOADER_STATE)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass  # the position is the training loop's own count, the random states are in the resume point

@@ -21,7 +21,7 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,12 +126,12 @@ def capture_unit_inputs(
     return found
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _unit_copy(unit: nn.Module, device: torch.device) -> nn.Module:
+def unit_copy(unit: nn.Module, device: torch.device) -> nn.Module:
     """A copy of ``unit`` on ``device``; a meta unit gets random weights (the values only need to be finite)."""
     clone = copy.deepcopy(unit)
     if any(t.is_meta for t in (*clone.parameters(), *clone.buffers())):
@@ -165,7 +165,7 @@ def time_forward_backward(
     own = [*unit.parameters(), *unit.buffers()]
     times, saved = [], 0
     for i in range(warmup + repeats):
-        _sync(device)
+        sync(device)
         start = clock()
         if i == 0:
             # Counting saved tensors adds Python calls: done in the first (warm-up) run only.
@@ -178,7 +178,7 @@ def time_forward_backward(
         outs = [o for o in tensors_in(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs and wrt:
             torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
-        _sync(device)
+        sync(device)
         times.append(clock() - start)
         del out, outs
     return statistics.median(times[warmup:] or times), saved
@@ -197,21 +197,36 @@ def block_signature(module: nn.Module) -> tuple[Any, ...]:
     return (type(module).__qualname__, tuple((n, tuple(t.shape), t.dtype) for n, t in tensors))
 
 
-def profile_units(
-    network: nn.Module,
-    layout: Layout,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    device: torch.device,
-    *,
-    repeats: int = 5,
-    warmup: int = 1,
-    clock: Callable[[], float] = time.perf_counter,
-) -> list[UnitProfile]:
-    """Profile the units of ``layout`` on ``device`` with one microbatch ``network(*args, **kwargs)``.
+@dataclass(frozen=True)
+class UnitCall:
+    """How one unit is called on one microbatch, ready to be timed alone (:func:`unit_calls`)."""
 
-    Every pre- and post-unit is profiled; of the blocks, the first of each :func:`block_signature` is, and the
-    blocks like it get its figures (``measured=False``): one block per kind keeps the pass short, and noise in the
+    name: str
+    params: int
+    param_bytes: int
+    #: times the network calls it per forward (0: never)
+    calls: int
+    #: an earlier block of the same :func:`block_signature` whose figures it shares (``None``: measure this one)
+    same_as: str | None
+    #: the unit's first call, as real tensors on the profiling device (empty when not measured)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the unit itself (copied to the device by :meth:`copy`)
+    module: nn.Module | None = None
+
+    def copy(self, device: torch.device) -> nn.Module:
+        """The unit on ``device`` (see :func:`unit_copy`)."""
+        assert self.module is not None, "only measured units carry their module"
+        return unit_copy(self.module, device)
+
+
+def unit_calls(
+    network: nn.Module, layout: Layout, args: Sequence[Any], kwargs: dict[str, Any], device: torch.device
+) -> Iterator[UnitCall]:
+    """The units of ``layout`` in order, each with its first call on one microbatch ``network(*args, **kwargs)``.
+
+    Every pre- and post-unit is measured; of the blocks, the first of each :func:`block_signature` is, and the
+    blocks like it share its figures (``same_as``): one block per kind keeps profiling short, and noise in the
     timings cannot make identical blocks look different. ``args``/``kwargs`` are real tensors (on any device) even
     when ``network`` is on the meta device: they fill the first units' inputs; inputs further in are found by
     running the network once (on the meta device if it is there) and are made real as random tensors of the same
@@ -239,27 +254,47 @@ def profile_units(
             return torch.randn(t.shape, dtype=t.dtype, device=device)
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
-    representative_of: dict[str, str] = {}
     first_of_kind: dict[tuple[Any, ...], str] = {}
-    for name in layout.blocks:
-        if name in captured:
-            key = block_signature(network.get_submodule(name))
-            representative_of[name] = first_of_kind.setdefault(key, name)
-    profiles = {}
     for name in layout.units:
-        count, nbytes = _params(network.get_submodule(name))
-        rep = representative_of.get(name, name)
+        module = network.get_submodule(name)
+        count, nbytes = _params(module)
         if name not in captured:
-            profiles[name] = UnitProfile(name, count, nbytes, 0, 0.0, True)  # never called: costs nothing
-        elif rep != name:
-            profiles[name] = dataclasses.replace(profiles[rep], name=name, measured=False)
+            yield UnitCall(name, count, nbytes, 0, None)
+            continue
+        unit_args, unit_kwargs, calls = captured[name]
+        rep = first_of_kind.setdefault(block_signature(module), name) if name in layout.blocks else name
+        if rep != name:
+            yield UnitCall(name, count, nbytes, calls, rep)
         else:
-            unit_args, unit_kwargs, calls = captured[name]
-            unit = _unit_copy(network.get_submodule(name), device)
-            seconds, saved = time_forward_backward(
-                unit, map_tensors(unit_args, realise), map_tensors(unit_kwargs, realise), device, repeats, warmup, clock
+            real_args, real_kwargs = map_tensors(unit_args, realise), map_tensors(unit_kwargs, realise)
+            yield UnitCall(name, count, nbytes, calls, None, real_args, real_kwargs, module)
+
+
+def profile_units(
+    network: nn.Module,
+    layout: Layout,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[UnitProfile]:
+    """Profile the units of ``layout`` on ``device`` with one microbatch ``network(*args, **kwargs)``: forward plus
+    backward time and saved bytes of each (see :func:`unit_calls`)."""
+    profiles: dict[str, UnitProfile] = {}
+    for call in unit_calls(network, layout, args, kwargs, device):
+        if not call.calls:
+            profiles[call.name] = UnitProfile(call.name, call.params, call.param_bytes, 0, 0.0, True)  # costs nothing
+        elif call.same_as is not None:
+            profiles[call.name] = dataclasses.replace(profiles[call.same_as], name=call.name, measured=False)
+        else:
+            unit = call.copy(device)
+            seconds, saved = time_forward_backward(unit, call.args, call.kwargs, device, repeats, warmup, clock)
+            profiles[call.name] = UnitProfile(
+                call.name, call.params, call.param_bytes, saved * call.calls, seconds * call.calls, True
             )
-            profiles[name] = UnitProfile(name, count, nbytes, saved * calls, seconds * calls, True)
             del unit
     return [profiles[name] for name in layout.units]
 
@@ -273,10 +308,10 @@ def measure_update_time(
     optimizer = torch.optim.AdamW([param], lr=1e-3)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        sync(device)
         start = clock()
         optimizer.step()
-        _sync(device)
+        sync(device)
         times.append(clock() - start)
     return statistics.median(times[1:]) / numel
 

@@ -38,6 +38,7 @@ from lightning_pipe.split.surgery import (
     trace_stages,
 )
 from lightning_pipe.split.tied import Tie, plan_ties, retie, tied_groups
+from lightning_pipe.structures import is_dtensor
 
 SPLIT_ATTR = "_lightning_pipe_split"
 
@@ -67,6 +68,9 @@ class Split:
     units_per_stage: list[tuple[str, ...]]
     #: parameters shared by units of several stages (names relative to the network)
     ties: list[Tie] = field(default_factory=list)
+    #: the names of every parameter the network reached under several names before the cut (relative to the network;
+    #: a tie inside one stage too): tensor parallelism replaces parameters and must tie them again
+    shared: list[tuple[str, ...]] = field(default_factory=list)
     #: traced stages may bake the example microbatch's size into reshapes (evaluation pads to it)
     static_microbatch_size: int | None = None
     #: bytes allocated at most while this rank's stages were allocated and initialised (meta construction), or None
@@ -76,6 +80,9 @@ class Split:
     #: the global ranks of the data-parallel group the stages were sharded over with FSDP (``None``: not sharded).
     #: FSDP cannot be taken off a module in place, so a later entry must shard alike.
     sharded_over: tuple[int, ...] | None = None
+    #: what tensor parallelism did to the stages (a ``parallel.tensor_parallel.TensorParallelDone``), kept for later
+    #: entries: a model's own plan is applied once
+    tensor_parallel: Any = None
 
     @property
     def block_names(self) -> tuple[str, ...]:
@@ -112,6 +119,30 @@ def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, 
     if len(with_params) == 1:
         return with_params[0]
     return "", lightning_module
+
+
+def has_network(lightning_module: nn.Module, module_name: str) -> bool:
+    """Whether the network to pipeline exists yet (it may be built later, in ``configure_model``)."""
+    try:
+        resolve_module(lightning_module, module_name)
+    except PipelineModelError:
+        return False
+    return True
+
+
+def check_whole_before_split(network: nn.Module) -> None:
+    """Refuse a network whose parameters are already split over processes (DTensors) before the cut."""
+    split = [name for name, p in network.named_parameters() if is_dtensor(p)]
+    if split:
+        raise PipelineModelError(
+            f"Parameters of {type(network).__name__} ({', '.join(split[:3])}{', ...' if len(split) > 3 else ''}) are"
+            " already DTensors (tensor parallelism or FSDP applied) before the strategy cut the network into stages."
+            " The cut comes first: build the network in `__init__` (under `torch.device('meta')` for a large one) and"
+            " apply `parallelize_module` in `configure_model` with `self.device_mesh['tp']`; with"
+            " `tensor_parallel > 1` the strategy cuts the network before `configure_model`, which then sees only this"
+            " rank's units. Apply no plan when `self.device_mesh['tp'].size() == 1`, and leave FSDP to"
+            " `data_parallel='fsdp'`."
+        )
 
 
 def _example_microbatch(lightning_module: Any, settings: PipelineSettings) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -152,6 +183,12 @@ def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.devi
         # Hugging Face models carry their own pipeline plan and need their own stage call.
         return _Frontend(hf_layout(network), hf_placeholder(network), hf_stage_call)
     return _Frontend(find_layout(network, settings.blocks), None, call_with_activation)
+
+
+def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
+    """The network the strategy would split and its units, without splitting it."""
+    _, network = resolve_module(lightning_module, settings.module)
+    return network, _frontend(network, settings).layout
 
 
 def _counts(
@@ -209,6 +246,8 @@ def split_module(
         check_same_split(existing, key, settings.describe_split())
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
+    check_whole_before_split(network)
+    shared = [tuple(group) for group in tied_groups(network)]
     prefix = f"{attr}." if attr else ""
     num_stages = settings.num_stages
     plan = _frontend(network, settings, device)
@@ -237,6 +276,7 @@ def split_module(
         "layout": layout,
         "units_per_stage": units_per_stage,
         "ties": ties,
+        "shared": shared,
     }
     if settings.frontend == "trace":
         split = _trace(lightning_module, network, counts, local, settings, device, common, recording)

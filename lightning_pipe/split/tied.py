@@ -66,6 +66,7 @@ def plan_ties(network: nn.Module, units: Sequence[str], units_per_stage: Sequenc
     return ties
 
 
-def aliases(ties: Sequence[Tie], prefix: str = "") -> dict[str, str]:
-    """``{other name: first name}`` of every tie, with ``prefix`` (the network's attribute) on both."""
-    return {prefix + name: prefix + tie.canonical for tie in ties for name in tie.names[1:]}
+def aliases(groups: Sequence[Sequence[str]], prefix: str = "") -> dict[str, str]:
+    """``{other name: first name}`` of every group of names of one parameter (a :class:`Tie`'s ``names``, or every
+    group of :func:`tied_groups`), with ``prefix`` (the network's attribute) on both."""
+    return {prefix + name: prefix + names[0] for names in groups for name in names[1:]}

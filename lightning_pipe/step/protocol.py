@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.comm import collectives
+from lightning_pipe.comm.dtensor import full
 from lightning_pipe.errors import MicrobatchError, PipelineUsageError
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 from lightning_pipe.step.executors.base import Executor
@@ -38,7 +39,7 @@ from lightning_pipe.step.rng import RngStreams
 from lightning_pipe.step.runtime import PipelineRuntime
 from lightning_pipe.step.sharing import OutcomeChannel
 from lightning_pipe.step.stage import StepContext
-from lightning_pipe.structures import map_structure
+from lightning_pipe.structures import map_structure, map_tensors
 
 TRAINING = "training_step"
 NUM_ITEMS = "num_items"
@@ -179,7 +180,7 @@ class StepProtocol:
         logs: list[LoggedValue] = []
         with self.interceptor.responding(output), recording_logs(self.lightning_module, logs):
             result = getattr(self.lightning_module, hook)(microbatch, *extra_args)
-        return result, logs
+        return result, [LoggedValue(e.name, _whole(e.value), e.kwargs) for e in logs]
 
     def _microbatch(
         self,
@@ -193,13 +194,16 @@ class StepProtocol:
         accumulate: int,
     ) -> Any:
         result, logs = self.run_user_step(hook, microbatch, extra_args, output)
-        record.results[m], record.logs[m] = result, logs
+        record.logs[m] = logs
         if hook != TRAINING:
+            record.results[m] = result = _whole(result)
             items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
             record.items[m] = None if items is None else torch.as_tensor(items).detach()
             return None
         loss, items = _loss_and_items(hook, result)
-        record.losses[m], record.items[m] = loss.detach(), items
+        # The loss keeps its graph (a DTensor under loss parallelism) for backward; everything recorded is whole.
+        record.losses[m], record.items[m] = full(loss).detach(), items
+        record.results[m] = {**_whole(result), "loss": record.losses[m]} if isinstance(result, Mapping) else loss
         if items is None:
             return loss * scale
         # Token-weighted: the sum of this microbatch's item losses; gradients are divided by the batch's total
@@ -262,6 +266,12 @@ def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Te
         return stacked.mean().to(losses[0].dtype)
     w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
     return ((stacked * w).sum() / w.sum()).to(losses[0].dtype)
+
+
+def _whole(value: Any) -> Any:
+    """``value`` with every DTensor in it (a tensor-parallel output, a loss-parallel loss) made whole, so that it
+    merges, travels and logs as on one device."""
+    return map_tensors(value, full)
 
 
 def _detached(value: Any) -> Any:

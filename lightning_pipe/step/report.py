@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.microbatch import epoch_batch_sizes, resolve_microbatches
+from lightning_pipe.reliability.loaders import PassLoader
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import Split
 
@@ -52,7 +53,10 @@ def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank
 
     Only plain ``DataLoader``s whose size is known are checked; others fail at the batch itself, as before.
     """
-    sizes = epoch_batch_sizes(trainer.train_dataloader)
+    loader = trainer.train_dataloader
+    if isinstance(loader, PassLoader):  # the resume wrapper around the user's loader (reliability/loaders.py)
+        loader = loader.loader
+    sizes = epoch_batch_sizes(loader)
     if sizes is None:
         return
     for which, size in sizes:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.comm import collectives, transport
+from lightning_pipe.comm.dtensor import MeshLookup
 from lightning_pipe.split.builder import Split
 from lightning_pipe.step.stage import StageModule
 
@@ -27,7 +28,8 @@ class PipelineRuntime:
     """The stages one rank runs (:class:`StageModule`, by stage index) and the placement of all stages.
 
     ``stage_ranks[s]`` is the pipeline rank holding stage ``s``; ``group`` is this pipeline's process group (one rank
-    for a one-process pipeline) and ``group_ranks`` its global ranks by pipeline rank.
+    for a one-process pipeline) and ``group_ranks`` its global ranks by pipeline rank. ``mesh_of`` gives the
+    strategy's (sub)mesh of some axes: where a DTensor activation received from another stage is rebuilt.
     """
 
     def __init__(
@@ -37,8 +39,10 @@ class PipelineRuntime:
         stage_ranks: Sequence[int],
         group: Any,
         device: torch.device,
+        mesh_of: MeshLookup,
     ) -> None:
         self.stages = dict(sorted(stages.items()))
+        self.mesh_of = mesh_of
         self.num_stages = num_stages
         self.stage_ranks = list(stage_ranks)
         self.group = group
@@ -79,5 +83,5 @@ class PipelineRuntime:
             transport.wait_all(transport.send_object(output, self.group_ranks[0], self.group, self.device))
             return None
         if me == 0:
-            return transport.recv_object(self.last_stage_global_rank, self.group, self.device)
+            return transport.recv_object(self.last_stage_global_rank, self.group, self.device, self.mesh_of)
         return None

@@ -11,6 +11,7 @@ import lightning.pytorch as L
 import torch
 
 import lightning_pipe
+from lightning_pipe.parallel.compile import compiled_blocks
 from tests.models import LitLM
 
 
@@ -23,6 +24,20 @@ class DropStageGradients(L.Callback):
                 p.grad = None
 
 
+class Compiled(L.Callback):
+    """What the strategy compiled and checkpointed on this rank during training, and whether its teardown gave the
+    blocks their own forward back."""
+
+    def on_train_start(self, trainer, pl_module):
+        stages = trainer.strategy.runtime.stages.values()
+        self.blocks = [name for stage in stages for name in compiled_blocks(stage.body)]
+        self.checkpointed = trainer.strategy.checkpointed_blocks
+
+    @staticmethod
+    def forwards_left(model):
+        return [name for name, sub in model.named_modules() if "forward" in vars(sub)]
+
+
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     for cfg in configs:
@@ -32,6 +47,8 @@ def main() -> None:
             schedule=cfg["schedule"],
             pipeline_size=cfg.get("pipeline_size", "auto"),
             microbatches=cfg.get("microbatches", "auto"),
+            activation_checkpointing=cfg.get("activation_checkpointing", False),
+            compile=cfg.get("compile", False),
         )
         trainer = L.Trainer(
             strategy=strategy,
@@ -48,6 +65,8 @@ def main() -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
+        compiled = Compiled()
+        trainer.callbacks.append(compiled)
         trainer.fit(model)
         state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -58,6 +77,9 @@ def main() -> None:
                 "logged": logged,
                 "pipeline_rank": strategy.pipeline_rank,
                 "dp_rank": strategy.data_parallel_rank,
+                "compiled": compiled.blocks,
+                "checkpointed": compiled.checkpointed,
+                "forwards_left": compiled.forwards_left(model),
             },
             out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
         )

@@ -4,6 +4,7 @@ Usage: timeline.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "model"
 are the benchmark networks of benchmarks/common.py).
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def main() -> None:
         result = {
             "bubbles": timeline.bubbles,
             "theory": timeline.theory,
+            "explanation": dataclasses.asdict(timeline.explanation) if timeline.explanation else None,
             "files": [str(f) for f in timeline.files],
             "detached": all(s.recorder is None for s in keep.stages.values()),
             "stages": sorted(keep.stages),

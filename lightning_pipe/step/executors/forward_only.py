@@ -128,7 +128,8 @@ class ForwardOnlyExecutor:
                         received = handoff.pop((m, s))
                     else:
                         source = runtime.global_rank_of(s - 1)
-                        received = _as_args(transport.recv_object(source, runtime.group, runtime.device))
+                        sent = transport.recv_object(source, runtime.group, runtime.device, runtime.mesh_of)
+                        received = _as_args(sent)
                     output = module(*received, **{STEP: step, MICROBATCH: m})
                     if s == last:
                         assert step.on_output is not None

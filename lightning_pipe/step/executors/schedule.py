@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.comm.dtensor import local
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.microbatch import resolve_microbatches
 from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
@@ -21,7 +22,8 @@ def _zero_loss(output: Any) -> torch.Tensor:
     # torch infers backward shapes by back-propagating one loss through the first microbatch; any scalar that depends
     # on the output gives the same shapes, and a constant zero keeps the user's step (and its side effects) out of it.
     leaves = [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
-    return sum((t.float().sum() * 0.0 for t in leaves if t.is_floating_point()), torch.zeros(()))
+    # A DTensor output (a vocabulary-sharded head) contributes through its local part: a plain scalar either way.
+    return sum((local(t).float().sum() * 0.0 for t in leaves if t.is_floating_point()), torch.zeros(()))
 
 
 def step_options(schedule: Any) -> dict[str, Any]:
@@ -79,7 +81,7 @@ class ScheduleExecutor:
         stage_cls = chunk_aware_stage_class()
         runtime = self.runtime
         stages = [
-            stage_cls(module, index, runtime.num_stages, runtime.device, group=runtime.group)
+            stage_cls(module, index, runtime.num_stages, runtime.device, group=runtime.group, get_mesh=self._mesh)
             for index, module in runtime.stages.items()
         ]
         name = self.settings.schedule
@@ -98,6 +100,11 @@ class ScheduleExecutor:
         if len(self._schedules) > _MAX_CACHED_SCHEDULES:
             self._schedules.popitem(last=False)
         return self._schedules[key]
+
+    def _mesh(self, axes: tuple[str, ...], layout: Any) -> Any:
+        """torch's ``get_mesh`` callback: the mesh on which a DTensor activation received from another stage is
+        rebuilt (the sender's axes name it; every rank's mesh is the same, so ``layout`` adds nothing)."""
+        return self.runtime.mesh_of(axes)
 
     def _loss(self, output: Any, target: torch.Tensor, step: StepContext) -> torch.Tensor:
         """The schedule's loss function: the microbatch's output goes to the user's step (``step.on_output``), whose

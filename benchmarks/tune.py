@@ -1,0 +1,350 @@
+"""The tuner against an exhaustive sweep of the same candidates, and compiled stages against eager ones.
+
+    python benchmarks/tune.py            # the full run (see docs/benchmarks.md for its duration), rewrites its section
+    python benchmarks/tune.py --quick    # every code path once on tiny workloads, docs untouched (CI smoke)
+
+On each workload of benchmarks/tune_models.py (2 processes, 1 thread each), run by run (``--runs``), interleaved so
+that a slower moment of the machine hits every case alike:
+
+- **sweep**: every candidate of the search space (the tuner's default space: all seven schedules, the microbatch
+  counts from 2 to 16 that divide the batch, 2 stages per rank for the multi-stage schedules, with and without
+  activation checkpointing), each a fresh Trainer and model for ``warmup + steps`` steps, in a shuffled order;
+- **tune**: ``lightning_pipe.tune`` on a fresh Trainer and model with the same space (``retune=True``): its choice,
+  its own wall and CPU time, its table;
+- **compile** (``mlp``, ``gpt``; ``--quick``: ``mlp``): 1F1B with ``compile=True`` against eager, and the first
+  step's time (compilation).
+
+The report takes medians over runs of each run's median step time. Per workload: the sweep's best candidate, each
+tuner run's choice and where it lands in the sweep (its sweep median over the best), and the tuning's cost in
+"sweeps' worth of steps" (the tuner's wall time, over the sum of one median step of every candidate: the processes
+already run when it starts, as they would in a script that tunes and then fits).
+
+Results: ``--out`` (default benchmarks/results/tune) gets ``results.json`` and the worker log; ``--docs`` (default
+docs/benchmarks.md) gets its generated section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BEGIN = "<!-- benchmarks/tune.py: begin (generated, do not edit by hand) -->"
+END = "<!-- benchmarks/tune.py: end -->"
+#: batch size per pipeline and blocks of each workload (full, quick)
+SHAPES = {"mlp": ((512, 8), (32, 8)), "gpt": ((16, 4), (8, 4)), "gpt-vocab": ((16, 4), (8, 4))}
+COMPILED = ("mlp", "gpt")
+
+
+def space(quick: bool) -> Any:
+    from lightning_pipe import SearchSpace
+
+    if quick:
+        return SearchSpace(schedules=("1F1B", "ZBVZeroBubble"), microbatches=(2, 4), activation_checkpointing=(0,))
+    return SearchSpace()
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from lightning_pipe.tune.space import candidates
+
+    cases = []
+    for run in range(args.runs):
+        order = random.Random(run)
+        for workload in args.workloads:
+            batch, blocks = SHAPES[workload][1 if args.quick else 0]
+            found = [c.settings() for c in candidates(space(args.quick), 2, batch, blocks)]
+            order.shuffle(found)
+            cases += [{"kind": "sweep", "workload": workload, "run": run, "settings": s} for s in found]
+            cases.append({"kind": "tune", "workload": workload, "run": run})
+            if workload in (COMPILED[:1] if args.quick else COMPILED) and not args.no_compile:
+                for compiled in order.sample([False, True], 2):
+                    settings = {"schedule": "1F1B", "microbatches": 4, "compile": compiled}
+                    cases.append({"kind": "compile", "workload": workload, "run": run, "settings": settings})
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------------ the worker
+def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import lightning_pipe
+    from benchmarks.common import machine
+    from benchmarks.lit import StepClock, trainer
+    from benchmarks.tune_models import build
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        with results_file.open("a") as f:
+            f.write(json.dumps({"machine": machine()}) + "\n")
+
+    for case in json.loads(cases_file.read_text()):
+        model, fit_kwargs = build(case["workload"], quick, batches=64)
+        record: dict[str, Any] = {"case": case}
+        if case["kind"] in ("sweep", "compile"):
+            clock = StepClock()
+            strategy = lightning_pipe.PipelineParallelStrategy(**case["settings"])
+            trainer(strategy, 2, warmup + steps, [clock]).fit(model, **fit_kwargs)
+            walls = clock.clock.wall
+            cpus = [[(b - a) / 1e6 for a, b in zip(c, c[1:])] for c in _gather(clock.clock.cpu)]
+            record["ms"] = [(b - a) / 1e6 for a, b in zip(walls, walls[1:])]
+            record["cpu_ms"] = [sum(step) for step in zip(*cpus)]
+        else:
+            path = results_file.parent / f"tune-{case['workload']}-{case['run']}"
+            result = lightning_pipe.tune(
+                trainer("pipeline", 2, 1, []), model, space=space(quick), steps=steps, warmup_steps=warmup, path=path,
+                retune=True, **fit_kwargs,
+            )  # fmt: skip
+            record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
+            record["table"] = result.table
+        if rank == 0:
+            with results_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+
+
+def _gather(stamps: list[int]) -> list[list[int]]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, stamps)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+def _median_run(ms: list[float], warmup: int) -> float:
+    return statistics.median(ms[warmup:] or ms)
+
+
+def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Per workload: every candidate's median step over runs, the best, each tuner run's choice and cost."""
+    machine = next((r["machine"] for r in records if "machine" in r), {})
+    out: dict[str, Any] = {"machine": machine, "workloads": {}}
+    for workload in dict.fromkeys(r["case"]["workload"] for r in records if "case" in r):
+        mine = [r for r in records if r.get("case", {}).get("workload") == workload]
+        sweep: dict[str, list[float]] = {}
+        labels: dict[str, dict[str, Any]] = {}
+        for r in (r for r in mine if r["case"]["kind"] == "sweep"):
+            key = json.dumps(r["case"]["settings"], sort_keys=True)
+            sweep.setdefault(key, []).append(_median_run(r["ms"], warmup))
+            labels[key] = r["case"]["settings"]
+        medians = {k: statistics.median(v) for k, v in sweep.items()}
+        best = min(medians, key=medians.get) if medians else None
+        tunes = []
+        one_sweep = sum(medians.values()) / 1e3
+        for r in (r for r in mine if r["case"]["kind"] == "tune"):
+            key = json.dumps(r["choice"], sort_keys=True)
+            # The worker's processes exist before `tune` runs: all of its wall time is the tuning's own.
+            spent = r["cost"]["wall_s"]
+            tunes.append(
+                {
+                    "run": r["case"]["run"],
+                    "label": r["label"],
+                    "ratio": medians[key] / medians[best] if key in medians and best else None,
+                    "wall_s": r["cost"]["wall_s"],
+                    "launch_s": r["cost"]["launch_s"],
+                    "cpu_s": r["cost"]["cpu_s"],
+                    "trials": r["cost"]["trials"],
+                    "sweeps": spent / one_sweep if one_sweep else None,
+                    "table": r["table"],
+                }
+            )
+        compiled = {}
+        for flag in (False, True):
+            runs = [r for r in mine if r["case"]["kind"] == "compile" and r["case"]["settings"]["compile"] == flag]
+            if runs:
+                compiled[str(flag)] = {
+                    "ms": statistics.median(_median_run(r["ms"], warmup) for r in runs),
+                    "first_ms": statistics.median(r["ms"][0] for r in runs),
+                }
+        ranked = sorted(medians, key=medians.get)
+        out["workloads"][workload] = {
+            "candidates": len(medians),
+            "best": labels.get(best),
+            "top": [(labels[k], medians[k]) for k in ranked[:5]],
+            "worst": (labels[ranked[-1]], medians[ranked[-1]]) if ranked else None,
+            "one_sweep_s": one_sweep,
+            "tunes": tunes,
+            "compile": compiled,
+        }
+    return out
+
+
+def stopped_run(out: Path, warmup: int) -> dict[str, Any]:
+    """The results of the runs a stopped worker completed (every case of the run recorded), from its files."""
+    cases = json.loads((out / "cases.json").read_text())
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    planned = collections.Counter(case["run"] for case in cases)
+    recorded = collections.Counter(r["case"]["run"] for r in records if "case" in r)
+    done = [n for n in sorted(planned) if recorded[n] == planned[n]]
+    results = collect([r for r in records if "machine" in r or r["case"]["run"] in done], warmup)
+    started = time.localtime((out / "cases.json").stat().st_mtime)
+    results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S", started), elapsed_s=None, runs=(len(done), len(planned)))
+    return results
+
+
+def _label(settings: dict[str, Any]) -> str:
+    from lightning_pipe.tune.space import Candidate
+
+    keys = ("schedule", "microbatches", "stages_per_rank", "activation_checkpointing")
+    return Candidate(*(settings[k] for k in keys), bool(settings.get("compile"))).label
+
+
+def _duration(results: dict[str, Any]) -> str:
+    if results.get("elapsed_s") is None:
+        return "duration not recorded"
+    return f"{results['elapsed_s']:.0f} s"
+
+
+def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
+    m = results["machine"]
+    done, planned = results.get("runs") or (args.runs, args.runs)
+    runs = f"{done} runs, interleaved" if done == planned else f"The worker was stopped after {done} of {planned} runs"
+    lines = [
+        BEGIN,
+        "",
+        "### Results",
+        "",
+        f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']}, {_duration(results)};"
+        f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')}; load average at the start:"
+        f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}, at the end:"
+        f" {', '.join(f'{x:.1f}' for x in results.get('load_end') or []) or 'not recorded'}. {runs}; each"
+        " figure the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
+        "",
+        *_busy(results),
+        "| workload | candidates | sweep's best (ms/step) | sweep's worst | tuner's choices (sweep ms / best) |"
+        " tuning cost: s (CPU s), trials | in sweeps' worth of steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, w in results["workloads"].items():
+        top = w["top"][0] if w["top"] else None
+        worst = w["worst"]
+        choices = "; ".join(f"{t['label']} ({t['ratio']:.3f})" if t["ratio"] else t["label"] for t in w["tunes"])
+        cost = "; ".join(f"{t['wall_s']:.1f} ({t['cpu_s']:.1f}), {t['trials']:.0f}" for t in w["tunes"])
+        sweeps = "; ".join(f"{t['sweeps']:.2f}" for t in w["tunes"] if t["sweeps"] is not None)
+        lines.append(
+            f"| {name} | {w['candidates']} | {_label(top[0]) + f' ({top[1]:.1f})' if top else '-'} |"
+            f" {_label(worst[0]) + f' ({worst[1]:.1f})' if worst else '-'} | {choices} | {cost} | {sweeps} |"
+        )
+    lines += ["", "The five fastest candidates of each sweep (ms per step):", ""]
+    for name, w in results["workloads"].items():
+        lines.append(f"- **{name}**: " + ", ".join(f"{_label(s)} {ms:.1f}" for s, ms in w["top"]))
+    compiled = {n: w["compile"] for n, w in results["workloads"].items() if w["compile"]}
+    if compiled:
+        lines += ["", "Compiled blocks (`compile=True`) against eager, 1F1B with 4 microbatches:", ""]
+        lines += [
+            "| workload | eager ms/step | compiled ms/step | ratio | first step, compiled (ms) |",
+            "|---|---|---|---|---|",
+        ]
+        for name, c in compiled.items():
+            if "False" in c and "True" in c:
+                ratio = c["True"]["ms"] / c["False"]["ms"]
+                lines.append(
+                    f"| {name} | {c['False']['ms']:.1f} | {c['True']['ms']:.1f} | {ratio:.3f} |"
+                    f" {c['True']['first_ms']:.0f} |"
+                )
+    first = next((w["tunes"][0] for w in results["workloads"].values() if w["tunes"]), None)
+    if first:
+        lines += [
+            "",
+            "The table the tuner printed in its first run on the first workload:",
+            "",
+            "```text",
+            first["table"],
+            "```",
+        ]
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def _busy(results: dict[str, Any]) -> list[str]:
+    """A warning when other jobs loaded the machine (a load average above its core count) at the start or the end."""
+    cores = results["machine"].get("cpu_cores") or 1
+    loads = [*(results["machine"].get("load_average") or []), *(results.get("load_end") or [])]
+    if not loads or max(loads) <= cores:
+        return []
+    return [
+        f"**The machine was shared with other jobs during this run (load average up to {max(loads):.0f} on {cores}"
+        " cores): the step times carry their noise, and a comparison within 5% means little.**",
+        "",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="every code path once on tiny workloads (CI smoke)")
+    parser.add_argument("--runs", type=int, default=None, help="runs per case (default 3; 1 with --quick)")
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt", "gpt-vocab"])
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled cases")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="page to update (default docs/benchmarks.md; '-': none)"
+    )
+    parser.add_argument("--timeout", type=float, default=7200)
+    parser.add_argument("--report-only", action="store_true", help="rewrite the docs from OUT/results.json")
+    parser.add_argument(
+        "--from-records", action="store_true", help="report a stopped run from OUT/records.jsonl: its complete runs"
+    )
+    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.runs = args.runs or (1 if args.quick else 3)
+    steps, warmup = (1, 1) if args.quick else (6, 2)
+    if args.worker:
+        return work(args.worker[0], args.worker[1], args.quick, steps, warmup)
+    if args.docs is None:
+        args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if args.report_only:
+        results = json.loads((args.out / "results.json").read_text())
+    elif args.from_records:
+        results = stopped_run(args.out, warmup)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    else:
+        cases_file, records_file = args.out / "cases.json", args.out / "records.jsonl"
+        cases_file.write_text(json.dumps(plan(args)))
+        records_file.unlink(missing_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
+        cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
+        with (args.out / "worker.log").open("w") as log:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"the worker failed ({proc.returncode}):\n{(args.out / 'worker.log').read_text()[-4000:]}")
+        records = [json.loads(line) for line in records_file.read_text().splitlines()]
+        results = collect(records, warmup)
+        results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=time.perf_counter() - start)
+        results["load_end"] = list(os.getloadavg())
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results, args)
+    if str(args.docs) != "-":
+        from benchmarks.report import write_section
+
+        write_section(args.docs, text, BEGIN, END)
+    print(text)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()

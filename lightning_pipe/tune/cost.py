@@ -1,0 +1,274 @@
+"""The tuner's cost model: a candidate's step time and memory per rank, from measured unit costs.
+
+What was measured (:mod:`lightning_pipe.tune.profile`, once, on one rank): each unit's forward, full backward and
+input-gradient backward seconds on one microbatch of every candidate microbatch size, the bytes its forward saves for
+backward, takes in and passes on, and its parameters (a :class:`Profile`). What the trials measured
+(:class:`Calibration`, refitted after every trial): what an action costs beyond its compute, the last stage's loss
+per sample, the transfer time of a message, what a step costs beyond its schedule (optimizer, Lightning's loop, data),
+the optimizer state per parameter byte, the memory no unit accounts for, and what compiling the blocks saves.
+
+A candidate's stages get their blocks as the strategy would split them (:func:`stage_blocks`), each stage's action
+times are the sums of its units' (a checkpointed block runs its forward again in backward and keeps only its input),
+and torch's action order of the candidate's schedule is played out with them
+(:func:`lightning_pipe.measure.simulate.simulate`): the step time, the bubble, and the activations each rank holds
+at its peak.
+
+Pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_pipe.measure.simulate import StageTimes, schedule_orders, simulate
+from lightning_pipe.parallel.activation_checkpointing import checkpointed_blocks
+from lightning_pipe.settings import V_SHAPED
+from lightning_pipe.split.partition import (
+    Layout,
+    UnitCosts,
+    balance_blocks,
+    balance_by_cost,
+    balance_step_time,
+    check_balance,
+    counts_from_split_points,
+    stage_to_rank,
+    stage_units,
+)
+from lightning_pipe.tune.space import Candidate
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """One unit on one microbatch."""
+
+    forward: float
+    #: input and weight gradients in one backward
+    backward: float
+    #: input gradients only (the ``I`` half of a split backward); ``backward - backward_input`` is the ``W`` half
+    backward_input: float
+    #: bytes its forward saves for backward
+    saved_bytes: int
+    #: bytes of its floating-point inputs (all that a checkpointed block keeps)
+    input_bytes: int
+    #: bytes of its floating-point outputs (what crosses a stage boundary after it)
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The network's units and what each costs at each microbatch size (samples per microbatch)."""
+
+    layout: Layout
+    params: Mapping[str, int]
+    param_bytes: Mapping[str, int]
+    times: Mapping[int, Mapping[str, UnitTimes]]
+    #: samples per batch of one pipeline
+    batch_size: int
+
+    def at(self, microbatches: int) -> Mapping[str, UnitTimes]:
+        size = self.batch_size // microbatches
+        if size not in self.times:
+            raise KeyError(f"microbatches of {size} samples were not profiled (profiled: {sorted(self.times)}).")
+        return self.times[size]
+
+
+@dataclass(frozen=True)
+class BalanceRule:
+    """How the strategy shares out the blocks (its ``split_points``/``balance``/``frontend`` settings)."""
+
+    balance: str | tuple[int, ...] = "auto"
+    split_points: tuple[str, ...] | None = None
+    #: ``balance="auto"`` measures only when the LightningModule has ``example_input_array`` (else ``"params"``)
+    has_example: bool = False
+    traced: bool = False
+
+
+def stage_blocks(profile: Profile, rule: BalanceRule, num_stages: int, microbatches: int) -> list[int]:
+    """Blocks per stage, as the strategy's split would give them (measured costs stand in for its own profiling)."""
+    layout = profile.layout
+    if rule.split_points is not None:
+        return counts_from_split_points(layout.blocks, rule.split_points, num_stages)
+    balance = "blocks" if rule.traced and isinstance(rule.balance, str) else rule.balance
+    if not isinstance(balance, str):
+        return check_balance(balance, len(layout.blocks), num_stages)
+    if balance == "blocks":
+        return balance_blocks(len(layout.blocks), num_stages)
+    if balance == "params" or not rule.has_example:
+        return balance_by_cost(_per_unit(layout, lambda u: float(profile.params[u])), num_stages)
+    times = profile.at(microbatches)
+    per_microbatch = _per_unit(layout, lambda u: times[u].forward + times[u].backward)
+    return balance_step_time(per_microbatch, _per_unit(layout, lambda u: 0.0), num_stages, microbatches)
+
+
+def _per_unit(layout: Layout, cost) -> UnitCosts:  # noqa: ANN001 - a function of a unit name
+    return UnitCosts(
+        pre=sum(cost(u) for u in layout.pre),
+        blocks=tuple(cost(b) for b in layout.blocks),
+        post=sum(cost(u) for u in layout.post),
+    )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the trials measured beyond the units' compute (see the module docstring). Zero until a trial ran."""
+
+    action_overhead: float = 0.0
+    step_overhead: float = 0.0
+    loss_per_sample: float = 0.0
+    latency: float = 0.0
+    seconds_per_byte: float = 0.0
+    #: gradient and optimizer-state bytes per parameter byte (1.0: a gradient and no state, as plain SGD)
+    state_factor: float = 1.0
+    memory_offset: float = 0.0
+    #: compiled step time over eager step time, once a compiled trial and its eager twin were measured
+    compile_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate's estimated step."""
+
+    step: float
+    bubble: float
+    #: peak bytes of each pipeline rank: its stages' parameters, gradients and optimizer state, and the activations
+    #: of the microbatches in flight at the worst moment
+    memory: tuple[float, ...]
+    blocks: tuple[int, ...] = field(default=())
+    #: the simulated schedule's span alone (before the step's overhead)
+    span: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return max(self.memory) if self.memory else 0.0
+
+
+def stage_times(
+    candidate: Candidate, profile: Profile, counts: Sequence[int], calibration: Calibration
+) -> tuple[StageTimes, list[float], list[float]]:
+    """The candidate's per-stage action times, and per stage the activation bytes of one microbatch and the bytes
+    of its parameters."""
+    times = profile.at(candidate.microbatches)
+    size = profile.batch_size // candidate.microbatches
+    layout = profile.layout
+    recomputed = set(checkpointed_blocks(layout.blocks, candidate.activation_checkpointing))
+    forward, backward, backward_input, saved, params, transfer = [], [], [], [], [], []
+    for units in stage_units(layout, counts):
+        again = sum(times[u].forward for u in units if u in recomputed)
+        forward.append(sum(times[u].forward for u in units))
+        backward.append(sum(times[u].backward for u in units) + again)
+        backward_input.append(sum(times[u].backward_input for u in units) + again)
+        kept = [times[u].input_bytes if u in recomputed else times[u].saved_bytes for u in units]
+        # While a checkpointed block recomputes, its full activations exist once more.
+        transient = max((times[u].saved_bytes for u in units if u in recomputed), default=0)
+        saved.append(float(sum(kept) + transient))
+        params.append(float(sum(profile.param_bytes[u] for u in units)))
+        out = times[units[-1]].output_bytes if units else 0
+        transfer.append(calibration.latency + calibration.seconds_per_byte * out)
+    weight = [max(b - i, 0.0) for b, i in zip(backward, backward_input)]
+    stage = StageTimes(
+        tuple(forward),
+        tuple(backward),
+        tuple(backward_input),
+        tuple(weight),
+        loss=calibration.loss_per_sample * size,
+        transfer=tuple(transfer[:-1]),
+        overhead=calibration.action_overhead,
+    )
+    return stage, saved, params
+
+
+def predict(
+    candidate: Candidate, profile: Profile, rule: BalanceRule, pipeline_size: int, calibration: Calibration
+) -> Prediction:
+    """The candidate's estimated step time and memory per rank."""
+    num_stages = pipeline_size * candidate.stages_per_rank
+    counts = stage_blocks(profile, rule, num_stages, candidate.microbatches)
+    times, saved, params = stage_times(candidate, profile, counts, calibration)
+    ranks = stage_to_rank(num_stages, pipeline_size, "v" if candidate.schedule in V_SHAPED else "loop")
+    orders = schedule_orders(candidate.schedule, pipeline_size, candidate.microbatches, candidate.stages_per_rank)
+    sim = simulate(orders, times, ranks)
+    step = sim.span + calibration.step_overhead
+    if candidate.compile and calibration.compile_factor is not None:
+        step *= calibration.compile_factor
+    activations = sim.peak_bytes(saved, ranks)
+    state = [0.0] * pipeline_size
+    for stage, nbytes in enumerate(params):
+        state[ranks[stage]] += nbytes * (1.0 + calibration.state_factor)
+    memory = tuple(a + s + calibration.memory_offset for a, s in zip(activations, state))
+    return Prediction(step, sim.bubble, memory, tuple(counts), sim.span)
+
+
+# -------------------------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class Trial:
+    """What one trial measured, as the calibration reads it."""
+
+    candidate: Candidate
+    #: median seconds per step
+    step: float
+    #: peak bytes of each pipeline rank
+    memory: tuple[float, ...] = ()
+    #: median seconds of each recorded action, by ``(stage, kind)`` (``kind``: F, B, W, L), when a timeline ran
+    actions: Mapping[tuple[int, str], float] = field(default_factory=dict)
+    #: gradient and optimizer-state bytes per parameter byte, when measured
+    state_factor: float | None = None
+
+
+def calibrate(
+    profile: Profile,
+    rule: BalanceRule,
+    pipeline_size: int,
+    trials: Sequence[Trial],
+    transfer: tuple[float, float] = (0.0, 0.0),
+) -> Calibration:
+    """The calibration that makes the predictions of ``trials`` agree with their measurements (medians, so one odd
+    trial does not move it much). ``transfer``: measured ``(latency, seconds per byte)`` of a message."""
+    calibration = Calibration(latency=transfer[0], seconds_per_byte=transfer[1])
+    timed = [t for t in trials if t.actions]
+    if timed:
+        calibration = _action_costs(profile, rule, pipeline_size, timed[0], calibration)
+    factors = [t.state_factor for t in trials if t.state_factor is not None]
+    if factors:
+        calibration = dataclasses.replace(calibration, state_factor=statistics.median(factors))
+    eager = [t for t in trials if not t.candidate.compile]
+    if eager:
+        residual = [t.step - predict(t.candidate, profile, rule, pipeline_size, calibration).span for t in eager]
+        calibration = dataclasses.replace(calibration, step_overhead=statistics.median(residual))
+    sized = [t for t in trials if t.memory]
+    if sized:
+        gaps = [max(t.memory) - predict(t.candidate, profile, rule, pipeline_size, calibration).peak for t in sized]
+        calibration = dataclasses.replace(calibration, memory_offset=statistics.median(gaps))
+    measured = {t.candidate: t.step for t in trials}
+    ratios = [
+        t.step / measured[t.candidate.eager] for t in trials if t.candidate.compile and t.candidate.eager in measured
+    ]
+    if ratios:
+        calibration = dataclasses.replace(calibration, compile_factor=statistics.median(ratios))
+    return calibration
+
+
+def _action_costs(
+    profile: Profile, rule: BalanceRule, pipeline_size: int, trial: Trial, calibration: Calibration
+) -> Calibration:
+    """Per-action overhead and loss per sample from one trial's recorded action times."""
+    candidate = trial.candidate
+    num_stages = pipeline_size * candidate.stages_per_rank
+    counts = stage_blocks(profile, rule, num_stages, candidate.microbatches)
+    times, _, _ = stage_times(candidate, profile, counts, Calibration())
+    split = any(kind == "W" for _, kind in trial.actions)
+    modelled = {"F": times.forward, "B": times.backward_input if split else times.backward, "W": times.backward_weight}
+    gaps = [
+        seconds - modelled[kind][stage]
+        for (stage, kind), seconds in trial.actions.items()
+        if kind in modelled and stage < num_stages
+    ]
+    size = profile.batch_size // candidate.microbatches
+    loss = [seconds for (_, kind), seconds in trial.actions.items() if kind == "L"]
+    return dataclasses.replace(
+        calibration,
+        action_overhead=max(statistics.median(gaps), 0.0) if gaps else 0.0,
+        loss_per_sample=statistics.median(loss) / size if loss else 0.0,
+    )

@@ -1,0 +1,345 @@
+"""``lightning_pipe.tune(trainer, model, datamodule=...)``: choose the strategy's settings by measuring them.
+
+Like Lightning's ``Tuner(trainer).scale_batch_size(model)``, it runs before ``trainer.fit`` and leaves the Trainer
+set up with its choice. The steps (docs/tuning.md):
+
+1. A record of an earlier tuning with the same fingerprint (model, hyperparameters, world, device, precision, torch,
+   search space, memory limit) is reused: no trial runs.
+2. The first trial runs the user's own settings (the processes start here, as ``fit`` would start them) and also
+   records the schedule's actions, the optimizer state and the message time between pipeline neighbours.
+3. Global rank 0 profiles every unit of the network at every candidate microbatch size (:mod:`.profile`); every
+   rank receives the profile.
+4. Until ``max_trials`` trials ran, or no candidate is predicted within ``margin`` of the best measured one: the
+   cost model is refitted to the trials so far (:func:`.cost.calibrate`), every candidate is predicted
+   (:func:`.cost.predict`), and the one predicted fastest within the memory limit is measured
+   (:func:`.prune.next_trial`).
+5. The fastest measured candidate within the memory limit wins; the table is printed on rank 0, the record and a
+   LightningCLI config are written, and the choice is applied to ``trainer.strategy``.
+
+The random number generators of every process are restored afterwards, so tuning changes nothing the run draws.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from lightning_pipe.comm import collectives
+from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.measure.memory import device_memory, format_bytes
+from lightning_pipe.split.builder import is_split
+from lightning_pipe.tune import prune, record
+from lightning_pipe.tune.cost import BalanceRule, Profile, Trial, calibrate, predict
+from lightning_pipe.tune.profile import profile_network
+from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
+from lightning_pipe.tune.trial import TrialResult, TrialSetup, run_trial
+
+log = logging.getLogger("lightning.pytorch.lightning_pipe")
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """What :func:`tune` chose and why."""
+
+    choice: Candidate
+    #: the strategy arguments applied to ``trainer.strategy``
+    settings: dict[str, Any]
+    table: str
+    #: every candidate, with its prediction, measurement and status (empty when the choice was reused)
+    rows: tuple[prune.Row, ...]
+    #: the tuning's own cost (global rank 0's clock): ``wall_s``; ``launch_s`` (of it, until the first trial's first
+    #: step: starting the processes, which ``fit`` does anyway when nothing is tuned, and the first split);
+    #: ``cpu_s`` (all processes); ``trials``; ``steps``; ``profile_s``; ``step_s`` (the choice's step time);
+    #: ``in_steps`` (``wall_s - launch_s`` in steps of the choice); ``candidates``
+    cost: dict[str, float]
+    #: the record and the LightningCLI config written (or read)
+    files: tuple[Path, ...]
+    reused: bool
+
+
+def tune(
+    trainer: Any,
+    model: Any,
+    datamodule: Any = None,
+    train_dataloaders: Any = None,
+    *,
+    space: Optional[SearchSpace] = None,
+    steps: int = 5,
+    warmup_steps: int = 2,
+    max_trials: int = 5,
+    margin: float = 0.1,
+    memory_limit: Optional[Union[int, float]] = None,
+    path: Optional[Union[str, Path]] = None,
+    retune: bool = False,
+) -> TuneResult:
+    """Choose ``schedule``, ``microbatches``, ``stages_per_rank``, ``activation_checkpointing`` (and ``compile``) for
+    ``trainer``'s pipeline strategy by measuring them on ``model`` and its training data; apply the choice.
+
+    Arguments:
+        trainer: A Trainer whose strategy is ``PipelineParallelStrategy`` (``strategy="pipeline"``), not yet fitted.
+        model: The LightningModule (not changed: trials train copies of it).
+        datamodule: The training data's LightningDataModule, as for ``trainer.fit`` (default: the model's own data).
+        train_dataloaders: Or the training loaders, as for ``trainer.fit``.
+        space: The candidates (:class:`SearchSpace`). Default: every schedule, the divisors of the batch size from
+            the pipeline size up, 2 stages per rank for the multi-stage schedules, with and without activation
+            checkpointing, not compiled.
+        steps: Steps measured per trial (the median counts), after ``warmup_steps`` steps that do not.
+        max_trials: Most trials, the user's own settings included. With ``steps`` and ``warmup_steps`` it bounds
+            the tuning's cost: at most ``max_trials * (steps + warmup_steps)`` training steps plus one profiling
+            pass.
+        margin: A candidate is measured only if predicted within this fraction of the prediction for the fastest
+            candidate measured so far.
+        memory_limit: Bytes per process that no choice may exceed. Default: the GPU's memory, or on the CPU the
+            machine's divided among its processes. On the CPU the peak resident set is measured.
+        path: Where the record (``.json``) and the LightningCLI config (``.yaml``) go. Default:
+            ``<trainer.default_root_dir>/pipeline_tune``.
+        retune: Tune even if a record for the same fingerprint exists.
+    """
+    strategy = trainer.strategy
+    if not callable(getattr(strategy, "apply_tuned", None)):
+        raise PipelineConfigError(
+            f"`tune` chooses the settings of PipelineParallelStrategy, but the Trainer's strategy is"
+            f" {type(strategy).__name__}. Use `Trainer(strategy='pipeline')` or a PipelineParallelStrategy."
+        )
+    if is_split(model):
+        raise PipelineUsageError(
+            "This LightningModule was already split by a fit; `tune` needs the whole model. Call `tune` before"
+            " `trainer.fit`, on a new LightningModule instance."
+        )
+    _check_budget(steps, warmup_steps, max_trials, margin, memory_limit)
+    space = space or SearchSpace()
+    settings = strategy.settings
+    target = Path(path) if path is not None else Path(trainer.default_root_dir) / "pipeline_tune"
+    facts = _facts(trainer, model, datamodule, space, memory_limit)
+    expected = record.fingerprint(facts)
+    if not retune:
+        found = record.load(target, expected)
+        if found is not None:
+            strategy.apply_tuned(**found.settings)
+            _announce(f"Pipeline tuning: reusing the choice in {record.paths(target)[0]}: {found.choice.label}.")
+            return TuneResult(found.choice, found.settings, found.table, (), found.cost, record.paths(target), True)
+    fit_kwargs = {"datamodule": datamodule} if datamodule is not None else {"train_dataloaders": train_dataloaders}
+    with _kept_random_state():
+        result = _search(trainer, model, fit_kwargs, space, steps, warmup_steps, max_trials, margin, memory_limit)
+    choice, rows, cost = result
+    applied = _applied(choice, settings)
+    table = prune.table(rows)
+    files = record.paths(target)
+    if collectives.world_rank() == 0:
+        files = record.save(record.TuneRecord(expected, choice, facts, table, cost, applied), target)
+    _announce(_summary(choice, table, cost, files[1]))
+    strategy.apply_tuned(**applied)
+    return TuneResult(choice, applied, table, tuple(rows), cost, files, False)
+
+
+def _search(
+    trainer: Any,
+    model: Any,
+    fit_kwargs: dict[str, Any],
+    space: SearchSpace,
+    steps: int,
+    warmup: int,
+    max_trials: int,
+    margin: float,
+    memory_limit: Optional[float],
+) -> tuple[Candidate, list[prune.Row], dict[str, float]]:
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    strategy = trainer.strategy
+    setup = TrialSetup.of(trainer)
+    settings = strategy.settings
+    first = run_trial(setup, _strategy(strategy, {}), model, fit_kwargs, steps, warmup, detail=True)
+    resolved = next(m.settings for m in first.everyone if m.settings is not None)
+    pipeline_size = int(resolved.pipeline_size)
+    baseline = from_settings(resolved, first.microbatches())
+    batch = first.batch_size()
+    device = strategy.root_device
+    # Rank 0's machine decides for all: every rank must take the same decisions.
+    limit = memory_limit if memory_limit is not None else device_memory(device, setup.devices)
+    limit = collectives.broadcast_object(limit, 0, collectives.world_group(), device)
+    profile_start = time.perf_counter()
+    profile = _profile(model, settings, first, space, pipeline_size, baseline, device)
+    profile_s = time.perf_counter() - profile_start
+    rule = BalanceRule(
+        settings.balance,
+        settings.split_points,
+        getattr(model, "example_input_array", None) is not None,
+        settings.frontend == "trace",
+    )
+    found = candidates(space, pipeline_size, batch, len(profile.layout.blocks))
+    if baseline not in found:
+        found.append(baseline)
+    transfer = first.transfer()
+    measured = {baseline: _measured(first)}
+    peaks, actions, state = first.peaks(pipeline_size), first.action_medians(), first.first.state_factor
+    trials = [Trial(baseline, measured[baseline].step, peaks, actions, state)]
+    while True:
+        calibration = calibrate(profile, rule, pipeline_size, trials, transfer)
+        predictions = {c: predict(c, profile, rule, pipeline_size, calibration) for c in found}
+        if len(measured) >= max_trials:
+            break
+        chosen = prune.next_trial(predictions, measured, limit, margin)
+        if chosen is None:
+            break
+        trial = run_trial(setup, _strategy(strategy, chosen.settings()), model, fit_kwargs, steps, warmup, False)
+        measured[chosen] = _measured(trial)
+        trials.append(Trial(chosen, measured[chosen].step, trial.peaks(pipeline_size)))
+    choice = prune.choose(measured, limit)
+    if choice is None:
+        raise PipelineConfigError(
+            f"No measured setting stayed within `memory_limit` ({format_bytes(limit or 0)} per process): the"
+            f" smallest peak measured was {format_bytes(min(m.peak for m in measured.values()))}. Raise the limit, add"
+            " activation checkpointing to the search space, or use more processes per pipeline."
+        )
+    spent = collectives.all_gather_object(time.process_time() - start_cpu, collectives.world_group(), device)
+    wall = time.perf_counter() - start_wall
+    # Until the first trial's first step: starting the processes (which `fit` would do anyway) and the first split.
+    launch = first.first.wall[0] / 1e9 - start_wall if collectives.world_rank() == 0 else 0.0
+    cost = {
+        "wall_s": wall,
+        "launch_s": launch,
+        "cpu_s": float(sum(spent)),
+        "trials": float(len(measured)),
+        "steps": float(len(measured) * (steps + warmup)),
+        "profile_s": profile_s,
+        "step_s": measured[choice].step,
+        "in_steps": (wall - launch) / measured[choice].step,
+        "candidates": float(len(found)),
+    }
+    # Global rank 0's clock, on every rank.
+    cost = collectives.broadcast_object(cost, 0, collectives.world_group(), device)
+    return choice, prune.rows(predictions, measured, choice, limit), cost
+
+
+def _profile(
+    model: Any,
+    settings: Any,
+    first: TrialResult,
+    space: SearchSpace,
+    pipeline_size: int,
+    baseline: Candidate,
+    device: torch.device,
+) -> Profile:
+    """Rank 0 profiles the network on the first batch at every microbatch size in play; every rank gets the result."""
+    batch = first.batch_size()
+    sizes = {batch // m for m in space.microbatch_counts(pipeline_size, batch)} | {batch // baseline.microbatches}
+    profile = None
+    if collectives.world_rank() == 0:
+        profile = profile_network(copy.deepcopy(model), settings, first.first.batch, sorted(sizes), device)
+    return collectives.broadcast_object(profile, 0, collectives.world_group(), device)
+
+
+def _strategy(strategy: Any, changes: dict[str, Any]) -> Any:
+    """A new strategy of the user's strategy's class and settings, with ``changes``."""
+    import dataclasses
+
+    base = strategy.settings
+    arguments = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "world_size"}
+    arguments.update(changes)
+    if arguments.get("compile") is True and base.compile:
+        arguments["compile"] = base.compile  # the user's torch.compile options
+    return type(strategy)(**_constructor_values(arguments))
+
+
+def _constructor_values(arguments: dict[str, Any]) -> dict[str, Any]:
+    out = dict(arguments)
+    for name in ("split_points", "balance"):
+        if isinstance(out.get(name), tuple):
+            out[name] = list(out[name])
+    if out.get("compile") is None:
+        out["compile"] = False
+    return out
+
+
+def _applied(choice: Candidate, settings: Any) -> dict[str, Any]:
+    out = choice.settings()
+    if choice.compile and settings.compile:
+        out["compile"] = dict(settings.compile)
+    return out
+
+
+def _measured(trial: TrialResult) -> prune.Measured:
+    import statistics
+
+    wall, cpu = trial.step_seconds(), trial.cpu_seconds()
+    peaks = [m.peak for m in trial.everyone if m.peak is not None]
+    return prune.Measured(
+        statistics.median(wall), statistics.median(cpu) if cpu else 0.0, float(max(peaks, default=0)), len(wall)
+    )
+
+
+def _facts(trainer: Any, model: Any, datamodule: Any, space: SearchSpace, memory_limit: Any) -> dict[str, Any]:
+    """What a choice depends on and ``tune`` can see before any process starts."""
+    import dataclasses
+
+    settings = trainer.strategy.settings
+    untuned = {
+        f.name: getattr(settings, f.name)
+        for f in dataclasses.fields(settings)
+        if f.name not in ("schedule", "microbatches", "microbatch_size", "stages_per_rank")
+        and f.name not in ("activation_checkpointing", "compile", "world_size", "timeout")
+    }
+    return {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "hparams": dict(getattr(model, "hparams", {}) or {}),
+        "data": dict(getattr(datamodule, "hparams", {}) or {}) if datamodule is not None else None,
+        "devices": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "accelerator": type(trainer.accelerator).__name__,
+        "precision": str(trainer.precision),
+        "settings": untuned,
+        "space": space.as_dict(),
+        "memory_limit": memory_limit,
+        "torch": torch.__version__,
+    }
+
+
+def _check_budget(steps: int, warmup: int, max_trials: int, margin: float, memory_limit: Any) -> None:
+    for name, value, least in (("steps", steps, 1), ("warmup_steps", warmup, 1), ("max_trials", max_trials, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise PipelineConfigError(f"`tune({name}={value!r})` must be an int >= {least}.")
+    if not isinstance(margin, (int, float)) or margin < 0:
+        raise PipelineConfigError(f"`tune(margin={margin!r})` must be a number >= 0 (a fraction, e.g. 0.1).")
+    if memory_limit is not None and (not isinstance(memory_limit, (int, float)) or memory_limit <= 0):
+        raise PipelineConfigError(f"`tune(memory_limit={memory_limit!r})` must be None or a number of bytes > 0.")
+
+
+@contextmanager
+def _kept_random_state() -> Iterator[None]:
+    """Trials draw random numbers (dropout, shuffling, initialisation of meta models); the run must not notice."""
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _summary(choice: Candidate, table: str, cost: dict[str, float], config: Path) -> str:
+    return (
+        f"Pipeline tuning: {int(cost['trials'])} trials of {int(cost['candidates'])} candidates,"
+        f" {cost['wall_s']:.1f} s ({cost['launch_s']:.1f} s to start the processes and the first trial; after it"
+        f" {cost['in_steps']:.0f} steps of the choice; profiling {cost['profile_s']:.1f} s; {cost['cpu_s']:.1f} CPU s"
+        f" in all processes). Chosen: {choice.label},"
+        f" {cost['step_s'] * 1e3:.1f} ms per step.\n{table}\nLightningCLI: --config {config}"
+    )
+
+
+def _announce(text: str) -> None:
+    if not collectives.is_initialized() or collectives.world_rank() == 0:
+        log.info(text)

@@ -1,0 +1,71 @@
+"""``lightning_pipe.tune`` at 2 processes: trials, the table, the applied choice, the record reused, the memory limit.
+
+Usage: tune.py OUT_DIR. Each rank saves what it saw to OUT_DIR/tune.rank<r>.pt.
+"""
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+
+import lightning_pipe
+from lightning_pipe import PipelineConfigError, SearchSpace
+from tests.models import LitLM, quiet_trainer
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    L.seed_everything(0)
+    model = LitLM(n_layers=4)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    space = SearchSpace(
+        schedules=("GPipe", "1F1B", "ZBVZeroBubble"), microbatches=(2, 4), activation_checkpointing=(0, 1)
+    )
+    trainer = quiet_trainer(strategy="pipeline", devices=2, max_steps=2, default_root_dir=str(out))
+    rng = torch.get_rng_state()
+    first = lightning_pipe.tune(trainer, model, space=space, steps=2, warmup_steps=1, max_trials=3)
+    rng_kept = torch.equal(rng, torch.get_rng_state())
+    untouched = all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    trainer.fit(model)
+    ran = (trainer.strategy.schedule_name, trainer.strategy.settings.microbatches)
+
+    again = lightning_pipe.tune(
+        quiet_trainer(strategy="pipeline", devices=2, default_root_dir=str(out)), LitLM(n_layers=4), space=space
+    )
+
+    try:
+        lightning_pipe.tune(
+            quiet_trainer(strategy="pipeline", devices=2, default_root_dir=str(out)),
+            LitLM(n_layers=4),
+            space=space,
+            steps=1,
+            warmup_steps=1,
+            max_trials=2,
+            memory_limit=1024,
+            retune=True,
+        )
+        limited = None
+    except PipelineConfigError as err:
+        limited = str(err)
+
+    torch.save(
+        {
+            "choice": first.choice,
+            "settings": first.settings,
+            "cost": first.cost,
+            "rows": [(r.candidate, r.status, r.measured is not None) for r in first.rows],
+            "table": first.table,
+            "files": [str(f) for f in first.files],
+            "rng_kept": rng_kept,
+            "untouched": untouched,
+            "ran": ran,
+            "again": (again.reused, again.choice, again.settings),
+            "limited": limited,
+        },
+        out / f"tune.rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

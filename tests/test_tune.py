@@ -1,0 +1,419 @@
+"""The tuner's pure parts: candidates, the simulator, the cost model, pruning, the memory limit, the saved choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_pipe
+from lightning_pipe import PipelineConfigError, PipelineParallelStrategy, PipelineUsageError
+from lightning_pipe.measure.simulate import StageTimes, schedule_orders, simulate
+from lightning_pipe.measure.timeline import theoretical_bubble
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.split.partition import Layout, stage_to_rank
+from lightning_pipe.tune import prune, record
+from lightning_pipe.tune.cost import (
+    BalanceRule,
+    Calibration,
+    Prediction,
+    Profile,
+    Trial,
+    UnitTimes,
+    calibrate,
+    predict,
+)
+from lightning_pipe.tune.profile import network_call, profile_network
+from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
+
+
+# ---------------------------------------------------------------------------------------------------- candidates
+def test_candidates_respect_batch_blocks_schedules_and_compile():
+    space = SearchSpace(compile=(False, True))
+    found = candidates(space, pipeline_size=2, batch_size=12, num_blocks=4)
+    assert {c.microbatches for c in found} == {2, 3, 4, 6, 12}  # divisors of 12 from 2 up to 4 * 2 * 2
+    for c in found:
+        assert 12 % c.microbatches == 0
+        assert c.stages_per_rank == (1 if c.schedule in ("GPipe", "1F1B") else 2)
+        assert not (c.compile and c.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"))
+    # torch's own checks: DualPipeV needs as many microbatches as stages (4); ZBV runs with fewer
+    assert min(c.microbatches for c in found if c.schedule == "DualPipeV") == 4
+    assert min(c.microbatches for c in found if c.schedule == "ZBVZeroBubble") == 2
+    # 3 blocks cannot give 4 stages: only the single-stage schedules remain
+    assert {c.schedule for c in candidates(space, 2, 12, 3)} == {"GPipe", "1F1B"}
+
+
+def test_search_space_values_and_errors():
+    space = SearchSpace(schedules=("gpipe", "1f1b", "GPipe"), microbatches=(8, 2, 2), activation_checkpointing=(0, 2))
+    assert space.schedules == ("GPipe", "1F1B")
+    assert space.microbatches == (2, 8)
+    assert space.microbatch_counts(2, 12) == (2,)  # 8 does not divide 12
+    assert [c.label for c in candidates(space, 2, 8, 4)] == [
+        "GPipe M=2 v=1",
+        "GPipe M=2 v=1 +ckpt/2",
+        "GPipe M=8 v=1",
+        "GPipe M=8 v=1 +ckpt/2",
+        "1F1B M=2 v=1",
+        "1F1B M=2 v=1 +ckpt/2",
+        "1F1B M=8 v=1",
+        "1F1B M=8 v=1 +ckpt/2",
+    ]
+    with pytest.raises(PipelineConfigError, match="must name at least one schedule, not 'auto'"):
+        SearchSpace(schedules=("auto",))
+    with pytest.raises(PipelineConfigError, match="Unknown `schedule='Zero'`"):
+        SearchSpace(schedules=("Zero",))
+    with pytest.raises(PipelineConfigError, match=r"SearchSpace\(stages_per_rank=\(1,\)\)` must be .* ints >= 2"):
+        SearchSpace(stages_per_rank=(1,))
+    with pytest.raises(PipelineConfigError, match=r"SearchSpace\(microbatches=\(0,\)\)"):
+        SearchSpace(microbatches=(0,))
+    with pytest.raises(PipelineConfigError, match=r"SearchSpace\(compile=\(\)\)"):
+        SearchSpace(compile=())
+    with pytest.raises(PipelineConfigError, match=r"SearchSpace\(activation_checkpointing=\(-1,\)\)"):
+        SearchSpace(activation_checkpointing=(-1,))
+
+
+def test_the_users_settings_as_a_candidate():
+    settings = PipelineSettings(schedule="zbvzerobubble", activation_checkpointing=True).resolve(2)
+    assert from_settings(settings, 4) == Candidate("ZBVZeroBubble", 4, 2, 1, False)
+    assert Candidate("1F1B", 4, 1, 0, True).settings() == {
+        "schedule": "1F1B",
+        "microbatches": 4,
+        "microbatch_size": None,
+        "stages_per_rank": 1,
+        "activation_checkpointing": 0,
+        "compile": True,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- simulator
+@pytest.mark.parametrize(
+    "schedule, v, m",
+    [("GPipe", 1, 4), ("1F1B", 1, 4), ("1F1B", 1, 8), ("Interleaved1F1B", 2, 8), ("LoopedBFS", 2, 4)],
+)
+def test_equal_stages_give_the_textbook_bubble(schedule, v, m):
+    k = 2
+    sim = simulate(
+        schedule_orders(schedule, k, m, v), StageTimes.uniform(k * v, 1.0, 1.0, 1.0), stage_to_rank(k * v, k, "loop")
+    )
+    assert sim.bubble == pytest.approx(theoretical_bubble(k, m, v))
+    assert sum(sim.busy) == pytest.approx(k * v * m * 3.0)
+
+
+def test_zero_bubble_schedules_go_below_the_formula_and_loss_and_imbalance_add_idle_time():
+    k, m = 2, 8
+    ranks = stage_to_rank(4, k, "v")
+    zbv = simulate(schedule_orders("ZBVZeroBubble", k, m, 2), StageTimes.uniform(4, 1.0, 1.0, 1.0), ranks)
+    assert zbv.bubble < theoretical_bubble(k, m, 2)
+    flat = StageTimes.uniform(2, 1.0, 1.0, 1.0)
+    base = simulate(schedule_orders("1F1B", k, m, 1), flat, [0, 1]).bubble
+    lossy = StageTimes(flat.forward, flat.backward, flat.backward_input, flat.backward_weight, loss=0.5)
+    uneven = StageTimes((1.0, 1.5), (2.0, 3.0), (1.0, 1.5), (1.0, 1.5))
+    slow_link = StageTimes(flat.forward, flat.backward, flat.backward_input, flat.backward_weight, transfer=(0.3,))
+    for times in (lossy, uneven, slow_link):
+        assert simulate(schedule_orders("1F1B", k, m, 1), times, [0, 1]).bubble > base
+
+
+def test_microbatches_in_flight_and_activation_peaks():
+    flat = StageTimes.uniform(2, 1.0, 1.0, 1.0)
+    gpipe = simulate(schedule_orders("GPipe", 2, 4, 1), flat, [0, 1])
+    one_f_one_b = simulate(schedule_orders("1F1B", 2, 4, 1), flat, [0, 1])
+    assert gpipe.in_flight == (4, 4)
+    assert one_f_one_b.in_flight == (2, 1)
+    assert one_f_one_b.peak_bytes([10.0, 100.0], [0, 1]) == [20.0, 100.0]
+
+
+def test_schedule_orders_follow_torch_and_refuse_what_torch_refuses():
+    assert schedule_orders("1F1B", 2, 4, 1)[1][:3] == [(1, "F", 0), (1, "B", 0), (1, "F", 1)]
+    zbv = schedule_orders("ZBVZeroBubble", 2, 4, 2)
+    assert {kind for rank in zbv for _, kind, _ in rank} == {"F", "I", "W"}
+    assert sorted(a for rank in zbv for a in rank if a[1] == "F") == [(s, "F", i) for s in range(4) for i in range(4)]
+    for bad in [("1F1B", 2, 1, 1), ("DualPipeV", 2, 2, 2), ("ZBVZeroBubble", 2, 4, 3), ("GPipe", 2, 4, 2)]:
+        with pytest.raises(ValueError):
+            schedule_orders(*bad)
+
+
+# ---------------------------------------------------------------------------------------------------- cost model
+def _profile(blocks: int = 4, batch: int = 8) -> Profile:
+    """Blocks whose time is proportional to the microbatch size (1 ms per sample forward, 2 ms backward), a cheap
+    embedding and a head twice as expensive as a block."""
+    layout = Layout(("embed",), tuple(f"layers.{i}" for i in range(blocks)), ("head",))
+    times = {}
+    for size in (1, 2, 4, 8):
+        unit = UnitTimes(1e-3 * size, 2e-3 * size, 1e-3 * size, 1000 * size, 100 * size, 100 * size)
+        head = UnitTimes(2e-3 * size, 4e-3 * size, 2e-3 * size, 3000 * size, 100 * size, 900 * size)
+        embed = UnitTimes(1e-4 * size, 1e-4 * size, 0.0, 10, 0, 100 * size)
+        times[size] = {"embed": embed, "head": head, **{b: unit for b in layout.blocks}}
+    params = {u: 1000 for u in layout.units}
+    return Profile(layout, params, {u: 4000 for u in layout.units}, times, batch)
+
+
+def test_prediction_matches_the_flush_formula_for_even_stages():
+    profile = _profile()
+    rule = BalanceRule("blocks")
+    p = predict(Candidate("GPipe", 4, 1), profile, rule, 2, Calibration())
+    # blocks [2, 2]: stage 0 = embed + 2 blocks, stage 1 = 2 blocks + head, 2 samples per microbatch
+    f = (2e-4 + 4e-3, 4e-3 + 4e-3)
+    b = (2e-4 + 8e-3, 8e-3 + 8e-3)
+    # GPipe: every forward, then every backward; stage 1 is the bottleneck
+    expected = f[0] + 4 * f[1] + 4 * b[1] + b[0]
+    assert p.step == pytest.approx(expected)
+    assert p.blocks == (2, 2)
+
+
+def test_activation_checkpointing_costs_a_forward_and_saves_memory():
+    profile = _profile()
+    rule = BalanceRule("blocks")
+    plain = predict(Candidate("GPipe", 4, 1), profile, rule, 2, Calibration())
+    ckpt = predict(Candidate("GPipe", 4, 1, 1), profile, rule, 2, Calibration())
+    assert ckpt.step > plain.step
+    assert all(c < p for c, p in zip(ckpt.memory, plain.memory))
+    # GPipe keeps every microbatch's activations: 4 microbatches x 2 blocks x 2000 saved bytes on rank 0, plus the
+    # embedding's, plus parameters, gradients and (SGD) nothing more
+    assert plain.memory[0] == pytest.approx(4 * (2 * 2000 + 10) + 3 * 4000 * 2)
+
+
+def test_balance_rules_give_the_strategys_splits():
+    profile = _profile(blocks=6)
+    auto = predict(Candidate("1F1B", 4, 1), profile, BalanceRule("auto", has_example=True), 2, Calibration())
+    assert auto.blocks == (4, 2)  # the head costs two blocks: stage 1 gets fewer blocks
+    even = predict(Candidate("1F1B", 4, 1), profile, BalanceRule("blocks"), 2, Calibration())
+    assert even.blocks == (3, 3)
+    listed = predict(Candidate("1F1B", 4, 1), profile, BalanceRule((5, 1)), 2, Calibration())
+    assert listed.blocks == (5, 1)
+    points = BalanceRule(split_points=("layers.2",))
+    assert predict(Candidate("1F1B", 4, 1), profile, points, 2, Calibration()).blocks == (2, 4)
+    assert auto.step < even.step
+
+
+def test_calibration_reproduces_the_measured_trials():
+    profile = _profile()
+    rule = BalanceRule("blocks")
+    first = Candidate("1F1B", 4, 1)
+    raw = predict(first, profile, rule, 2, Calibration())
+    actions = {(0, "F"): 0.0043, (1, "F"): 0.0091, (0, "B"): 0.0083, (1, "B"): 0.0161, (1, "L"): 0.004}
+    trials = [Trial(first, raw.span + 0.01, (raw.memory[0] + 5e6, raw.memory[1] + 5e6), actions, 1.0)]
+    calibration = calibrate(profile, rule, 2, trials, transfer=(1e-4, 1e-9))
+    assert calibration.action_overhead == pytest.approx(1e-4, abs=2e-5)
+    assert calibration.loss_per_sample == pytest.approx(0.002)
+    assert calibration.latency == 1e-4
+    again = predict(first, profile, rule, 2, calibration)
+    assert again.step == pytest.approx(trials[0].step)
+    assert again.peak == pytest.approx(max(trials[0].memory))
+    # More microbatches cost more actions: with an overhead per action, M=8 gains less over M=4 than without it
+    more = predict(Candidate("1F1B", 8, 1), profile, rule, 2, calibration)
+    assert more.step - again.step > predict(Candidate("1F1B", 8, 1), profile, rule, 2, Calibration()).step - raw.step
+
+
+def test_compile_factor_is_learned_from_a_compiled_trial_and_its_eager_twin():
+    profile = _profile()
+    rule = BalanceRule("blocks")
+    eager, compiled = Candidate("1F1B", 4, 1), Candidate("1F1B", 4, 1, 0, True)
+    trials = [Trial(eager, 0.1), Trial(compiled, 0.08)]
+    calibration = calibrate(profile, rule, 2, trials)
+    assert calibration.compile_factor == pytest.approx(0.8)
+    assert predict(compiled, profile, rule, 2, calibration).step == pytest.approx(
+        0.8 * predict(eager, profile, rule, 2, calibration).step
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- pruning
+def _prediction(step: float, peak: float = 1.0) -> Prediction:
+    return Prediction(step, 0.0, (peak,))
+
+
+def test_next_trial_memory_limit_margin_and_eager_before_compiled():
+    a, b, c, d = (Candidate("1F1B", m, 1) for m in (2, 4, 8, 16))
+    b_compiled = Candidate("1F1B", 4, 1, 0, True)
+    predictions = {a: _prediction(1.0), b: _prediction(0.8), b_compiled: _prediction(0.8), c: _prediction(0.7, 50)}
+    predictions[d] = _prediction(1.2)
+    measured = {a: prune.Measured(1.0, 1.0, 1.0)}
+    assert prune.next_trial(predictions, measured, None, 0.1) == c
+    assert prune.next_trial(predictions, measured, 10, 0.1) == b  # c is predicted over the limit
+    measured[b] = prune.Measured(0.8, 0.8, 1.0)
+    assert prune.next_trial(predictions, measured, 10, 0.1) == b_compiled
+    measured[b_compiled] = prune.Measured(0.9, 0.8, 1.0)
+    # d is predicted 50% slower than b, the best measured: not worth a trial (with a margin of 10%)
+    assert prune.next_trial(predictions, measured, 10, 0.1) is None
+    assert prune.next_trial(predictions, measured, 10, 0.6) == d
+
+
+def test_choice_within_the_memory_limit_and_the_table():
+    a, b, c = Candidate("1F1B", 2, 1), Candidate("GPipe", 4, 1), Candidate("GPipe", 8, 1, 1)
+    predictions = {a: _prediction(1.0, 5), b: _prediction(0.5, 5), c: _prediction(0.7, 500)}
+    measured = {a: prune.Measured(1.0, 0.9, 5.0), b: prune.Measured(0.4, 0.4, 50.0)}
+    assert prune.choose(measured, None) == b
+    assert prune.choose(measured, 10) == a  # b measured over the limit
+    assert prune.choose(measured, 1) is None
+    rows = prune.rows(predictions, measured, a, 10)
+    assert [(r.candidate, r.status) for r in rows] == [
+        (b, prune.OVER_MEMORY_MEASURED),
+        (a, prune.CHOSEN),
+        (c, prune.OVER_MEMORY),
+    ]
+    text = prune.table(rows, limit=2)
+    assert "1F1B M=2 v=1" in text and "chosen" in text and "1000.0" in text
+    assert "... and 1 more: 1 over the memory limit (predicted)" in text
+
+
+# ---------------------------------------------------------------------------------------------------- the record
+def test_record_round_trip_fingerprint_and_cli_config(tmp_path):
+    choice = Candidate("ZBVZeroBubble", 8, 2, 1)
+    facts = {"model": "M", "parameters": 10, "devices": 2}
+    fp = record.fingerprint(facts)
+    assert fp == record.fingerprint(dict(reversed(list(facts.items()))))
+    assert fp != record.fingerprint({**facts, "devices": 4})
+    saved = record.TuneRecord(fp, choice, facts, "table", {"wall_s": 1.0}, choice.settings())
+    json_file, yaml_file = record.save(saved, tmp_path / "tuned")
+    assert (json_file.name, yaml_file.name) == ("tuned.json", "tuned.yaml")
+    assert record.load(tmp_path / "tuned.yaml", fp) == saved
+    assert record.load(tmp_path / "tuned", record.fingerprint({**facts, "devices": 4})) is None
+    assert record.load(tmp_path / "missing", fp) is None
+    (tmp_path / "bad.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(PipelineConfigError, match="is not a lightning-pipe tuning record"):
+        record.load(tmp_path / "bad", fp)
+
+
+def test_the_cli_config_parses_into_the_strategy(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    choice = Candidate("Interleaved1F1B", 8, 2, 1)
+    _, yaml_file = record.save(record.TuneRecord("x", choice, settings=choice.settings()), tmp_path / "t")
+    parser = ArgumentParser()
+    parser.add_argument("--trainer.strategy", type=PipelineParallelStrategy)
+    parser.add_argument("--config", action="config")
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_pipe.PipelineParallelStrategy\n    init_args:\n"
+        "      schedule: 1F1B\n      balance: blocks\n"
+    )
+    config = parser.parse_args(["--config", str(base), "--config", str(yaml_file)])
+    strategy = parser.instantiate_classes(config)["trainer.strategy"]
+    assert strategy.settings.schedule == "Interleaved1F1B"
+    assert strategy.settings.microbatches == 8
+    assert strategy.settings.activation_checkpointing == 1
+    assert strategy.settings.balance == "blocks"  # the first config's other arguments stay
+
+
+# ---------------------------------------------------------------------------------------------------- tune()
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def test_tune_refuses_other_strategies_split_models_and_bad_budgets(tmp_path):
+    with pytest.raises(PipelineConfigError, match="the Trainer's strategy is SingleDeviceStrategy"):
+        lightning_pipe.tune(L.Trainer(accelerator="cpu", devices=1, logger=False), Tiny())
+    trainer = L.Trainer(strategy="pipeline", accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    model = Tiny()
+    model.__dict__["_lightning_pipe_split"] = object()
+    with pytest.raises(PipelineUsageError, match="already split by a fit"):
+        lightning_pipe.tune(trainer, model)
+    for kwargs, message in [
+        ({"steps": 0}, r"`tune\(steps=0\)` must be an int >= 1"),
+        ({"max_trials": 1.5}, r"`tune\(max_trials=1.5\)`"),
+        ({"margin": -1}, r"`tune\(margin=-1\)`"),
+        ({"memory_limit": 0}, r"`tune\(memory_limit=0\)`"),
+    ]:
+        with pytest.raises(PipelineConfigError, match=message):
+            lightning_pipe.tune(trainer, Tiny(), **kwargs)
+
+
+def test_tune_reuses_a_matching_record_without_a_trial(tmp_path):
+    trainer = L.Trainer(strategy="pipeline", accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    model = Tiny()
+    from lightning_pipe.tune.tuner import _facts
+
+    facts = _facts(trainer, model, None, SearchSpace(), None)
+    choice = Candidate("GPipe", 4, 1, 1)
+    record.save(
+        record.TuneRecord(record.fingerprint(facts), choice, settings=choice.settings()), tmp_path / "pipeline_tune"
+    )
+    result = lightning_pipe.tune(trainer, model)  # would start a trial (and fail: one device) if it did not reuse
+    assert result.reused and result.choice == choice
+    assert trainer.strategy.settings.schedule == "GPipe"
+    assert trainer.strategy.settings.microbatches == 4
+    assert trainer.strategy.settings.activation_checkpointing == 1
+
+
+def test_apply_tuned_only_before_the_trainer_starts():
+    strategy = PipelineParallelStrategy()
+    strategy.apply_tuned(schedule="GPipe", microbatches=2)
+    assert (strategy.settings.schedule, strategy.settings.microbatches) == ("GPipe", 2)
+    with pytest.raises(PipelineConfigError, match="`compile` cannot be used with"):
+        strategy.apply_tuned(schedule="ZBVZeroBubble", compile=True)
+    strategy._settings = strategy.settings.resolve(2)
+    with pytest.raises(PipelineUsageError, match="tune before `trainer.fit`"):
+        strategy.apply_tuned(schedule="1F1B")
+
+
+# ---------------------------------------------------------------------------------------------------- profiling
+def test_profile_takes_the_network_call_from_the_users_step():
+    model = Tiny()
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
+    args, kwargs = network_call(model, model.net, (batch[0][:2], batch[1][:2]))
+    assert args[0].shape == (2, 4) and kwargs == {}
+    profile = profile_network(model, PipelineSettings(), batch, [2, 4], torch.device("cpu"), repeats=1)
+    assert profile.layout.blocks == ("0", "1", "2", "3")
+    assert sorted(profile.times) == [2, 4]
+    unit = profile.times[4]["1"]
+    assert unit.forward > 0 and unit.backward > 0 and unit.backward_input > 0
+    assert unit.input_bytes == 4 * 4 * 4 and unit.output_bytes == 4 * 4 * 4
+    assert profile.params["0"] == 20
+
+
+def test_profile_names_a_step_that_needs_a_trainer():
+    class NeedsTrainer(Tiny):
+        def training_step(self, batch, batch_idx):
+            self.trainer.global_step  # noqa: B018 - raises outside a Trainer
+            return super().training_step(batch, batch_idx)
+
+    model = NeedsTrainer()
+    with pytest.raises(lightning_pipe.PipelineModelError, match="Set `self.example_input_array`"):
+        network_call(model, model.net, (torch.randn(2, 4), torch.randn(2, 4)))
+    model.example_input_array = torch.randn(8, 4)
+    args, _ = network_call(model, model.net, (torch.randn(2, 4), torch.randn(2, 4)))
+    assert args[0].shape == (2, 4)
+
+
+# ---------------------------------------------------------------------------------------------------- 2 processes
+@pytest.mark.slow
+def test_tune_at_two_processes(tmp_path):
+    import yaml
+
+    from tests.launch import run_script
+
+    proc = run_script("tune.py", str(tmp_path), nprocs=2, launcher="lightning", timeout=900)
+    ranks = [torch.load(tmp_path / f"tune.rank{r}.pt", weights_only=False) for r in range(2)]
+    first, second = ranks
+    # Every rank took the same decisions from the same (agreed) measurements.
+    for key in ("choice", "settings", "rows", "cost", "again", "limited"):
+        assert first[key] == second[key], key
+    choice = first["choice"]
+    statuses = [status for _, status, _ in first["rows"]]
+    assert statuses.count(prune.CHOSEN) == 1
+    assert 2 <= sum(measured for _, _, measured in first["rows"]) <= 3  # max_trials
+    assert first["cost"]["trials"] <= 3 and first["cost"]["steps"] == first["cost"]["trials"] * 3
+    assert first["cost"]["wall_s"] > first["cost"]["launch_s"] > 0 and first["cost"]["in_steps"] > 0
+    # The table on rank 0's output, once.
+    assert proc.stdout.count("Pipeline tuning:") + proc.stderr.count("Pipeline tuning:") == 2  # tuned, then reused
+    assert choice.label in first["table"]
+    # Applied, and the fit ran with it; the user's model and random state untouched by the trials.
+    assert first["ran"] == (choice.schedule, choice.microbatches)
+    assert first["rng_kept"] and first["untouched"]
+    # The record and the LightningCLI config on disk; a second tune reuses them without a trial.
+    json_file, yaml_file = map(Path, first["files"])
+    assert json.loads(json_file.read_text())["choice"]["schedule"] == choice.schedule
+    init_args = yaml.safe_load(yaml_file.read_text())["trainer"]["strategy"]["init_args"]
+    assert init_args == choice.settings()
+    assert first["again"] == (True, choice, first["settings"])
+    # A memory limit nothing fits: a clear error on every rank.
+    assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]
