@@ -171,24 +171,33 @@ class _Frontend:
     stage_call: StageCall
 
 
+def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
+    """The units of ``network`` as its frontend sees them (no stand-ins, no stage call: nothing is built)."""
+    if settings.frontend == "dataflow":
+        return dataflow_layout(network, settings.blocks)
+    if settings.frontend != "trace" and is_hf_model(network):
+        return hf_layout(network)  # Hugging Face models carry their own pipeline plan
+    return find_layout(network, settings.blocks)
+
+
 def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.device) -> _Frontend:
+    layout = _layout(network, settings)
     if settings.frontend == "trace":
-        return _Frontend(find_layout(network, settings.blocks), None, call_traced)
+        return _Frontend(layout, None, call_traced)
     if settings.frontend == "dataflow":
         # Every stage runs the whole forward; what stands in for absent units and the routes need the whole network.
-        layout = dataflow_layout(network, settings.blocks)
         placeholder, stage_call = dataflow_frontend(network, layout, device)
         return _Frontend(layout, placeholder, stage_call)
     if is_hf_model(network):
-        # Hugging Face models carry their own pipeline plan and need their own stage call.
-        return _Frontend(hf_layout(network), hf_placeholder(network), hf_stage_call)
-    return _Frontend(find_layout(network, settings.blocks), None, call_with_activation)
+        # Hugging Face models need their own stage call.
+        return _Frontend(layout, hf_placeholder(network), hf_stage_call)
+    return _Frontend(layout, None, call_with_activation)
 
 
 def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
     """The network the strategy would split and its units, without splitting it."""
     _, network = resolve_module(lightning_module, settings.module)
-    return network, _frontend(network, settings).layout
+    return network, _layout(network, settings)
 
 
 def _counts(
