@@ -149,6 +149,12 @@ def check_tensor_parallel(tensor_parallel: Union[int, str], frontend: str) -> in
             f"`tensor_parallel={size}` needs `frontend='modules'`: torch's tracer (`frontend='trace'`) rejects the"
             " DTensor parameters and activations of tensor-parallel layers. Use `frontend='modules'` (or 'auto')."
         )
+    if size > 1 and frontend == "dataflow":
+        raise PipelineConfigError(
+            f"`tensor_parallel={size}` is not supported with `frontend='dataflow'` (yet): its routes are planned on a"
+            " copy of the network with fake parameters, which is not built for DTensor (tensor-parallel) layers."
+            " Use `tensor_parallel=1` with `frontend='dataflow'`, or `frontend='modules'` for tensor parallelism."
+        )
     return size
 
 

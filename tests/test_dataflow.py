@@ -99,6 +99,12 @@ def test_several_stacks_need_the_dataflow_frontend():
     assert PipelineSettings(frontend="dataflow", blocks=["down", "up"]).blocks == ("down", "up")
 
 
+def test_tensor_parallelism_is_refused_with_the_dataflow_frontend():
+    with pytest.raises(PipelineConfigError, match=r"`tensor_parallel=2` is not supported with `frontend='dataflow'`"):
+        PipelineSettings(frontend="dataflow", tensor_parallel=2)
+    PipelineSettings(frontend="dataflow", tensor_parallel=1)
+
+
 # ------------------------------------------------------------------------------------------------ exact stages
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
 def test_demo_transformer_stages_equal_the_whole_network(schedule):
