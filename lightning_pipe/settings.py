@@ -48,7 +48,7 @@ SPLIT_BACKWARD: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBub
 #: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
 COMPILE_OPTIONS: tuple[str, ...] = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 BALANCE_MODES = ("auto", "params", "blocks")
-FRONTENDS = ("auto", "modules", "trace")
+FRONTENDS = ("auto", "modules", "dataflow", "trace")
 DataParallelMode = Literal["ddp", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
 DP, PP, TP = "dp", "pp", "tp"
@@ -149,6 +149,12 @@ def check_tensor_parallel(tensor_parallel: Union[int, str], frontend: str) -> in
             f"`tensor_parallel={size}` needs `frontend='modules'`: torch's tracer (`frontend='trace'`) rejects the"
             " DTensor parameters and activations of tensor-parallel layers. Use `frontend='modules'` (or 'auto')."
         )
+    if size > 1 and frontend == "dataflow":
+        raise PipelineConfigError(
+            f"`tensor_parallel={size}` is not supported with `frontend='dataflow'` (yet): its routes are planned on a"
+            " copy of the network with fake parameters, which is not built for DTensor (tensor-parallel) layers."
+            " Use `tensor_parallel=1` with `frontend='dataflow'`, or `frontend='modules'` for tensor parallelism."
+        )
     return size
 
 
@@ -185,6 +191,22 @@ def check_balance_setting(balance: Union[str, Sequence[int]]) -> None:
     if not isinstance(balance, (list, tuple)) or not all(_is_int(n) for n in balance):
         raise PipelineConfigError(
             f"`balance` must be 'auto', 'params', 'blocks' or a list of ints (blocks per stage), got {balance!r}."
+        )
+
+
+def check_blocks(blocks: Union[str, Sequence[str]], frontend: str) -> None:
+    """Validate ``blocks``: a container name, ``"auto"``, or (``frontend="dataflow"`` only) a list of them."""
+    if isinstance(blocks, str):
+        return
+    if not isinstance(blocks, (list, tuple)) or not blocks or not all(isinstance(b, str) for b in blocks):
+        raise PipelineConfigError(
+            f"`blocks` must be 'auto', the name of a container of blocks, or a list of such names, got {blocks!r}."
+        )
+    if frontend != "dataflow":
+        raise PipelineConfigError(
+            f"`blocks={list(blocks)}` names several block stacks, which only `frontend='dataflow'` pipelines (the"
+            f" {frontend if frontend != 'auto' else 'modules'} frontend passes one activation through one stack)."
+            " Pass `frontend='dataflow'`, or name one container."
         )
 
 
@@ -281,7 +303,7 @@ class PipelineSettings:
     stages_per_rank: Union[Literal["auto"], int] = "auto"
     module: str = "auto"
     frontend: str = "auto"
-    blocks: str = "auto"
+    blocks: Union[str, tuple[str, ...]] = "auto"
     split_points: Optional[tuple[str, ...]] = None
     balance: Union[str, tuple[int, ...]] = "auto"
     process_group_backend: Optional[str] = None
@@ -312,7 +334,10 @@ class PipelineSettings:
         if self.split_points is not None and not isinstance(self.balance, str):
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if self.frontend not in FRONTENDS:
-            raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'trace'.")
+            raise PipelineConfigError(
+                f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'dataflow', 'trace'."
+            )
+        check_blocks(self.blocks, self.frontend)
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
         check_tensor_parallel(self.tensor_parallel, self.frontend)
@@ -326,6 +351,7 @@ class PipelineSettings:
             "schedule": canonical_schedule(self.schedule),
             "frontend": "modules" if self.frontend == "auto" else self.frontend,
             "split_points": None if self.split_points is None else tuple(self.split_points),
+            "blocks": self.blocks if isinstance(self.blocks, str) else tuple(self.blocks),
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),

@@ -90,9 +90,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         stages_per_rank: Stages each process holds. ``"auto"``: 1 for ``GPipe``/``1F1B``, 2 for the others (round
             robin, or a V for ``ZBVZeroBubble``/``DualPipeV``).
         module: Attribute holding the network. ``"auto"``: the only child with parameters, else the LightningModule.
-        frontend: ``"modules"`` (the network's forward skips units set to ``None``) or ``"trace"`` (torch's tracer
-            cuts an unmodified network from ``example_input_array``). ``"auto"``: ``"modules"``.
-        blocks: The container of repeated blocks inside ``module``. ``"auto"``: the largest by parameter count.
+        frontend: ``"modules"`` (the forward skips units set to ``None``), ``"dataflow"`` (an unmodified forward on
+            every stage, values routed to the stages that read them) or ``"trace"``. ``"auto"``: ``"modules"``.
+        blocks: The container(s) of repeated blocks. ``"auto"``: the largest by parameters (``"dataflow"``: all).
         split_points: Names of the blocks that begin stages 1..N-1. Default ``None``: use ``balance``.
         balance: ``"params"`` (fewest parameters on the largest stage), ``"blocks"`` (even split) or blocks per stage
             (``[3, 5]``). ``"auto"``: by measured cost when the LightningModule has ``example_input_array``, else
@@ -137,8 +137,8 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         microbatch_size: Optional[PositiveInt] = None,
         stages_per_rank: Union[Literal["auto"], PositiveInt] = "auto",
         module: str = "auto",
-        frontend: Literal["auto", "modules", "trace"] = "auto",
-        blocks: str = "auto",
+        frontend: Literal["auto", "modules", "dataflow", "trace"] = "auto",
+        blocks: Union[str, list[str]] = "auto",
         split_points: Optional[list[str]] = None,
         balance: Union[Literal["auto", "params", "blocks"], list[PositiveInt]] = "auto",
         process_group_backend: Optional[str] = None,
@@ -325,7 +325,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         failures.describe(self.global_rank, list(self.runtime.stages))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._settings.init_weights is not None:
+        if self._settings.init_weights is not None and self._load_peak is None:  # once (see load_initial_weights)
             self._load_peak = self.load_initial_weights(self._settings.init_weights, split.prefix)
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.

@@ -123,7 +123,11 @@ def test_help_shows_every_argument_with_type_default_and_text(capsys) -> None:
         ({"microbatches": 0}, "microbatches", "Not of type PositiveInt: does not conform to restriction v>0"),
         ({"microbatch_size": 0}, "microbatch_size", "Not of type PositiveInt: does not conform to restriction v>0"),
         ({"stages_per_rank": 0}, "stages_per_rank", "Not of type PositiveInt: does not conform to restriction v>0"),
-        ({"frontend": "fx"}, "frontend", "Expected a typing.Literal['auto', 'modules', 'trace']. Got value: fx"),
+        (
+            {"frontend": "fx"},
+            "frontend",
+            "Expected a typing.Literal['auto', 'modules', 'dataflow', 'trace']. Got value: fx",
+        ),
         ({"eval_microbatches": 0}, "eval_microbatches", "Not of type PositiveInt: does not conform to restriction v>0"),
         ({"balance": [2, 0]}, "balance", "Not of type PositiveInt: 0 does not conform to restriction v>0"),
         ({"split_points": "layers.4"}, "split_points", "Expected a <class 'list'>"),

@@ -73,7 +73,9 @@ def test_constructor_rejects_bad_microbatch_values():
 
 
 def test_constructor_rejects_unknown_frontend():
-    with pytest.raises(PipelineConfigError, match=r"`frontend='jit'` is not one of 'auto', 'modules', 'trace'"):
+    with pytest.raises(
+        PipelineConfigError, match=r"`frontend='jit'` is not one of 'auto', 'modules', 'dataflow', 'trace'"
+    ):
         PipelineParallelStrategy(frontend="jit")
 
 

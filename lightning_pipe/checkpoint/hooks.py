@@ -84,7 +84,8 @@ class CheckpointHooks:
 
     def load_initial_weights(self, source: Path, network_prefix: str) -> PeakMemory:
         """Load ``init_weights`` into this rank's stages (each rank reads only its own tensors, in the precision's
-        dtype); returns the peak memory of the load."""
+        dtype); returns the peak memory of the load. The strategy loads it once, at its first setup: a ``validate``
+        or ``predict`` after ``fit`` on the same Trainer uses the trained weights, not the start weights again."""
         module = self.lightning_module  # type: ignore[attr-defined]
         with PeakMemory(self.root_device) as peak:  # type: ignore[attr-defined]
             io.load_weights(

@@ -78,6 +78,45 @@ def dispatch_mode_class() -> type:
     return TorchDispatchMode
 
 
+# ---------------------------------------------------------------------------------------------------- fake tensors
+def fake_tensor_mode() -> Any:
+    """A ``torch._subclasses.fake_tensor.FakeTensorMode`` that accepts real tensors as inputs.
+
+    Fake tensors have shapes, dtypes and devices but no data: the dataflow frontend runs the units other stages hold
+    on them (what a unit returns, not what it computes), and real tensors that meet one in an operation give a fake
+    result. torch 2.13 has no public fake-tensor API (``torch.export`` uses this mode internally).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (``torch._subclasses.fake_tensor.FakeTensor``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What a fake tensor raises when code needs its values or a shape that depends on them (``.item()``, ``if
+    t.any()``, ``nonzero``), or meets an operator without a shape function: ``torch._subclasses.fake_tensor``'s
+    ``DataDependentOutputException``, ``DynamicOutputShapeException`` and ``UnsupportedOperatorException``."""
+    from torch._subclasses import fake_tensor
+
+    return (
+        fake_tensor.DataDependentOutputException,
+        fake_tensor.DynamicOutputShapeException,
+        fake_tensor.UnsupportedOperatorException,
+    )
+
+
+def version(tensor: Any) -> int:
+    """The tensor's version counter (``tensor._version``), which every in-place operation increments; torch 2.13
+    has no public reader. Tells whether code changed a value in place after it was recorded."""
+    return tensor._version
+
+
 # ---------------------------------------------------------------------------------------------------- operators
 # A dispatch mode sees ATen operators; what they read and write is in their schema (`OpOverload._schema`, private;
 # torch 2.13 has no public schema accessor).

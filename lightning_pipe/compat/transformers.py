@@ -28,6 +28,23 @@ def head_pp_plan(model: Any) -> dict[str, Any]:
     return {**(getattr(type(model), "_pp_plan", None) or {}), **(model.__dict__.get("_pp_plan") or {})}
 
 
+def recorded_by(model: Any, output: str) -> Optional[tuple[tuple[type, int], ...]]:
+    """The modules whose forward results transformers records as ``output`` (e.g. ``"router_logits"``) while the
+    model runs, from the model class's ``_can_record_outputs`` (4.54+ and 5.x): ``(class, index)`` pairs, ``index``
+    being the position of the value in the module's output tuple. ``None`` where the model does not record it that
+    way or names the modules otherwise. Public replacement: none."""
+    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get(output)
+    if spec is None:
+        return None
+    found = []
+    for entry in spec if isinstance(spec, list) else [spec]:
+        target = entry if isinstance(entry, type) else getattr(entry, "target_class", None)
+        if not isinstance(target, type) or getattr(entry, "layer_name", None):
+            return None
+        found.append((target, 1 if isinstance(entry, type) else int(getattr(entry, "index", 0))))
+    return tuple(found)
+
+
 def head_tp_plan(model: Any) -> dict[str, str]:
     """The task model's tensor-parallel plan entries (``"lm_head": "colwise_rep"``): the class's ``_tp_plan`` with the
     instance's on top.

@@ -89,7 +89,7 @@ class CostModel:
         by_name = {p.name: p for p in profiles}
         return UnitCosts(
             pre=sum(measure(by_name[u]) for u in layout.pre),
-            blocks=tuple(measure(by_name[b]) for b in layout.blocks),
+            blocks=tuple(sum(measure(by_name[u]) for u in layout.group(b)) for b in layout.blocks),
             post=sum(measure(by_name[u]) for u in layout.post),
         )
 
@@ -357,6 +357,7 @@ def _describe(units: Sequence[str], layout: Layout) -> str:
         parts.append(f"{blocks[0]}..{blocks[-1]} ({len(blocks)})")
     else:
         parts += blocks
+    parts += [u for b in blocks for u in layout.group(b)[1:]]
     parts += [u for u in units if u in layout.post]
     return ", ".join(parts) or "-"
 

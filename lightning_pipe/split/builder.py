@@ -21,6 +21,7 @@ from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_ba
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.split.calls import StageCall, call_traced, call_with_activation
+from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.deferred_init import InitRecording
 from lightning_pipe.split.hf import hf_layout, hf_placeholder, is_hf_model
 from lightning_pipe.split.hf_stage import hf_stage_call
@@ -170,19 +171,33 @@ class _Frontend:
     stage_call: StageCall
 
 
-def _frontend(network: nn.Module, settings: PipelineSettings) -> _Frontend:
+def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
+    """The units of ``network`` as its frontend sees them (no stand-ins, no stage call: nothing is built)."""
+    if settings.frontend == "dataflow":
+        return dataflow_layout(network, settings.blocks)
+    if settings.frontend != "trace" and is_hf_model(network):
+        return hf_layout(network)  # Hugging Face models carry their own pipeline plan
+    return find_layout(network, settings.blocks)
+
+
+def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.device) -> _Frontend:
+    layout = _layout(network, settings)
     if settings.frontend == "trace":
-        return _Frontend(find_layout(network, settings.blocks), None, call_traced)
+        return _Frontend(layout, None, call_traced)
+    if settings.frontend == "dataflow":
+        # Every stage runs the whole forward; what stands in for absent units and the routes need the whole network.
+        placeholder, stage_call = dataflow_frontend(network, layout, device)
+        return _Frontend(layout, placeholder, stage_call)
     if is_hf_model(network):
-        # Hugging Face models carry their own pipeline plan and need their own stage call.
-        return _Frontend(hf_layout(network), hf_placeholder(network), hf_stage_call)
-    return _Frontend(find_layout(network, settings.blocks), None, call_with_activation)
+        # Hugging Face models need their own stage call.
+        return _Frontend(layout, hf_placeholder(network), hf_stage_call)
+    return _Frontend(layout, None, call_with_activation)
 
 
 def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
     """The network the strategy would split and its units, without splitting it."""
     _, network = resolve_module(lightning_module, settings.module)
-    return network, _frontend(network, settings).layout
+    return network, _layout(network, settings)
 
 
 def _counts(
@@ -244,7 +259,7 @@ def split_module(
     shared = [tuple(group) for group in tied_groups(network)]
     prefix = f"{attr}." if attr else ""
     num_stages = settings.num_stages
-    plan = _frontend(network, settings)
+    plan = _frontend(network, settings, device)
     layout = plan.layout
     if len(layout.blocks) < num_stages:
         raise PipelineConfigError(
@@ -301,6 +316,8 @@ def split_module(
         # Views share the kept units (and their parameters) with `network`; made before the interceptor is installed
         # so that they keep the network's own forward.
         bodies = {s: stage_view(network, units_per_stage[s], layout.units, placeholder=plan.placeholder) for s in local}
+        if isinstance(plan.stage_call, DataflowCall):
+            plan.stage_call.bind(units_per_stage, bodies, network)
         split = Split(bodies=bodies, network=network, construction_peak=construction_peak, **common)
     lightning_module.__dict__[SPLIT_ATTR] = split
     return split

@@ -3,7 +3,9 @@
 A stage call is ``stage_call(body, args, kwargs, received, is_first, is_last) -> output``: ``args``/``kwargs`` are the
 microbatch's own network call (every rank captured it), ``received`` the activation tensors the previous stage sent
 (``None`` on the first stage). The split chooses the call with the frontend (:mod:`lightning_pipe.split.builder`);
-the step layer's stage adapter invokes it.
+the step layer's stage adapter invokes it. A stage call may also tell the adapter that a stage must run whole
+backward passes in the split-backward schedules (``full_backward(stage) -> bool``, see
+:class:`~lightning_pipe.split.dataflow.DataflowCall`).
 """
 
 from __future__ import annotations

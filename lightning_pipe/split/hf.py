@@ -165,6 +165,12 @@ def _require_plan(network: nn.Module) -> _Plan:
             f"{type(network).__name__} (model_type {model_type!r}) cannot be pipelined: {UNSUPPORTED[model_type]}."
             " Pipeline another model family, or train it with another strategy."
         )
+    if not getattr(network.config, "base_model_pp_plan", None) and getattr(network.config, "is_encoder_decoder", False):
+        raise PipelineModelError(
+            f"{type(network).__name__} is an encoder-decoder without a pipeline plan of its own: every decoder layer"
+            " reads the encoder's output, which the default frontend cannot pass from stage to stage. Pass"
+            " `frontend='dataflow'`, which sends each value to the stages that read it."
+        )
     if not getattr(network.config, "base_model_pp_plan", None):
         raise PipelineModelError(
             f"{type(network).__name__} has no pipeline plan (`{type(network.config).__name__}.base_model_pp_plan` is"
@@ -196,13 +202,25 @@ def _block_stack(network: nn.Module, plan: _Plan) -> str:
             " `config.base_model_pp_plan` to the modules the model holds (embedding, block list, final norm)."
         )
     stacks = [name for name in plan if isinstance(_find(network, name), CONTAINERS)]
-    if len(stacks) != 1:
+    if len(stacks) > 1:
         raise PipelineModelError(
-            f"The pipeline plan of {type(network).__name__} names {len(stacks)} block lists ({stacks}); lightning-pipe"
-            " needs exactly one (an nn.ModuleList such as `model.layers`). Set `config.base_model_pp_plan` to name"
-            " only the blocks that run in sequence, or pipeline another model family."
+            f"The pipeline plan of {type(network).__name__} names {len(stacks)} block lists ({stacks}): an encoder and"
+            " a decoder, whose every layer reads the encoder's output. The default frontend passes one activation"
+            " from stage to stage; pass `frontend='dataflow'`, which sends each value to the stages that read it."
+        )
+    if not stacks:
+        raise PipelineModelError(
+            f"The pipeline plan of {type(network).__name__} names no block list; lightning-pipe needs one (an"
+            " nn.ModuleList such as `model.layers`). Set `config.base_model_pp_plan` to name the blocks that run in"
+            " sequence, or pipeline another model family."
         )
     return stacks[0]
+
+
+def plan_order(network: nn.Module) -> list[str]:
+    """The entries of the model's pipeline plan in execution order, relative to ``network``; raises
+    ``PipelineModelError`` for a model without a plan."""
+    return list(_require_plan(network))
 
 
 def _find(network: nn.Module, name: str) -> nn.Module | None:

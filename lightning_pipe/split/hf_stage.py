@@ -13,6 +13,8 @@ of other stages are stand-ins (:func:`lightning_pipe.split.hf.hf_placeholder`):
   sends that block's input, i.e. what the next block receives on one device. The final norm and the head are never
   reached (OLMo's norm has no parameters, so it is on every stage, and would otherwise run twice).
 - the last stage's call returns what the model returns on one device (logits, ``loss`` when ``labels`` are given).
+- mixture-of-experts models called with ``output_router_logits=True``: every stage's router logits travel with the
+  hidden states to the last stage, whose load-balancing loss sees every layer's (:mod:`.router_logits`).
 
 transformers 4.x blocks of some families return tuples that the forward unpacks (``layer_outputs[0]``); the stand-ins
 return the hidden states the way the stage's blocks do, found on the stage's first call (:data:`_STYLE`).
@@ -33,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
+from lightning_pipe.split import router_logits
 from lightning_pipe.split.hf import AbsentInput, PassThrough, block_stack
 
 #: On a stage view, how its blocks return their output: "tensor" or "tuple" (transformers 4.x families whose forward
@@ -69,34 +72,45 @@ def hf_stage_call(
     Stages before the last return the hidden states tensor that the next stage's first block takes; the last returns
     what the call returns on one device (``CausalLMOutputWithPast`` with ``loss`` when ``labels`` are given).
     """
-    call = _bind(view, args, kwargs)
-    _refuse_unsupported(view, call)
-    call["use_cache"] = False
+    call = prepare_call(view, args, kwargs)
     blocks = _blocks(view)
     local = [i for i, block in enumerate(blocks) if not isinstance(block, PassThrough)]
     exit_block = None if is_last else blocks[local[-1] + 1]
     if is_first:
-        return _run(view, call, exit_block, None)
-    hidden = _received_tensor(received)
+        carry = router_logits.Carry(view, call, (), is_last)
+        with carry.recording():
+            return carry.output(_run(view, call, exit_block, None))
+    hidden, carried = _received(received)
+    carry = router_logits.Carry(view, call, carried, is_last)
     known = view.__dict__.get(_STYLE)
     for style in (known,) if known else _STYLES:
         entry = _Entry(view, blocks, local[0], hidden, style)
         try:
-            if _CHECKED in view.__dict__:
-                out = _run(view, call, exit_block, entry)
-            else:
-                with _EmbeddingValues(view, [blocks[i] for i in local]):
+            with carry.recording():
+                if _CHECKED in view.__dict__:
                     out = _run(view, call, exit_block, entry)
-                view.__dict__[_CHECKED] = True
+                else:
+                    with _EmbeddingValues(view, [blocks[i] for i in local]):
+                        out = _run(view, call, exit_block, entry)
+                    view.__dict__[_CHECKED] = True
         except _WrongStyle:
             continue
         view.__dict__[_STYLE] = style
-        return out
+        return carry.output(out)
     raise PipelineModelError(
         f"The forward of {type(view).__name__} does not hand its block {local[0]} the previous block's output"
         " (neither the tensor nor `outputs[0]` of the block before it): it changes the hidden states between blocks,"
         " so a stage cannot start from the hidden states the previous stage sends. Pipeline another model family."
     )
+
+
+def prepare_call(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The network call ``view(*args, **kwargs)`` by argument name, with ``use_cache=False``; refuses what a stage
+    cannot compute (cached decoding, every layer's hidden states or attentions)."""
+    call = _bind(view, args, kwargs)
+    _refuse_unsupported(view, call)
+    call["use_cache"] = False
+    return call
 
 
 def _blocks(view: nn.Module) -> list[nn.Module]:
@@ -242,13 +256,14 @@ def _refuse_unsupported(view: nn.Module, call: dict[str, Any]) -> None:
             )
 
 
-def _received_tensor(received: tuple[Tensor, ...] | Tensor | None) -> Tensor:
+def _received(received: tuple[Tensor, ...] | Tensor | None) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The previous stage's hidden states, and the router logits carried with them (mixture-of-experts models)."""
     if isinstance(received, Tensor):
-        return received
-    if received is None or len(received) != 1 or not isinstance(received[0], Tensor):
+        return received, ()
+    if not received or not all(isinstance(r, Tensor) for r in received):
         kind = None if received is None else [type(r).__name__ for r in received]
         raise PipelineUsageError(
-            f"A stage of a transformers model after the first needs the previous stage's hidden states as one tensor,"
+            f"A stage of a transformers model after the first needs the previous stage's hidden states as a tensor,"
             f" got {kind}."
         )
-    return received[0]
+    return received[0], tuple(received[1:])

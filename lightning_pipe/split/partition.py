@@ -6,6 +6,7 @@ configuration values, so the splitting logic is unit-tested on its own.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,16 +25,28 @@ class Layout:
     """The units of a network in execution order, as names relative to the pipelined module.
 
     ``pre`` run before the block stack and always go to the first stage, ``post`` run after it and go to the last
-    stage; ``blocks`` are the entries of the block stack that the stages share out.
+    stage; ``blocks`` are the entries of the block stack that the stages share out. A network with several block
+    stacks (an encoder and a decoder: ``frontend="dataflow"``) has its stacks' blocks in order, and ``between`` the
+    units that run between two stacks (an encoder's final norm): ``(block, units)``, the units placed with the block
+    they follow.
     """
 
     pre: tuple[str, ...]
     blocks: tuple[str, ...]
     post: tuple[str, ...]
+    between: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @functools.cached_property
+    def _after(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.between)
+
+    def group(self, block: str) -> tuple[str, ...]:
+        """``block`` and the units placed with it."""
+        return (block, *self._after.get(block, ()))
 
     @property
     def units(self) -> tuple[str, ...]:
-        return self.pre + self.blocks + self.post
+        return self.pre + tuple(u for b in self.blocks for u in self.group(b)) + self.post
 
 
 def _param_count(module: nn.Module) -> int:
@@ -117,6 +130,86 @@ def find_layout(module: nn.Module, blocks: str = "auto") -> Layout:
     return Layout(pre=tuple(pre), blocks=block_names, post=tuple(post_ordered))
 
 
+def find_stacks(module: nn.Module, blocks: str | Sequence[str] = "auto") -> list[str]:
+    """The containers whose entries are the pipeline's blocks when a network may have several stacks
+    (``frontend="dataflow"``: an encoder's and a decoder's layers, a U-Net's down and up blocks), in definition order.
+
+    ``"auto"``: every ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` of at least two entries of one class that
+    hold parameters and that no other such container holds; the network itself if it is an ``nn.Sequential``; else
+    ``find_block_stack``'s choice. A name or a list of names picks the containers.
+    """
+    if not isinstance(blocks, str):
+        names = [find_block_stack(module, name) for name in blocks]
+        nested = [(a, b) for a in names for b in names if a != b and (not b or a.startswith(b + "."))]
+        if len(set(names)) != len(names) or nested:
+            raise PipelineModelError(
+                f"`blocks={list(blocks)}` names a container twice or one inside another"
+                f"{f' ({nested[0][0]!r} in {nested[0][1]!r})' if nested else ''}. Name each block stack once."
+            )
+        order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+        return sorted(names, key=order.__getitem__)
+    if blocks != "auto" or isinstance(module, nn.Sequential):
+        return [find_block_stack(module, blocks)]
+    uniform = [
+        name
+        for name, sub in module.named_modules()
+        if isinstance(sub, CONTAINERS)
+        and len(sub) >= 2
+        and not is_metric_container(sub)
+        and len({type(m) for m in sub.children()}) == 1
+        and all(_param_count(m) > 0 for m in sub.children())
+    ]
+    outer = [name for name in uniform if not any(name.startswith(other + ".") for other in uniform)]
+    return outer or [find_block_stack(module, "auto")]
+
+
+def find_stacks_layout(module: nn.Module, stacks: Sequence[str]) -> Layout:
+    """The units of a network with one or more block stacks, in definition order (:func:`ordered_layout`). Units are
+    the children with parameters or buffers that hold no stack, on the paths to the stacks."""
+    stack_set = set(stacks)
+    on_path = {name.rsplit(".", i)[0] for name in stacks for i in range(1, name.count(".") + 1)} | {""}
+    order: list[str] = []
+
+    def walk(parent: nn.Module, prefix: str) -> None:
+        for key, child in parent.named_children():
+            name = prefix + key
+            if is_metric_container(child):
+                continue
+            if name in on_path and name not in stack_set:
+                walk(child, name + ".")
+            elif name in stack_set or _holds_state(child):
+                order.append(name)
+
+    walk(module, "") if "" not in stack_set else order.append("")
+    return ordered_layout(module, order, stack_set)
+
+
+def ordered_layout(module: nn.Module, order: Sequence[str], stacks: set[str]) -> Layout:
+    """The layout of units and block stacks listed in execution order: the stacks' blocks, the units before the
+    first stack (``pre``), after the last (``post``) and between two (placed with the block they follow).
+
+    A module reachable under two names (T5's encoder and decoder ``embed_tokens`` are its ``shared`` embedding) is
+    one unit: its other names are placed where the first one is.
+    """
+    last_stack = max(i for i, name in enumerate(order) if name in stacks)
+    pre: list[str] = []
+    blocks: list[str] = []
+    post: list[str] = []
+    between: dict[str, list[str]] = {}
+    group_of: dict[int, list[str]] = {}
+    for i, name in enumerate(order):
+        child = module.get_submodule(name) if name else module
+        if name in stacks:
+            prefix = f"{name}." if name else ""
+            blocks += [prefix + k for k, entry in child.named_children() if not is_metric_container(entry)]
+            continue
+        group = pre if not blocks else post if i > last_stack else between.setdefault(blocks[-1], [])
+        group_of.setdefault(id(child), group).append(name)
+    return Layout(
+        pre=tuple(pre), blocks=tuple(blocks), post=tuple(post), between=tuple((b, tuple(u)) for b, u in between.items())
+    )
+
+
 def _order_post(post: list[str]) -> list[str]:
     # Collected outer level first; post-units of inner levels run before those of outer levels.
     by_depth: dict[int, list[str]] = {}
@@ -184,7 +277,7 @@ def stage_units(layout: Layout, counts: Sequence[int]) -> list[tuple[str, ...]]:
     stages: list[tuple[str, ...]] = []
     start = 0
     for i, n in enumerate(counts):
-        units = layout.blocks[start : start + n]
+        units = tuple(u for b in layout.blocks[start : start + n] for u in layout.group(b))
         if i == 0:
             units = layout.pre + units
         if i == len(counts) - 1:
@@ -390,5 +483,12 @@ def all_splits(num_blocks: int, num_stages: int, *, first_min: int = 1, last_min
 
 def unit_params(module: nn.Module, layout: Layout) -> UnitCosts:
     """Parameter counts per unit (works on the meta device): the cost behind ``balance="params"``."""
-    count = lambda names: float(sum(_param_count(module.get_submodule(u)) for u in names))  # noqa: E731
-    return UnitCosts(pre=count(layout.pre), blocks=tuple(count([b]) for b in layout.blocks), post=count(layout.post))
+
+    def count(names: Sequence[str]) -> float:
+        # Unique parameters: a module reachable under two names (T5's shared embedding) counts once.
+        params = {id(p): p for u in names for p in module.get_submodule(u).parameters()}
+        return float(sum(p.numel() for p in params.values()))
+
+    return UnitCosts(
+        pre=count(layout.pre), blocks=tuple(count(layout.group(b)) for b in layout.blocks), post=count(layout.post)
+    )

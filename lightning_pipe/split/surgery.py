@@ -1,10 +1,12 @@
 """Module surgery: cut a network down to the stages one rank owns, keeping the full model's parameter names.
 
-Two frontends build the stage modules:
+Three frontends build the stage modules:
 
 - ``modules``: the network's own ``forward`` runs on every stage with the units other stages own removed (set to
   ``None``, or deleted from their ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential``). An ``nn.Sequential``
   network needs no change; any other network's ``forward`` must skip units that are ``None``.
+- ``dataflow``: like ``modules``, but absent units are stand-ins and the forward needs no change
+  (:mod:`lightning_pipe.split.dataflow`).
 - ``trace``: torch's tracer (``torch.distributed.pipelining.pipeline``) cuts an unmodified network at block
   boundaries, from an example microbatch.
 """
@@ -33,6 +35,8 @@ def _ancestors(names: Iterable[str]) -> set[str]:
 
 Placeholder = Callable[[str], "nn.Module | None"]
 """Given a unit's name, the module that stands in for it on stages that do not hold it; ``None``: remove it."""
+#: Set on the class of a placeholder that takes a unit's place but is not a block of this stage (wrappers skip it)
+STANDS_IN = "_lightning_pipe_stands_in"
 
 
 def _remove_child(parent: nn.Module, name: str, stand_in: nn.Module | None = None) -> None:
@@ -123,12 +127,12 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 
 def find_block(module: nn.Module, name: str) -> nn.Module | None:
-    """The submodule ``name`` (dotted) of ``module``, or ``None`` where a slot on the way is empty or missing (a unit
-    another stage holds)."""
+    """The submodule ``name`` (dotted) of ``module``, or ``None`` where a slot on the way is empty or missing, or
+    holds a stand-in (a unit another stage holds)."""
     current: nn.Module | None = module
     for part in name.split(".") if name else []:
         current = torch_compat.children(current).get(part) if current is not None else None
-    return current
+    return None if getattr(type(current), STANDS_IN, False) else current
 
 
 def trace_stages(

@@ -165,6 +165,9 @@ class StageModule(nn.Module):
             + "."
         )
         parts = [where]
+        describe = getattr(self.stage_call, "describe_failure", None)
+        if describe is not None:  # a frontend with other stages than "the activation in place of the input"
+            return " ".join([*parts, describe(self.index)])
         if self.absent_units:
             shown = ", ".join(self.absent_units[:8]) + (" ..." if len(self.absent_units) > 8 else "")
             parts.append(f"Units held by other stages are absent (None) here: {shown}.")
@@ -175,7 +178,8 @@ class StageModule(nn.Module):
             )
         parts.append(
             "The network's forward must skip absent units and code that only applies to the network's input"
-            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}."
+            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}. A forward that cannot (an nn.Transformer,"
+            " later units reading earlier units' outputs) runs unchanged with `frontend='dataflow'`."
         )
         return " ".join(parts)
 
@@ -212,6 +216,11 @@ def chunk_aware_stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
     class ChunkAwareStage(PipelineStage):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            #: microbatches whose split backward ran whole (:func:`_whole_backward`): their weight pass is done
+            self.whole_backwards: set[int] = set()
+
         def forward_one_chunk(
             self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **options: Any
         ) -> Any:
@@ -228,10 +237,11 @@ def chunk_aware_stage_class() -> type:
                 self.scale_grads(grad_scale_factor)
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            kwargs = _split_or_whole(self, bwd_chunk_id, kwargs)
             return _timed(self, "B", bwd_chunk_id, super().backward_one_chunk, args, kwargs)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            return _timed(self, "W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
+            return _weight_pass(self, bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
 
         def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
             return _posted(self, super().get_fwd_recv_ops(fwd_chunk_id), "recv", "F", fwd_chunk_id)
@@ -246,6 +256,26 @@ def chunk_aware_stage_class() -> type:
             return _posted(self, super().get_bwd_send_ops(bwd_chunk_id), "send", "B", bwd_chunk_id)
 
     return ChunkAwareStage
+
+
+def _split_or_whole(stage: Any, chunk: int, kwargs: dict) -> dict:
+    """The keyword arguments of a backward: a split one (``full_backward=False``) runs whole where the stage call
+    says so (the dataflow frontend, for a stage whose trainable units read nothing the stage received: torch's split
+    backward loses their weight gradients, :func:`lightning_pipe.split.routing.off_input`); the weight pass of that
+    microbatch then has nothing left to do."""
+    check = getattr(stage.submod.stage_call, "full_backward", None)
+    if kwargs.get("full_backward") is False and check is not None and check(stage.stage_index):
+        stage.whole_backwards.add(chunk)
+        return {**kwargs, "full_backward": True}
+    return kwargs
+
+
+def _weight_pass(stage: Any, chunk: int, action: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run the weight pass of ``chunk``, unless its backward ran whole (:func:`_split_or_whole`)."""
+    if chunk in stage.whole_backwards:
+        stage.whole_backwards.discard(chunk)
+        return None
+    return _timed(stage, "W", chunk, action, args, kwargs)
 
 
 def _timed(stage: Any, kind: str, chunk: int, action: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
