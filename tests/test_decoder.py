@@ -10,19 +10,12 @@ import json
 import pytest
 import torch
 
+from lightning_pipe.settings import SCHEDULES
 from tests.decoder_models import run_decoder
 from tests.launch import run_script
 from tests.reference import assert_parity, load_ranks
 
-ALL_SCHEDULES = [
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-]
+ALL_SCHEDULES = list(SCHEDULES)
 CONFIGS = {
     # The mask goes positionally for half of the schedules and by keyword for the others.
     2: [{"name": f"{s}-2", "schedule": s, "devices": 2, "keyword": i % 2 == 1} for i, s in enumerate(ALL_SCHEDULES)],

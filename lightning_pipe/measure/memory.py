@@ -231,24 +231,24 @@ def _rss_peak_reset() -> bool:
         return False
 
 
-def _rss_peak() -> int | None:
+def _proc_status_bytes(field: str) -> int | None:
+    """A size from ``/proc/self/status`` (``VmHWM``: the peak resident set, ``VmRSS``: the current one) in bytes;
+    ``None`` off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _rss_peak() -> int | None:
+    return _proc_status_bytes("VmHWM")
 
 
 def _rss_now() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_status_bytes("VmRSS")
 
 
 def _cpu_storage(t: torch.Tensor) -> Any:
