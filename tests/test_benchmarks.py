@@ -48,6 +48,7 @@ def test_the_generated_section_replaces_only_itself(tmp_path):
     assert "old" not in text and "| 1F1B | 4.00 (4.00-4.00) | 5.00 (5.00-5.00) | 1.00 (1.00-1.00) |" in text
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_quick_run_writes_every_output(tmp_path):
     """The CI smoke: every case once on a tiny network, results and plots written, the docs left alone."""
@@ -118,6 +119,7 @@ def test_tune_report_of_a_stopped_worker_keeps_only_its_complete_runs(tmp_path):
     assert "The worker was stopped after 1 of 2 runs" in text and "duration not recorded" in text
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tune_quick_run(tmp_path):
     """The smoke of benchmarks/tune.py: every workload's sweep and tuner once on tiny models, the docs left alone."""

@@ -70,6 +70,7 @@ def test_decoder_two_processes(two_procs, cfg):
     _check(load_ranks(two_procs, cfg["name"]), reference(cfg["keyword"]))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_decoder_four_processes(four_procs, cfg):

@@ -186,6 +186,7 @@ def test_two_processes(two_procs, ref_root, cfg):
     _check_config(two_procs, cfg, ref_root)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("cfg", _configs(4), ids=lambda c: c["name"])
 def test_four_processes(four_procs, ref_root, cfg):
     _check_config(four_procs, cfg, ref_root)

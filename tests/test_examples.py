@@ -131,6 +131,7 @@ def test_cnn_example_alexnet(tmp_path: Path) -> None:
     assert len(logged(tmp_path)["train_loss"]) == 2
 
 
+@pytest.mark.extended
 def test_migrate_before_and_after_match(tmp_path: Path) -> None:
     """The hand-written loop and the strategy train the same model to the same losses, step for step."""
     steps = 6
@@ -158,6 +159,7 @@ def test_migrate_before_and_after_match(tmp_path: Path) -> None:
     assert (tmp_path / "dcp" / ".metadata").exists()
 
 
+@pytest.mark.extended
 def test_hf_finetune_example(tmp_path: Path) -> None:
     """The README's four commands: a pretrained directory, fine-tuned from it, exported, read by from_pretrained."""
     pytest.importorskip("transformers")

@@ -75,6 +75,7 @@ def matrix(tmp_path_factory):
     return out
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_family_trains_and_validates_as_on_one_device(matrix, cfg):

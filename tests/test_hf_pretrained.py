@@ -65,6 +65,7 @@ def test_fine_tune_from_directory_and_export_1f1b_2_procs(work):
     _check_schedule(work, "1F1B", 2)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fine_tune_from_directory_and_export_interleaved_4_procs(work):
     run_script("hf_pretrained.py", str(work), "Interleaved1F1B", "4", nprocs=4, launcher="torchrun")

@@ -74,6 +74,7 @@ def test_metrics_two_processes(two_procs, name):
     _assert_same(load_ranks(two_procs, name), expected)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c["name"] for c in CONFIGS[4]])
 def test_metrics_four_processes(four_procs, name):

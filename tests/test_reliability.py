@@ -292,6 +292,7 @@ def test_the_process_group_is_destroyed_at_a_clean_exit_only(tmp_path, ending):
 _MATRIX = ci_matrix()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize(("launcher", "cfg"), _MATRIX, ids=[scenario_id(launcher, cfg) for launcher, cfg in _MATRIX])
 def test_fault_ends_every_process_and_is_reported(tmp_path, launcher, cfg):

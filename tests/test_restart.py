@@ -9,7 +9,7 @@ import pytest
 from tests.restarts import compare, reference, run
 from tests.scripts.restart import EVERY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

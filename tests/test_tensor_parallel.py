@@ -543,6 +543,7 @@ def test_errors_are_raised_alike_on_every_rank(four, name):
     assert fragment in ranks[0]["error"][1]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_pipeline_tensor_and_data_parallel_equal_one_device(eight, name):
