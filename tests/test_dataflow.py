@@ -21,17 +21,14 @@ from tests.stage_sim import run_stages, split_all, whole_network_grads
 
 
 def _assert_same(result, reference):
-    """Loss and gradients bitwise equal; a parameter tied across stages sums its copies' gradients in another
-    order, so it is equal within float rounding."""
+    """Loss and gradients equal within float rounding: a value read by several later units, or a parameter tied
+    across stages, sums its gradient's parts in another order than the whole network does, and whether that order
+    changes the last bit depends on the machine's kernels."""
     ref_loss, ref_grads = reference
-    assert torch.equal(result.loss.detach(), ref_loss)
+    torch.testing.assert_close(result.loss.detach(), ref_loss, rtol=1e-6, atol=0)
     grads = result.grads()
-    tied = {name for tie in result.splits[0].ties for name in tie.names}
     for name, grad in ref_grads.items():
-        if name in tied:
-            torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-9)
-        else:
-            assert torch.equal(grads[name], grad), name
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
 
 
 def _demo_call():

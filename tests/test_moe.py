@@ -62,14 +62,15 @@ def test_router_logits_of_every_stage_reach_the_loss(family, schedule):
     splits = split_all(holder, 2, schedule=schedule)
     result = run_stages(splits, (), kwargs, lambda out: out.loss)
     ref_loss, ref_grads = whole_network_grads(reference, (), kwargs, lambda out: out.loss)
-    assert torch.equal(result.loss.detach(), ref_loss)
+    # Within float rounding, not bitwise: the carried logits' gradients reach each router in another order.
+    torch.testing.assert_close(result.loss.detach(), ref_loss, rtol=1e-6, atol=0)
     out = result.outputs[-1]
     whole = reference(**kwargs)
     assert len(out.router_logits) == len(whole.router_logits) == (8 if family == "mixtral" else 7)
-    assert torch.equal(out.aux_loss, whole.aux_loss)
+    torch.testing.assert_close(out.aux_loss, whole.aux_loss, rtol=1e-6, atol=0)
     grads = result.grads()
     for name, grad in ref_grads.items():
-        assert torch.equal(grads[name], grad), name
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
     assert grads[first_router(grads, prefix="")].abs().sum() > 0
 
 
