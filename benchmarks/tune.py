@@ -3,8 +3,8 @@
     python benchmarks/tune.py            # the full run (see docs/benchmarks.md for its duration), rewrites its section
     python benchmarks/tune.py --quick    # every code path once on tiny workloads, docs untouched (CI smoke)
 
-On each workload of benchmarks/tune_models.py (2 processes, 1 thread each), run by run (``--runs``), interleaved so
-that a slower moment of the machine hits every case alike:
+On each workload of benchmarks/tune_models.py (2 processes, 1 thread each, a fresh pair of processes per run and
+workload), run by run (``--runs``), interleaved so that a slower moment of the machine hits every case alike:
 
 - **sweep**: every candidate of the search space (the tuner's default space: all seven schedules, the microbatch
   counts from 2 to 16 that divide the batch, 2 stages per rank for the multi-stage schedules, with and without
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import random
@@ -87,7 +88,7 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if rank == 0:
+    if rank == 0 and not (results_file.exists() and results_file.stat().st_size):
         with results_file.open("a") as f:
             f.write(json.dumps({"machine": machine()}) + "\n")
 
@@ -110,10 +111,24 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
             )  # fmt: skip
             record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
             record["table"] = result.table
+        del model, fit_kwargs
+        # A finished Trainer and its model are reference cycles: collected now, not when the collector's thresholds
+        # say (left to them, the worker grew to 12 GB after ~200 Trainers and was killed for memory).
+        gc.collect()
+        record["rss_mib"] = _resident_mib()
         if rank == 0:
             with results_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
+
+
+def _resident_mib() -> int:
+    """Rank 0's resident set after a case (how the worker's memory evolves from case to case)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+    except (OSError, StopIteration):  # not Linux
+        return 0
 
 
 def _gather(stamps: list[int]) -> list[list[int]]:
@@ -315,16 +330,20 @@ def main() -> None:
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     else:
         cases_file, records_file = args.out / "cases.json", args.out / "records.jsonl"
-        cases_file.write_text(json.dumps(plan(args)))
+        cases = plan(args)
+        cases_file.write_text(json.dumps(cases))
         records_file.unlink(missing_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
-        cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
-        with (args.out / "worker.log").open("w") as log:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-        if proc.returncode != 0:
-            raise SystemExit(f"the worker failed ({proc.returncode}):\n{(args.out / 'worker.log').read_text()[-4000:]}")
+        (args.out / "worker.log").unlink(missing_ok=True)
+        # A fresh pair of processes per run and workload, so that no workload inherits another's memory.
+        chunks: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for case in cases:
+            chunks.setdefault((case["run"], case["workload"]), []).append(case)
+        deadline = time.monotonic() + args.timeout
+        for (run, workload), chunk in chunks.items():
+            chunk_file = args.out / f"cases-{run}-{workload}.json"
+            chunk_file.write_text(json.dumps(chunk))
+            _run_worker(args, chunk_file, records_file, deadline - time.monotonic())
+            chunk_file.unlink()
         records = [json.loads(line) for line in records_file.read_text().splitlines()]
         results = collect(records, warmup)
         results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=time.perf_counter() - start)
@@ -336,6 +355,17 @@ def main() -> None:
 
         write_section(args.docs, text, BEGIN, END)
     print(text)
+
+
+def _run_worker(args: argparse.Namespace, cases_file: Path, records_file: Path, timeout: float) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
+    cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
+    with (args.out / "worker.log").open("a") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
+    if proc.returncode != 0:
+        raise SystemExit(f"the worker failed ({proc.returncode}):\n{(args.out / 'worker.log').read_text()[-4000:]}")
 
 
 def _port() -> int:

@@ -1,19 +1,28 @@
 """Which candidate to measure next, which one wins, and the table that says why.
 
-The tuner measures one candidate at a time: the one predicted fastest among those not yet measured that fit the
-memory limit (:func:`next_trial`), as long as its prediction is within ``margin`` of the prediction for the fastest
-candidate measured so far (predictions are compared with predictions: the model's errors are alike for similar
-settings, and a measured step carries the machine's noise of its moment). Compiled candidates are predicted as
-their eager twins until a compiled trial measured the difference, and come right after their twin. The winner is
-the fastest measured candidate within the memory limit (:func:`choose`). Every other candidate gets the reason it was
-not measured or not chosen (:func:`rows`).
+The cost model's errors are alike for candidates whose actions have the same size (the same microbatch count and
+stages per rank, a :func:`group`): how the compute of a microbatch changes with its size, and what an action costs
+beyond its compute, are what the model gets least right. So the predictions of a group with measured candidates are
+scaled by what those measured over what they were predicted (:func:`corrected`), and a group with no measurement yet
+goes first among the candidates worth a trial: one trial there corrects the whole group.
+
+The tuner measures one candidate at a time (:func:`next_trial`): among those not yet measured that fit the memory
+limit and are predicted within ``margin`` of the prediction for the fastest candidate measured so far (twice
+``margin`` in a group not measured yet; predictions are compared with predictions, and a measured step carries the
+machine's noise of its moment), the fastest of an unmeasured group, else the fastest. Compiled candidates are
+predicted as their eager twins until a compiled trial measured the difference, and come right after their twin. The
+fastest measured candidates within ``margin`` of each other are measured once more (:func:`finalists`), and the
+winner is the fastest measured candidate within the memory limit (:func:`choose`), on all its measured steps. Every
+other candidate gets the reason it was not measured or not chosen (:func:`rows`).
 
 Pure: no process group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,12 +37,13 @@ SLOWER, UNTRIED = "predicted slower", "not measured (trial budget spent)"
 
 @dataclass(frozen=True)
 class Measured:
-    """What a trial measured: median wall and CPU seconds per step, peak bytes of the worst rank."""
+    """What a candidate's trials measured: median wall and CPU seconds per step, peak bytes of the worst rank."""
 
     step: float
     cpu: float
     peak: float
     steps: int = 0
+    trials: int = 1
 
 
 @dataclass(frozen=True)
@@ -48,22 +58,63 @@ def fits(bytes_needed: float, memory_limit: float | None) -> bool:
     return memory_limit is None or bytes_needed <= memory_limit
 
 
+def group(candidate: Candidate) -> tuple[int, int, bool]:
+    """Candidates whose actions have the same size, and whose predictions are wrong alike."""
+    return (candidate.microbatches, candidate.stages_per_rank, candidate.compile)
+
+
+def corrected(predictions: Mapping[Candidate, Prediction], measured: Mapping[Candidate, Measured]) -> dict:
+    """``predictions`` with each group's step times scaled by the median of its measured candidates' measured over
+    predicted step (a group with no measurement keeps the model's prediction)."""
+    ratios: dict[tuple[int, int, bool], list[float]] = {}
+    for candidate, m in measured.items():
+        if candidate in predictions and predictions[candidate].step > 0:
+            ratios.setdefault(group(candidate), []).append(m.step / predictions[candidate].step)
+    out = {}
+    for candidate, p in predictions.items():
+        found = ratios.get(group(candidate))
+        out[candidate] = dataclasses.replace(p, step=p.step * statistics.median(found)) if found else p
+    return out
+
+
+def worth_a_trial(
+    predictions: Mapping[Candidate, Prediction],
+    measured: Mapping[Candidate, Measured],
+    memory_limit: float | None,
+    margin: float,
+) -> list[Candidate]:
+    """The unmeasured candidates within the memory limit predicted within ``margin`` of the prediction for the
+    fastest measured one (twice ``margin`` for a group not measured yet, whose prediction is not corrected), fastest
+    first."""
+    winner = choose(measured, memory_limit)
+    best = predictions[winner].step if winner in predictions else math.inf
+    tried = {group(c) for c in measured}
+    open_ = [c for c, p in predictions.items() if c not in measured and fits(p.peak, memory_limit)]
+    # Ties (a compiled twin before its compile factor is known) go to the eager candidate first.
+    open_.sort(key=lambda c: (predictions[c].step, c.compile, c))
+    return [c for c in open_ if predictions[c].step <= best * (1 + (margin if group(c) in tried else 2 * margin))]
+
+
 def next_trial(
     predictions: Mapping[Candidate, Prediction],
     measured: Mapping[Candidate, Measured],
     memory_limit: float | None,
     margin: float,
 ) -> Candidate | None:
-    """The candidate to measure next, or ``None`` when no unmeasured candidate is worth a trial."""
-    winner = choose(measured, memory_limit)
-    best = predictions[winner].step if winner in predictions else math.inf
-    open_ = [c for c, p in predictions.items() if c not in measured and fits(p.peak, memory_limit)]
-    # Ties (a compiled twin before its compile factor is known) go to the eager candidate first.
-    for candidate in sorted(open_, key=lambda c: (predictions[c].step, c.compile, c)):
-        if predictions[candidate].step <= best * (1 + margin):
-            return candidate
-        break
-    return None
+    """The candidate to measure next, or ``None`` when no unmeasured candidate is worth a trial. ``predictions``:
+    already :func:`corrected`."""
+    worth = worth_a_trial(predictions, measured, memory_limit, margin)
+    tried = {group(c) for c in measured}
+    fresh = [c for c in worth if group(c) not in tried]
+    return (fresh or worth or [None])[0]
+
+
+def finalists(measured: Mapping[Candidate, Measured], memory_limit: float | None, margin: float, count: int) -> list:
+    """The fastest measured candidates within the memory limit and within ``margin`` of the fastest, at most
+    ``count``; none when fewer than two (one trial more would not change the choice)."""
+    ok = sorted((c for c, m in measured.items() if fits(m.peak, memory_limit)), key=lambda c: (measured[c].step, c))
+    close = [c for c in ok if measured[c].step <= measured[ok[0]].step * (1 + margin)][:count] if ok else []
+    return close if len(close) >= 2 else []
 
 
 def choose(measured: Mapping[Candidate, Measured], memory_limit: float | None) -> Candidate | None:
@@ -77,9 +128,12 @@ def rows(
     measured: Mapping[Candidate, Measured],
     chosen: Candidate | None,
     memory_limit: float | None,
+    margin: float = 0.0,
 ) -> list[Row]:
-    """One row per candidate: measured ones first (fastest first), then the rest by predicted step time."""
+    """One row per candidate: measured ones first (fastest first), then the rest by predicted step time. An
+    unmeasured candidate predicted within ``margin`` of the prediction for the choice was left for the trial budget."""
     out = []
+    worth = set(worth_a_trial(predictions, measured, memory_limit, margin))
     for candidate, prediction in predictions.items():
         m = measured.get(candidate)
         if candidate == chosen:
@@ -89,8 +143,7 @@ def rows(
         elif not fits(prediction.peak, memory_limit):
             status = OVER_MEMORY
         else:
-            best = min((x.step for x in measured.values()), default=math.inf)
-            status = SLOWER if prediction.step > best else UNTRIED
+            status = UNTRIED if candidate in worth else SLOWER
         out.append(Row(candidate, prediction, m, status))
     for candidate, m in measured.items():
         if candidate not in predictions:  # the user's own setting, outside the search space
@@ -112,7 +165,7 @@ def table(found: Sequence[Row], limit: int | None = 12) -> str:
             (
                 r.candidate.label,
                 f"{p.step * 1e3:.1f}" if p else "-",
-                f"{m.step * 1e3:.1f}" if m else "-",
+                (f"{m.step * 1e3:.1f}" + (f" ({m.trials} trials)" if m.trials > 1 else "")) if m else "-",
                 format_bytes(p.peak) if p else "-",
                 format_bytes(m.peak) if m else "-",
                 r.status,

@@ -13,11 +13,12 @@ end every rank receives every rank's figures, so all ranks take the same decisio
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,14 +224,16 @@ def _quiet() -> Iterator[None]:
 
 def run_trial(
     setup: TrialSetup,
-    strategy: Any,
+    make_strategy: Callable[[], Any],
     model: pl.LightningModule,
     fit_kwargs: dict[str, Any],
     steps: int,
     warmup: int,
     detail: bool,
 ) -> TrialResult:
-    """Fit a copy of ``model`` with ``strategy`` for ``warmup + steps`` steps; every rank's measurements."""
+    """Fit a copy of ``model`` with a new strategy from ``make_strategy`` for ``warmup + steps`` steps; every rank's
+    measurements. The strategy is made here so that nothing outside the trial holds it (a finished strategy keeps its
+    model, as Lightning's do)."""
     probe = Probe(detail)
     with _quiet(), tempfile.TemporaryDirectory(prefix="lightning-pipe-tune-") as root:
         trainer = pl.Trainer(
@@ -238,7 +241,7 @@ def run_trial(
             devices=setup.devices,
             num_nodes=setup.num_nodes,
             precision=setup.precision,
-            strategy=strategy,
+            strategy=make_strategy(),
             plugins=list(setup.plugins),
             max_steps=warmup + steps,
             limit_val_batches=0,
@@ -253,4 +256,10 @@ def run_trial(
             default_root_dir=root,
         )
         trainer.fit(copy.deepcopy(model), **fit_kwargs)
-    return TrialResult(probe.everyone, warmup)
+    everyone = probe.everyone
+    # A finished Trainer, its strategy, model copy and data are reference cycles that only a full collection frees:
+    # left to the collector's thresholds, every earlier trial's memory was still held when the next one measured its
+    # peak (the mlp benchmark's peaks grew 0.85 -> 3.8 GiB over 11 trials).
+    del trainer, probe
+    gc.collect()
+    return TrialResult(everyone, warmup)

@@ -11,10 +11,15 @@ set up with its choice. The steps (docs/tuning.md):
    rank receives the profile.
 4. Until ``max_trials`` trials ran, or no candidate is predicted within ``margin`` of the best measured one: the
    cost model is refitted to the trials so far (:func:`.cost.calibrate`), every candidate is predicted
-   (:func:`.cost.predict`), and the one predicted fastest within the memory limit is measured
-   (:func:`.prune.next_trial`).
-5. The fastest measured candidate within the memory limit wins; the table is printed on rank 0, the record and a
-   LightningCLI config are written, and the choice is applied to ``trainer.strategy``.
+   (:func:`.cost.predict`) and the predictions corrected by what similar candidates measured
+   (:func:`.prune.corrected`); the fastest predicted within the memory limit is measured, a candidate unlike all
+   measured ones first (:func:`.prune.next_trial`).
+5. The fastest measured candidates within ``margin`` of each other (at most ``confirm``) are measured once more,
+   one after the other, so that the choice between close ones rests on twice the steps taken at different moments
+   (:func:`.prune.finalists`).
+6. The fastest measured candidate within the memory limit wins (the median of all its measured steps); the table is
+   printed on rank 0, the record and a LightningCLI config are written, and the choice is applied to
+   ``trainer.strategy``.
 
 The random number generators of every process are restored afterwards, so tuning changes nothing the run draws.
 """
@@ -22,6 +27,7 @@ The random number generators of every process are restored afterwards, so tuning
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 import time
@@ -58,8 +64,9 @@ class TuneResult:
     rows: tuple[prune.Row, ...]
     #: the tuning's own cost (global rank 0's clock): ``wall_s``; ``launch_s`` (of it, until the first trial's first
     #: step: starting the processes, which ``fit`` does anyway when nothing is tuned, and the first split);
-    #: ``cpu_s`` (all processes); ``trials``; ``steps``; ``profile_s``; ``step_s`` (the choice's step time);
-    #: ``in_steps`` (``wall_s - launch_s`` in steps of the choice); ``candidates``
+    #: ``cpu_s`` (all processes); ``trials`` (finalists' second trials included); ``measured`` (candidates);
+    #: ``steps``; ``profile_s``; ``step_s`` (the choice's step time); ``in_steps`` (``wall_s - launch_s`` in steps of
+    #: the choice); ``candidates``
     cost: dict[str, float]
     #: the record and the LightningCLI config written (or read)
     files: tuple[Path, ...]
@@ -75,8 +82,9 @@ def tune(
     space: Optional[SearchSpace] = None,
     steps: int = 5,
     warmup_steps: int = 2,
-    max_trials: int = 5,
+    max_trials: int = 8,
     margin: float = 0.1,
+    confirm: int = 3,
     memory_limit: Optional[Union[int, float]] = None,
     path: Optional[Union[str, Path]] = None,
     retune: bool = False,
@@ -93,11 +101,13 @@ def tune(
             the pipeline size up, 2 stages per rank for the multi-stage schedules, with and without activation
             checkpointing, not compiled.
         steps: Steps measured per trial (the median counts), after ``warmup_steps`` steps that do not.
-        max_trials: Most trials, the user's own settings included. With ``steps`` and ``warmup_steps`` it bounds
-            the tuning's cost: at most ``max_trials * (steps + warmup_steps)`` training steps plus one profiling
-            pass.
+        max_trials: Most trials of different candidates, the user's own settings included. With ``confirm``,
+            ``steps`` and ``warmup_steps`` it bounds the tuning's cost: at most ``(max_trials + confirm) * (steps +
+            warmup_steps)`` training steps plus one profiling pass.
         margin: A candidate is measured only if predicted within this fraction of the prediction for the fastest
-            candidate measured so far.
+            candidate measured so far (twice this fraction when nothing like it was measured yet); measured
+            candidates within this fraction of the fastest are finalists.
+        confirm: Most finalists measured a second time before the choice (0: none).
         memory_limit: Bytes per process that no choice may exceed. Default: the GPU's memory, or on the CPU the
             machine's divided among its processes. On the CPU the peak resident set is measured.
         path: Where the record (``.json``) and the LightningCLI config (``.yaml``) go. Default:
@@ -115,7 +125,7 @@ def tune(
             "This LightningModule was already split by a fit; `tune` needs the whole model. Call `tune` before"
             " `trainer.fit`, on a new LightningModule instance."
         )
-    _check_budget(steps, warmup_steps, max_trials, margin, memory_limit)
+    _check_budget(steps, warmup_steps, max_trials, confirm, margin, memory_limit)
     space = space or SearchSpace()
     settings = strategy.settings
     target = Path(path) if path is not None else Path(trainer.default_root_dir) / "pipeline_tune"
@@ -129,7 +139,9 @@ def tune(
             return TuneResult(found.choice, found.settings, found.table, (), found.cost, record.paths(target), True)
     fit_kwargs = {"datamodule": datamodule} if datamodule is not None else {"train_dataloaders": train_dataloaders}
     with _kept_random_state():
-        result = _search(trainer, model, fit_kwargs, space, steps, warmup_steps, max_trials, margin, memory_limit)
+        result = _search(
+            trainer, model, fit_kwargs, space, (steps, warmup_steps, max_trials, confirm), margin, memory_limit
+        )
     choice, rows, cost = result
     applied = _applied(choice, settings)
     table = prune.table(rows)
@@ -146,17 +158,16 @@ def _search(
     model: Any,
     fit_kwargs: dict[str, Any],
     space: SearchSpace,
-    steps: int,
-    warmup: int,
-    max_trials: int,
+    budget: tuple[int, int, int, int],
     margin: float,
     memory_limit: Optional[float],
 ) -> tuple[Candidate, list[prune.Row], dict[str, float]]:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
+    steps, warmup, max_trials, confirm = budget
     strategy = trainer.strategy
     setup = TrialSetup.of(trainer)
     settings = strategy.settings
-    first = run_trial(setup, _strategy(strategy, {}), model, fit_kwargs, steps, warmup, detail=True)
+    first = run_trial(setup, functools.partial(_strategy, strategy, {}), model, fit_kwargs, steps, warmup, detail=True)
     resolved = next(m.settings for m in first.everyone if m.settings is not None)
     pipeline_size = int(resolved.pipeline_size)
     baseline = from_settings(resolved, first.microbatches())
@@ -178,20 +189,29 @@ def _search(
     if baseline not in found:
         found.append(baseline)
     transfer = first.transfer()
-    measured = {baseline: _measured(first)}
+    runs = {baseline: [first]}
+    measured = {baseline: _measured(runs[baseline])}
     peaks, actions, state = first.peaks(pipeline_size), first.action_medians(), first.first.state_factor
     trials = [Trial(baseline, measured[baseline].step, peaks, actions, state)]
     while True:
         calibration = calibrate(profile, rule, pipeline_size, trials, transfer)
-        predictions = {c: predict(c, profile, rule, pipeline_size, calibration) for c in found}
+        model_says = {c: predict(c, profile, rule, pipeline_size, calibration) for c in found}
+        predictions = prune.corrected(model_says, measured)
         if len(measured) >= max_trials:
             break
         chosen = prune.next_trial(predictions, measured, limit, margin)
         if chosen is None:
             break
-        trial = run_trial(setup, _strategy(strategy, chosen.settings()), model, fit_kwargs, steps, warmup, False)
-        measured[chosen] = _measured(trial)
+        make = functools.partial(_strategy, strategy, chosen.settings())
+        trial = run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        runs[chosen] = [trial]
+        measured[chosen] = _measured(runs[chosen])
         trials.append(Trial(chosen, measured[chosen].step, trial.peaks(pipeline_size)))
+    for again in prune.finalists(measured, limit, margin, confirm):
+        make = functools.partial(_strategy, strategy, again.settings())
+        trial = run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        runs[again].append(trial)
+        measured[again] = _measured(runs[again])
     choice = prune.choose(measured, limit)
     if choice is None:
         raise PipelineConfigError(
@@ -207,8 +227,9 @@ def _search(
         "wall_s": wall,
         "launch_s": launch,
         "cpu_s": float(sum(spent)),
-        "trials": float(len(measured)),
-        "steps": float(len(measured) * (steps + warmup)),
+        "trials": float(sum(len(r) for r in runs.values())),
+        "measured": float(len(measured)),
+        "steps": float(sum(len(r) for r in runs.values()) * (steps + warmup)),
         "profile_s": profile_s,
         "step_s": measured[choice].step,
         "in_steps": (wall - launch) / measured[choice].step,
@@ -216,7 +237,7 @@ def _search(
     }
     # Global rank 0's clock, on every rank.
     cost = collectives.broadcast_object(cost, 0, collectives.world_group(), device)
-    return choice, prune.rows(predictions, measured, choice, limit), cost
+    return choice, prune.rows(predictions, measured, choice, limit, margin), cost
 
 
 def _profile(
@@ -266,13 +287,19 @@ def _applied(choice: Candidate, settings: Any) -> dict[str, Any]:
     return out
 
 
-def _measured(trial: TrialResult) -> prune.Measured:
+def _measured(trials: list[TrialResult]) -> prune.Measured:
+    """One candidate's trials: the medians of all their steps, the highest peak."""
     import statistics
 
-    wall, cpu = trial.step_seconds(), trial.cpu_seconds()
-    peaks = [m.peak for m in trial.everyone if m.peak is not None]
+    wall = [s for trial in trials for s in trial.step_seconds()]
+    cpu = [s for trial in trials for s in trial.cpu_seconds()]
+    peaks = [m.peak for trial in trials for m in trial.everyone if m.peak is not None]
     return prune.Measured(
-        statistics.median(wall), statistics.median(cpu) if cpu else 0.0, float(max(peaks, default=0)), len(wall)
+        statistics.median(wall),
+        statistics.median(cpu) if cpu else 0.0,
+        float(max(peaks, default=0)),
+        len(wall),
+        len(trials),
     )
 
 
@@ -303,8 +330,9 @@ def _facts(trainer: Any, model: Any, datamodule: Any, space: SearchSpace, memory
     }
 
 
-def _check_budget(steps: int, warmup: int, max_trials: int, margin: float, memory_limit: Any) -> None:
-    for name, value, least in (("steps", steps, 1), ("warmup_steps", warmup, 1), ("max_trials", max_trials, 1)):
+def _check_budget(steps: int, warmup: int, max_trials: int, confirm: int, margin: float, memory_limit: Any) -> None:
+    checks = (("steps", steps, 1), ("warmup_steps", warmup, 1), ("max_trials", max_trials, 1), ("confirm", confirm, 0))
+    for name, value, least in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise PipelineConfigError(f"`tune({name}={value!r})` must be an int >= {least}.")
     if not isinstance(margin, (int, float)) or margin < 0:
@@ -332,7 +360,8 @@ def _kept_random_state() -> Iterator[None]:
 
 def _summary(choice: Candidate, table: str, cost: dict[str, float], config: Path) -> str:
     return (
-        f"Pipeline tuning: {int(cost['trials'])} trials of {int(cost['candidates'])} candidates,"
+        f"Pipeline tuning: {int(cost['trials'])} trials of {int(cost.get('measured', cost['trials']))} of"
+        f" {int(cost['candidates'])} candidates,"
         f" {cost['wall_s']:.1f} s ({cost['launch_s']:.1f} s to start the processes and the first trial; after it"
         f" {cost['in_steps']:.0f} steps of the choice; profiling {cost['profile_s']:.1f} s; {cost['cpu_s']:.1f} CPU s"
         f" in all processes). Chosen: {choice.label},"

@@ -54,7 +54,7 @@ def main() -> None:
             "choice": first.choice,
             "settings": first.settings,
             "cost": first.cost,
-            "rows": [(r.candidate, r.status, r.measured is not None) for r in first.rows],
+            "rows": [(r.candidate, r.status, r.measured.trials if r.measured else 0) for r in first.rows],
             "table": first.table,
             "files": [str(f) for f in first.files],
             "rng_kept": rng_kept,
