@@ -158,6 +158,17 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             labels[key] = r["case"]["settings"]
         medians = {k: statistics.median(v) for k, v in sweep.items()}
         best = min(medians, key=medians.get) if medians else None
+        # The noise floor: each run's own sweep as a chooser that measured every candidate once, judged like the
+        # tuner (its pick's median over runs, over the best's); and how far one candidate's runs lie apart.
+        per_run: dict[int, dict[str, float]] = {}
+        for r in (r for r in mine if r["case"]["kind"] == "sweep"):
+            key = json.dumps(r["case"]["settings"], sort_keys=True)
+            per_run.setdefault(r["case"]["run"], {})[key] = _median_run(r["ms"], warmup)
+        sweep_picks = []
+        for run in sorted(per_run):
+            pick = min(per_run[run], key=per_run[run].get)
+            sweep_picks.append({"run": run, "label": _label(labels[pick]), "ratio": medians[pick] / medians[best]})
+        spreads = [max(v) / min(v) for v in sweep.values() if len(v) > 1]
         tunes = []
         one_sweep = sum(medians.values()) / 1e3
         for r in (r for r in mine if r["case"]["kind"] == "tune"):
@@ -193,6 +204,8 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "worst": (labels[ranked[-1]], medians[ranked[-1]]) if ranked else None,
             "one_sweep_s": one_sweep,
             "tunes": tunes,
+            "sweep_picks": sweep_picks,
+            "run_spread": statistics.median(spreads) if spreads else None,
             "compile": compiled,
         }
     return out
@@ -235,9 +248,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']}, {_duration(results)};"
         f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')}; load average at the start:"
-        f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}, at the end:"
-        f" {', '.join(f'{x:.1f}' for x in results.get('load_end') or []) or 'not recorded'}. {runs}; each"
-        " figure the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
+        f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}, at the end (the worker's own threads"
+        f" included): {', '.join(f'{x:.1f}' for x in results.get('load_end') or []) or 'not recorded'}. {runs};"
+        " each figure the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
         "",
         *_busy(results),
         "| workload | candidates | sweep's best (ms/step) | sweep's worst | tuner's choices (sweep ms / best) |"
@@ -254,6 +267,19 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"| {name} | {w['candidates']} | {_label(top[0]) + f' ({top[1]:.1f})' if top else '-'} |"
             f" {_label(worst[0]) + f' ({worst[1]:.1f})' if worst else '-'} | {choices} | {cost} | {sweeps} |"
         )
+    lines += [
+        "",
+        "The noise floor: each run's own sweep as a chooser that measured every candidate once, judged the same way"
+        " (its pick's median over runs, over the best's), and the run-to-run spread (the median over candidates of"
+        " a candidate's slowest run over its fastest):",
+        "",
+        "| workload | one run's sweep picks (sweep ms / best) | run-to-run spread |",
+        "|---|---|---|",
+    ]
+    for name, w in results["workloads"].items():
+        picks = "; ".join(f"{p['label']} ({p['ratio']:.3f})" for p in w.get("sweep_picks") or [])
+        spread = f"{w['run_spread']:.3f}" if w.get("run_spread") else "-"
+        lines.append(f"| {name} | {picks or '-'} | {spread} |")
     lines += ["", "The five fastest candidates of each sweep (ms per step):", ""]
     for name, w in results["workloads"].items():
         lines.append(f"- **{name}**: " + ", ".join(f"{_label(s)} {ms:.1f}" for s, ms in w["top"]))
@@ -286,13 +312,15 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def _busy(results: dict[str, Any]) -> list[str]:
-    """A warning when other jobs loaded the machine (a load average above its core count) at the start or the end."""
+    """A warning when other jobs loaded the machine as the run started (a one-minute load average above its core
+    count). The load at the end counts the worker's own threads (2 processes with gloo's threads read 3.5-3.9 on
+    2 otherwise idle cores), so it says nothing about other jobs."""
     cores = results["machine"].get("cpu_cores") or 1
-    loads = [*(results["machine"].get("load_average") or []), *(results.get("load_end") or [])]
-    if not loads or max(loads) <= cores:
+    load = (results["machine"].get("load_average") or [0.0])[0]
+    if load <= cores:
         return []
     return [
-        f"**The machine was shared with other jobs during this run (load average up to {max(loads):.0f} on {cores}"
+        f"**The machine was shared with other jobs as this run started (load average {load:.1f} on {cores}"
         " cores): the step times carry their noise, and a comparison within 5% means little.**",
         "",
     ]
