@@ -313,8 +313,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
 
 def _busy(results: dict[str, Any]) -> list[str]:
     """A warning when other jobs loaded the machine as the run started (a one-minute load average above its core
-    count). The load at the end counts the worker's own threads (2 processes with gloo's threads read 3.5-3.9 on
-    2 otherwise idle cores), so it says nothing about other jobs."""
+    count). The load at the end counts the worker's own threads (3.5-3.9 on 2 cores with nothing else running), so
+    it says nothing about other jobs."""
     cores = results["machine"].get("cpu_cores") or 1
     load = (results["machine"].get("load_average") or [0.0])[0]
     if load <= cores:
