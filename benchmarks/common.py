@@ -13,6 +13,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +94,14 @@ def periods_ms(stamps: list[int], warmup: int) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------------- environment
+def proc_status_bytes(field: str) -> int:
+    """A size from Linux's ``/proc/self/status`` in bytes (``VmRSS``: the resident set now; ``VmHWM``: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def machine() -> dict[str, Any]:
     """The machine and software every figure was measured with."""
     import lightning

@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import proc_status_bytes  # noqa: E402
 from lightning_pipe.measure.memory import format_bytes  # noqa: E402
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=16, num_attention_heads=8, vocab_size=32000)
@@ -44,16 +45,9 @@ QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_att
 SHARD = {"full": "100MB", "quick": "100KB"}
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _reset_peak() -> int:
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident set restarts from the current one
-    return _status("VmRSS")
+    return proc_status_bytes("VmRSS")
 
 
 def prepare(work: Path, quick: bool) -> None:
@@ -106,7 +100,7 @@ def load_worker(work: Path, stages: int) -> None:
             result = {
                 "rank": trainer.global_rank,
                 "own": state_bytes(trainer.strategy.model).parameters,
-                "start": _status("VmHWM") - self.base,
+                "start": proc_status_bytes("VmHWM") - self.base,
                 "load": peak.rss_bytes,
                 "load_tensors": peak.bytes,
             }

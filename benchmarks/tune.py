@@ -81,7 +81,7 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
     import torch.distributed as dist
 
     import lightning_pipe
-    from benchmarks.common import machine
+    from benchmarks.common import machine, proc_status_bytes
     from benchmarks.lit import StepClock, trainer
     from benchmarks.tune_models import build
 
@@ -115,20 +115,11 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
         # A finished Trainer and its model are reference cycles: collected now, not when the collector's thresholds
         # say (left to them, the worker grew to 12 GB after ~200 Trainers and was killed for memory).
         gc.collect()
-        record["rss_mib"] = _resident_mib()
+        record["rss_mib"] = proc_status_bytes("VmRSS") // 2**20
         if rank == 0:
             with results_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
-
-
-def _resident_mib() -> int:
-    """Rank 0's resident set after a case (how the worker's memory evolves from case to case)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
-    except (OSError, StopIteration):  # not Linux
-        return 0
 
 
 def _gather(stamps: list[int]) -> list[list[int]]:
@@ -151,19 +142,18 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     for workload in dict.fromkeys(r["case"]["workload"] for r in records if "case" in r):
         mine = [r for r in records if r.get("case", {}).get("workload") == workload]
         sweep: dict[str, list[float]] = {}
+        per_run: dict[int, dict[str, float]] = {}
         labels: dict[str, dict[str, Any]] = {}
         for r in (r for r in mine if r["case"]["kind"] == "sweep"):
             key = json.dumps(r["case"]["settings"], sort_keys=True)
-            sweep.setdefault(key, []).append(_median_run(r["ms"], warmup))
+            ms = _median_run(r["ms"], warmup)
+            sweep.setdefault(key, []).append(ms)
+            per_run.setdefault(r["case"]["run"], {})[key] = ms
             labels[key] = r["case"]["settings"]
         medians = {k: statistics.median(v) for k, v in sweep.items()}
         best = min(medians, key=medians.get) if medians else None
         # The noise floor: each run's own sweep as a chooser that measured every candidate once, judged like the
         # tuner (its pick's median over runs, over the best's); and how far one candidate's runs lie apart.
-        per_run: dict[int, dict[str, float]] = {}
-        for r in (r for r in mine if r["case"]["kind"] == "sweep"):
-            key = json.dumps(r["case"]["settings"], sort_keys=True)
-            per_run.setdefault(r["case"]["run"], {})[key] = _median_run(r["ms"], warmup)
         sweep_picks = []
         for run in sorted(per_run):
             pick = min(per_run[run], key=per_run[run].get)

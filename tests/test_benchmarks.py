@@ -99,6 +99,21 @@ def test_tune_report_compares_the_choice_with_the_sweep():
     text = tune_bench.markdown(results, Namespace(quick=False, runs=3))
     assert text.startswith(tune_bench.BEGIN) and text.endswith(tune_bench.END)
     assert "| mlp | 2 | 1F1B M=4 v=1 (11.0) | 1F1B M=8 v=1 (12.5) |" in text
+    # The noise floor: each run's own fastest, judged by the medians over runs; a candidate's slowest over fastest run.
+    assert [(p["label"], p["ratio"]) for p in w["sweep_picks"]] == [
+        ("1F1B M=4 v=1", 1.0),
+        ("1F1B M=4 v=1", 1.0),
+        ("1F1B M=8 v=1", pytest.approx(12.5 / 11.0)),
+    ]
+    assert w["run_spread"] == pytest.approx((30.0 / 10.0 + 13.0 / 12.0) / 2)
+    assert "| mlp | 1F1B M=4 v=1 (1.000); 1F1B M=4 v=1 (1.000); 1F1B M=8 v=1 (1.136) | 2.042 |" in text
+    # The busy warning reads the load as the run started, not at its end (which counts the worker's own threads).
+    assert "shared with other jobs" not in text
+    results["load_end"] = [3.9, 3.6, 3.5]
+    assert "shared with other jobs" not in tune_bench.markdown(results, Namespace(quick=False, runs=3))
+    results["machine"].update(cpu_cores=2, load_average=[3.2, 1.0, 1.0])
+    busy = tune_bench.markdown(results, Namespace(quick=False, runs=3))
+    assert "shared with other jobs as this run started (load average 3.2 on 2 cores)" in busy
 
 
 def test_tune_report_of_a_stopped_worker_keeps_only_its_complete_runs(tmp_path):

@@ -63,7 +63,9 @@ def group(candidate: Candidate) -> tuple[int, int, bool]:
     return (candidate.microbatches, candidate.stages_per_rank, candidate.compile)
 
 
-def corrected(predictions: Mapping[Candidate, Prediction], measured: Mapping[Candidate, Measured]) -> dict:
+def corrected(
+    predictions: Mapping[Candidate, Prediction], measured: Mapping[Candidate, Measured]
+) -> dict[Candidate, Prediction]:
     """``predictions`` with each group's step times scaled by the median of its measured candidates' measured over
     predicted step (a group with no measurement keeps the model's prediction)."""
     ratios: dict[tuple[int, int, bool], list[float]] = {}
