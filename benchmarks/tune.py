@@ -3,8 +3,9 @@
     python benchmarks/tune.py            # the full run (see docs/benchmarks.md for its duration), rewrites its section
     python benchmarks/tune.py --quick    # every code path once on tiny workloads, docs untouched (CI smoke)
 
-On each workload of benchmarks/tune_models.py (2 processes, 1 thread each, a fresh pair of processes per run and
-workload), run by run (``--runs``), interleaved so that a slower moment of the machine hits every case alike:
+On each workload of benchmarks/tune_models.py (2 processes, 1 thread each, each pinned to a core of its own unless
+``--no-pin``, a fresh pair of processes per run and workload), run by run (``--runs``), interleaved so that a slower
+moment of the machine hits every case alike:
 
 - **sweep**: every candidate of the search space (the tuner's default space: all seven schedules, the microbatch
   counts from 2 to 16 that divide the batch, 2 stages per rank for the multi-stage schedules, with and without
@@ -76,21 +77,23 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------ the worker
-def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int) -> None:
+def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int, pin: bool) -> None:
     import torch
     import torch.distributed as dist
 
     import lightning_pipe
-    from benchmarks.common import machine, proc_status_bytes
+    from benchmarks.common import machine, pin_to_core, proc_status_bytes
     from benchmarks.lit import StepClock, trainer
     from benchmarks.tune_models import build
 
+    # Before the process group starts its threads, which inherit the core.
+    core = pin_to_core(int(os.environ["LOCAL_RANK"])) if pin else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 0 and not (results_file.exists() and results_file.stat().st_size):
         with results_file.open("a") as f:
-            f.write(json.dumps({"machine": machine()}) + "\n")
+            f.write(json.dumps({"machine": {**machine(), "pinned": core is not None}}) + "\n")
 
     for case in json.loads(cases_file.read_text()):
         model, fit_kwargs = build(case["workload"], quick, batches=64)
@@ -237,7 +240,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         "### Results",
         "",
         f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']}, {_duration(results)};"
-        f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')}; load average at the start:"
+        f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')};"
+        f" {'each process pinned to a core of its own' if m.get('pinned') else 'the processes free to use every core'};"
+        " load average at the start:"
         f" {', '.join(f'{x:.1f}' for x in m.get('load_average') or [])}, at the end (the worker's own threads"
         f" included): {', '.join(f'{x:.1f}' for x in results.get('load_end') or []) or 'not recorded'}. {runs};"
         " each figure the median over runs of a run's median step (wall clock, rank 0, warm-up steps excluded).",
@@ -322,6 +327,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=None, help="runs per case (default 3; 1 with --quick)")
     parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt", "gpt-vocab"])
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled cases")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="leave the worker processes free to run on every core (default: one each)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune")
     parser.add_argument(
         "--docs", type=Path, default=None, help="page to update (default docs/benchmarks.md; '-': none)"
@@ -336,7 +344,7 @@ def main() -> None:
     args.runs = args.runs or (1 if args.quick else 3)
     steps, warmup = (1, 1) if args.quick else (6, 2)
     if args.worker:
-        return work(args.worker[0], args.worker[1], args.quick, steps, warmup)
+        return work(args.worker[0], args.worker[1], args.quick, steps, warmup, not args.no_pin)
     if args.docs is None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -380,6 +388,7 @@ def _run_worker(args: argparse.Namespace, cases_file: Path, records_file: Path, 
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
     cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
+    cmd += ["--no-pin"] if args.no_pin else []
     with (args.out / "worker.log").open("a") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
     if proc.returncode != 0:

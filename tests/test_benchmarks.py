@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -114,6 +115,27 @@ def test_tune_report_compares_the_choice_with_the_sweep():
     results["machine"].update(cpu_cores=2, load_average=[3.2, 1.0, 1.0])
     busy = tune_bench.markdown(results, Namespace(quick=False, runs=3))
     assert "shared with other jobs as this run started (load average 3.2 on 2 cores)" in busy
+    assert "the processes free to use every core" in busy
+    results["machine"]["pinned"] = True
+    assert "each process pinned to a core of its own" in tune_bench.markdown(results, Namespace(quick=False, runs=3))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the OS does not pin threads")
+def test_pin_to_core_pins_every_thread_of_the_process():
+    # In a process of its own: the pin must not outlive the check.
+    code = (
+        "import os, threading, time\n"
+        "from benchmarks.common import pin_to_core\n"
+        "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+        "allowed = sorted(os.sched_getaffinity(0))\n"
+        "core = pin_to_core(3)\n"
+        "assert core == allowed[3 % len(allowed)], (core, allowed)\n"
+        "tasks = os.listdir('/proc/self/task')\n"
+        "assert len(tasks) >= 2 and all(os.sched_getaffinity(int(t)) == {core} for t in tasks)\n"
+        "print('pinned', core)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "pinned" in proc.stdout, proc.stderr
 
 
 def test_tune_report_of_a_stopped_worker_keeps_only_its_complete_runs(tmp_path):

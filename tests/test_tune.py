@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -425,6 +426,24 @@ def test_a_trial_frees_its_trainer_and_model_copy_before_the_next_one(tmp_path):
     assert len(result.step_seconds()) == 2
 
 
+def test_ranks_that_share_cores_on_one_host():
+    from lightning_pipe.tune.trial import placement, shared_cores
+    from lightning_pipe.tune.tuner import _shared_cores_note
+
+    a, b = frozenset({0}), frozenset({1})
+    assert shared_cores([("h", a), ("h", b)]) == []  # pinned apart
+    assert shared_cores([("h", a | b), ("h", b)]) == [(0, 1)]
+    assert shared_cores([("h", a), ("g", a)]) == []  # other hosts
+    assert shared_cores([("h", frozenset()), ("h", frozenset()), None]) == []  # the OS did not say
+    everywhere = [("h", a | b)] * 5
+    assert len(shared_cores(everywhere)) == 10
+    note = _shared_cores_note(shared_cores(everywhere))
+    assert "ranks 0 and 1, 0 and 2, 0 and 3 (and 7 more pairs) may run on the same CPU cores" in note
+    assert "os.sched_setaffinity" in note and "retune=True" in note
+    host, cores = placement()
+    assert host and (cores or not hasattr(os, "sched_getaffinity"))
+
+
 def test_apply_tuned_only_before_the_trainer_starts():
     strategy = PipelineParallelStrategy()
     strategy.apply_tuned(schedule="GPipe", microbatches=2)
@@ -499,5 +518,8 @@ def test_tune_at_two_processes(tmp_path):
     init_args = yaml.safe_load(yaml_file.read_text())["trainer"]["strategy"]["init_args"]
     assert init_args == choice.settings()
     assert first["again"] == (True, choice, first["settings"])
+    # Lightning's launcher leaves both processes free to run on every core: the tuner says so, and how to fix it.
+    assert len(first["notes"]) == 1 and "ranks 0 and 1 may run on the same CPU cores" in first["notes"][0]
+    assert (proc.stdout + proc.stderr).count("Note: Processes of ranks 0 and 1") == 1
     # A memory limit nothing fits: a clear error on every rank.
     assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
+import socket
 import statistics
 import tempfile
 import time
@@ -51,6 +53,8 @@ class Measurement:
     settings: Any = None
     #: the first batch, on the CPU (global rank 0 of the first trial)
     batch: Any = None
+    #: ``(host, cores the process may run on)`` (first trial; no cores where the OS does not say)
+    placement: tuple[str, frozenset[int]] | None = None
 
 
 class Probe(pl.Callback):
@@ -93,6 +97,7 @@ class Probe(pl.Callback):
             self.mine.state_factor = 1.0 + state.optimizer_state / max(state.parameters, 1)
             self.mine.transfers = _transfer_times(strategy)
             self.mine.settings = strategy.settings
+            self.mine.placement = placement()
         self.everyone = collectives.all_gather_object(self.mine, collectives.world_group(), strategy.root_device)
 
     @staticmethod
@@ -129,6 +134,24 @@ def _transfer_times(strategy: Any) -> list[tuple[int, float]]:
             rounds.append((time.perf_counter() - start) / 2)
         out.append((numel * buffer.element_size(), min(rounds[1:])))
     return out if rank == 0 else []
+
+
+def placement() -> tuple[str, frozenset[int]]:
+    """This process's host and the cores it may run on (empty where the OS does not tell, e.g. macOS)."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    return socket.gethostname(), frozenset(cores)
+
+
+def shared_cores(placements: list[tuple[str, frozenset[int]] | None]) -> list[tuple[int, int]]:
+    """Pairs of ranks (indices of ``placements``) on one host whose cores overlap: the OS moves their threads
+    between the shared cores, and a trial's speed then depends on where it put them."""
+    out = []
+    for a, first in enumerate(placements):
+        for b in range(a + 1, len(placements)):
+            second = placements[b]
+            if first and second and first[0] == second[0] and first[1] & second[1]:
+                out.append((a, b))
+    return out
 
 
 @dataclass(frozen=True)
@@ -207,6 +230,10 @@ class TrialResult:
 
     def batch_size(self) -> int:
         return batch_size(self.first.batch)
+
+    def shared_cores(self) -> list[tuple[int, int]]:
+        """Pairs of global ranks that share CPU cores (first trial)."""
+        return shared_cores([m.placement for m in self.everyone])
 
 
 @contextmanager

@@ -71,6 +71,8 @@ class TuneResult:
     #: the record and the LightningCLI config written (or read)
     files: tuple[Path, ...]
     reused: bool
+    #: what made the trials less reliable than they could be, and the fix (also in the logged summary)
+    notes: tuple[str, ...] = ()
 
 
 def tune(
@@ -142,15 +144,15 @@ def tune(
         result = _search(
             trainer, model, fit_kwargs, space, (steps, warmup_steps, max_trials, confirm), margin, memory_limit
         )
-    choice, rows, cost = result
+    choice, rows, cost, notes = result
     applied = _applied(choice, settings)
     table = prune.table(rows)
     files = record.paths(target)
     if collectives.world_rank() == 0:
         files = record.save(record.TuneRecord(expected, choice, facts, table, cost, applied), target)
-    _announce(_summary(choice, table, cost, files[1]))
+    _announce(_summary(choice, table, cost, files[1], notes))
     strategy.apply_tuned(**applied)
-    return TuneResult(choice, applied, table, tuple(rows), cost, files, False)
+    return TuneResult(choice, applied, table, tuple(rows), cost, files, False, notes)
 
 
 def _search(
@@ -161,7 +163,7 @@ def _search(
     budget: tuple[int, int, int, int],
     margin: float,
     memory_limit: Optional[float],
-) -> tuple[Candidate, list[prune.Row], dict[str, float]]:
+) -> tuple[Candidate, list[prune.Row], dict[str, float], tuple[str, ...]]:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     steps, warmup, max_trials, confirm = budget
     strategy = trainer.strategy
@@ -237,7 +239,21 @@ def _search(
     }
     # Global rank 0's clock, on every rank.
     cost = collectives.broadcast_object(cost, 0, collectives.world_group(), device)
-    return choice, prune.rows(predictions, measured, choice, limit, margin), cost
+    shared = first.shared_cores() if device.type == "cpu" else []
+    notes = (_shared_cores_note(shared),) if shared else ()
+    return choice, prune.rows(predictions, measured, choice, limit, margin), cost, notes
+
+
+def _shared_cores_note(pairs: list[tuple[int, int]]) -> str:
+    shown = ", ".join(f"{a} and {b}" for a, b in pairs[:3]) + (
+        f" (and {len(pairs) - 3} more pairs)" if len(pairs) > 3 else ""
+    )
+    return (
+        f"Processes of ranks {shown} may run on the same CPU cores. The OS moves their threads between the cores"
+        " they share, and a trial's speed then depends on where it put them as much as on the setting: on a 2-core"
+        " machine, the same setting measured up to 1.45x apart from one trial to the next. Pin each process to cores"
+        " of its own (`os.sched_setaffinity`, `taskset`, `numactl`; docs/tuning.md) and tune again (`retune=True`)."
+    )
 
 
 def _profile(
@@ -358,8 +374,8 @@ def _kept_random_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _summary(choice: Candidate, table: str, cost: dict[str, float], config: Path) -> str:
-    return (
+def _summary(choice: Candidate, table: str, cost: dict[str, float], config: Path, notes: tuple[str, ...]) -> str:
+    return "".join(f"Note: {note}\n" for note in notes) + (
         f"Pipeline tuning: {int(cost['trials'])} trials of {int(cost.get('measured', cost['trials']))} of"
         f" {int(cost['candidates'])} candidates,"
         f" {cost['wall_s']:.1f} s ({cost['launch_s']:.1f} s to start the processes and the first trial; after it"

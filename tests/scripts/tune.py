@@ -62,6 +62,7 @@ def main() -> None:
             "ran": ran,
             "again": (again.reused, again.choice, again.settings),
             "limited": limited,
+            "notes": first.notes,
         },
         out / f"tune.rank{trainer.global_rank}.pt",
     )
