@@ -21,7 +21,11 @@ tuner run's choice and where it lands in the sweep (its sweep median over the be
 already run when it starts, as they would in a script that tunes and then fits).
 
 Results: ``--out`` (default benchmarks/results/tune) gets ``results.json`` and the worker log; ``--docs`` (default
-docs/benchmarks.md) gets its generated section.
+docs/benchmarks.md) gets its generated section. ``--merge DIR DIR ...`` reports complete earlier outputs, batches
+taken at different times, as one set of runs (the machine drifts between batches more than within one)::
+
+    python benchmarks/tune.py --out /tmp/a && python benchmarks/tune.py --out /tmp/b --no-compile
+    python benchmarks/tune.py --merge /tmp/a /tmp/b     # writes benchmarks/results/tune/results.json and the docs
 """
 
 from __future__ import annotations
@@ -217,6 +221,34 @@ def stopped_run(out: Path, warmup: int) -> dict[str, Any]:
     return results
 
 
+def merged(outputs: list[Path], warmup: int) -> dict[str, Any]:
+    """Complete runs of this benchmark taken at different times (each output directory a batch with its
+    ``results.json`` and ``records.jsonl``) reported as one: each batch's runs numbered after the previous batch's."""
+    records: list[dict[str, Any]] = []
+    batches = []
+    for out in outputs:
+        summary = json.loads((out / "results.json").read_text())
+        batch = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        offset = sum(b["runs"] for b in batches)
+        for r in batch:
+            if "case" in r:
+                records.append({**r, "case": {**r["case"], "run": r["case"]["run"] + offset}})
+            elif not records:  # the first batch's machine (and its load as the benchmark started)
+                records.append(r)
+        runs = len({r["case"]["run"] for r in batch if "case" in r})
+        batches.append({"date": summary["date"], "elapsed_s": summary.get("elapsed_s"), "runs": runs})
+    results = collect(records, warmup)
+    elapsed = [b["elapsed_s"] for b in batches]
+    last = json.loads((outputs[-1] / "results.json").read_text())
+    results.update(
+        date=batches[-1]["date"],
+        elapsed_s=None if None in elapsed else sum(elapsed),
+        load_end=last.get("load_end"),
+        batches=batches,
+    )
+    return results
+
+
 def _label(settings: dict[str, Any]) -> str:
     from lightning_pipe.tune.space import Candidate
 
@@ -234,6 +266,10 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     m = results["machine"]
     done, planned = results.get("runs") or (args.runs, args.runs)
     runs = f"{done} runs, interleaved" if done == planned else f"The worker was stopped after {done} of {planned} runs"
+    if len(results.get("batches") or ()) > 1:
+        dates = ", ".join(f"{b['runs']} run{'s' * (b['runs'] != 1)} ending {b['date']}" for b in results["batches"])
+        total = sum(b["runs"] for b in results["batches"])
+        runs = f"{total} runs in {len(results['batches'])} batches ({dates}), interleaved within each batch"
     lines = [
         BEGIN,
         "",
@@ -339,6 +375,12 @@ def main() -> None:
     parser.add_argument(
         "--from-records", action="store_true", help="report a stopped run from OUT/records.jsonl: its complete runs"
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        help="report these complete earlier outputs (results.json, records.jsonl) as one set of runs: OUT/results.json",
+    )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
@@ -349,7 +391,10 @@ def main() -> None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if args.report_only:
+    if args.merge:
+        results = merged(args.merge, warmup)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    elif args.report_only:
         results = json.loads((args.out / "results.json").read_text())
     elif args.from_records:
         results = stopped_run(args.out, warmup)

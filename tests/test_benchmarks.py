@@ -169,3 +169,32 @@ def test_tune_quick_run(tmp_path):
     for w in results["workloads"].values():
         assert w["candidates"] == 4 and len(w["tunes"]) == 1 and w["tunes"][0]["ratio"] is not None
     assert "### Results" in proc.stdout and "tuner" in proc.stdout
+
+
+def test_tune_report_merges_batches_as_further_runs(tmp_path):
+    from benchmarks import tune as tune_bench
+
+    a = {"schedule": "1F1B", "microbatches": 4, "stages_per_rank": 1, "activation_checkpointing": 0, "compile": False}
+    b = {**a, "microbatches": 8}
+    cost = {"wall_s": 0.2, "launch_s": 0.1, "cpu_s": 0.4, "trials": 2.0}
+    outputs = []
+    for name, times, date in (("first", [(10.0, 12.0), (11.0, 13.0)], "d1"), ("second", [(14.0, 12.0)], "d2")):
+        records = [{"machine": {"cpu": name, "load_average": [0.1, 0.2, 0.3]}}]
+        for run, (ms_a, ms_b) in enumerate(times):
+            records += [_sweep(run, a, [99.0, ms_a]), _sweep(run, b, [99.0, ms_b])]
+            records.append({"case": {"kind": "tune", "workload": "mlp", "run": run}, "choice": b, "label": "x"})
+            records[-1].update(cost=cost, table="t")
+        out = tmp_path / name
+        out.mkdir()
+        (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (out / "results.json").write_text(json.dumps({"date": date, "elapsed_s": 5.0, "load_end": [len(times)] * 3}))
+        outputs.append(out)
+    results = tune_bench.merged(outputs, warmup=1)
+    w = results["workloads"]["mlp"]
+    # Three runs: a over them 10, 11, 14 (median 11); b 12, 13, 12 (median 12): a is best, the choice b at 12/11.
+    assert [p["run"] for p in w["sweep_picks"]] == [0, 1, 2]
+    assert [p["label"] for p in w["sweep_picks"]] == ["1F1B M=4 v=1", "1F1B M=4 v=1", "1F1B M=8 v=1"]
+    assert [t["run"] for t in w["tunes"]] == [0, 1, 2] and w["tunes"][0]["ratio"] == pytest.approx(12.0 / 11.0)
+    assert results["machine"]["cpu"] == "first" and results["load_end"] == [1, 1, 1] and results["elapsed_s"] == 10.0
+    text = tune_bench.markdown(results, Namespace(quick=False, runs=3))
+    assert "3 runs in 2 batches (2 runs ending d1, 1 run ending d2), interleaved within each batch" in text
