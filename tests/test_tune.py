@@ -523,3 +523,23 @@ def test_tune_at_two_processes(tmp_path):
     assert (proc.stdout + proc.stderr).count("Note: Processes of ranks 0 and 1") == 1
     # A memory limit nothing fits: a clear error on every rank.
     assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to"
+)
+def test_the_documented_pinning_gives_each_rank_its_own_cores_and_silences_the_note(tmp_path):
+    from tests.launch import run_script
+
+    proc = run_script("tune_pinned.py", str(tmp_path), nprocs=2, launcher="lightning", timeout=600)
+    ranks = [torch.load(tmp_path / f"pinned.rank{r}.pt", weights_only=False) for r in range(2)]
+    allowed = sorted(os.sched_getaffinity(0))
+    half = len(allowed) // 2
+    for rank, seen in enumerate(ranks):
+        assert seen["notes"] == ()
+        # Every thread (torch's, gloo's, Lightning's) inherited the pin of its process.
+        assert len(seen["threads"]) > 2 and all(
+            t == set(allowed[rank * half : (rank + 1) * half]) for t in seen["threads"]
+        )
+    assert "Note: Processes of ranks" not in proc.stdout + proc.stderr
