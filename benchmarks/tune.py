@@ -226,6 +226,7 @@ def merged(outputs: list[Path], warmup: int) -> dict[str, Any]:
     ``results.json`` and ``records.jsonl``) reported as one: each batch's runs numbered after the previous batch's."""
     records: list[dict[str, Any]] = []
     batches = []
+    summary: dict[str, Any] = {}
     for out in outputs:
         summary = json.loads((out / "results.json").read_text())
         batch = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
@@ -239,11 +240,10 @@ def merged(outputs: list[Path], warmup: int) -> dict[str, Any]:
         batches.append({"date": summary["date"], "elapsed_s": summary.get("elapsed_s"), "runs": runs})
     results = collect(records, warmup)
     elapsed = [b["elapsed_s"] for b in batches]
-    last = json.loads((outputs[-1] / "results.json").read_text())
     results.update(
         date=batches[-1]["date"],
         elapsed_s=None if None in elapsed else sum(elapsed),
-        load_end=last.get("load_end"),
+        load_end=summary.get("load_end"),  # the last batch's
         batches=batches,
     )
     return results
