@@ -265,9 +265,9 @@ def test_refuses_model_without_pipeline_plan():
 
 
 def test_refuses_parameters_outside_the_plan():
-    config = transformers.LlamaConfig(**SMALL, num_labels=3)
-    network = transformers.LlamaForSequenceClassification(config)
-    with pytest.raises(PipelineModelError, match=r"Parameter 'score.weight' of LlamaForSequenceClassification"):
+    network = _llama()
+    network.value_head = nn.Linear(8, 1)  # a head the forward does not call, outside the plan
+    with pytest.raises(PipelineModelError, match=r"Parameter 'value_head.weight' of LlamaForCausalLM"):
         hf_layout(network)
 
 

@@ -20,6 +20,7 @@ by its parameters and one piece, not by the files' size nor by a tensor's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -35,6 +36,7 @@ from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.comm.dtensor import assign_whole_, is_dtensor, local
 from lightning_pipe.compat import transformers as hf_compat
 from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.split.hf import task_heads
 from lightning_pipe.split.tied import tied_groups
 
 SAFETENSORS = "model.safetensors"
@@ -82,6 +84,8 @@ class Directory:
     files: dict[str, str]
     #: the ``model_type`` of ``config.json`` (``None`` without one)
     model_type: str | None
+    #: the model classes of ``config.json`` (``architectures``: ``["LlamaForCausalLM"]``; empty without one)
+    architectures: tuple[str, ...] = ()
 
 
 def read_directory(path: Path) -> Directory:
@@ -108,7 +112,15 @@ def read_directory(path: Path) -> Directory:
             )
     else:
         files = dict.fromkeys(_stored_names(path / name, kind), name)
-    return Directory(path, kind, files, _model_type(path / CONFIG))
+    config = _config(path / CONFIG)
+    model_type, architectures = config.get("model_type"), config.get("architectures")
+    return Directory(
+        path,
+        kind,
+        files,
+        model_type if isinstance(model_type, str) else None,
+        tuple(a for a in architectures if isinstance(a, str)) if isinstance(architectures, list) else (),
+    )
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -132,12 +144,12 @@ def _stored_names(file: Path, kind: str) -> list[str]:
         return list(f.keys())
 
 
-def _model_type(config: Path) -> str | None:
+def _config(config: Path) -> dict[str, Any]:
     try:
-        found = json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return found if isinstance(found, str) else None
+        found = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _open(file: Path) -> Any:
@@ -225,9 +237,12 @@ class LoadPlan:
     targets: dict[str, list[torch.Tensor]]
     #: this rank's state-dict keys found under no name (transformers' keys to ignore left out)
     missing: list[str]
-    #: stored names not read but not unexpected: other names of tied parameters, and those transformers ignores
-    #: when loading this model (``_keys_to_ignore_on_load_unexpected``)
+    #: stored names not read but not unexpected: other names of tied parameters, those transformers ignores
+    #: when loading this model (``_keys_to_ignore_on_load_unexpected``), and another task's head (:func:`new_head`)
     ignorable: set[str]
+    #: this rank's state-dict keys of a task head that the directory, a model of another task, does not hold: they
+    #: keep the model's own initialisation, as ``from_pretrained`` initialises a new head
+    new_head: list[str] = dataclasses.field(default_factory=list)
 
 
 def plan_load(
@@ -255,13 +270,39 @@ def plan_load(
     skip_missing, skip_unexpected = hf_compat.keys_to_ignore(network)
     relative = {k: k[len(network_prefix) :] if k.startswith(network_prefix) else k for k in local}
     missing = sorted(k for k in local if k not in names and not matching([relative[k]], skip_missing))
+    head, other_head = new_head(directory, network, [relative[k] for k in missing])
+    missing = [k for k in missing if relative[k] not in head]
     _check_shapes(directory, {k: tuple(local[k].shape) for k in names}, names)
     targets: dict[str, list[torch.Tensor]] = {}
     for key, name in names.items():
         filled = targets.setdefault(name, [])
         if all(_storage(t) != _storage(local[key]) for t in filled):  # one copy per storage
             filled.append(local[key])
-    return LoadPlan(directory, targets, missing, unread | matching(directory.files, skip_unexpected))
+    ignorable = unread | matching(directory.files, skip_unexpected) | other_head - set(names.values())
+    new = sorted(k for k in local if relative[k] in head)
+    return LoadPlan(directory, targets, missing, ignorable, new)
+
+
+def new_head(directory: Directory, network: nn.Module, missing: Iterable[str]) -> tuple[set[str], set[str]]:
+    """Which of the network's ``missing`` keys (relative to it) are a task head new to the directory, and which of the
+    directory's names are its own model's head, when the directory holds a model of another class (``architectures``
+    of its config.json): a causal LM's directory loaded into a sequence classifier, as ``from_pretrained`` does,
+    initialises the classifier's ``score`` and leaves the causal LM's ``lm_head`` unread.
+    """
+    name = type(network).__name__
+    prefix = base_model_prefix(network)
+    if not prefix or not directory.architectures or name in directory.architectures:
+        return set(), set()
+    heads = tuple(head + "." for head in task_heads(network, prefix))
+    ours = {key for key in missing if key.startswith(heads)}
+    theirs = {key for key in directory.files if not key.startswith(prefix + ".")}
+    theirs -= {key for key in theirs if key.split(".", 1)[0] in _base_children(network, prefix)}
+    return ours, theirs
+
+
+def _base_children(network: nn.Module, prefix: str) -> set[str]:
+    """The base model's children: a base model's own directory stores them without the prefix."""
+    return {name for name, _ in network.get_submodule(prefix).named_children()}
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -318,6 +359,16 @@ def _by_file(directory: Directory, names: Iterable[str]) -> dict[str, list[str]]
     for name in names:
         by_file.setdefault(directory.files[name], []).append(name)
     return dict(sorted(by_file.items()))
+
+
+def new_head_message(path: Path, network: nn.Module, directory: Directory, keys: Sequence[str]) -> str:
+    """The warning for a task head that the directory ``path`` (a model of another class) does not hold."""
+    return (
+        f"The Hugging Face model directory {str(path)!r} holds a {'/'.join(directory.architectures)}, not a"
+        f" {type(network).__name__}: the model's {fmt.format_keys(keys)} are not in it and keep the model's own"
+        " initialisation (`_init_weights`, as `from_pretrained` initialises a new head); its own head is left"
+        " unread. Train the head (it starts untrained), or start from a directory of this class."
+    )
 
 
 def mismatch_message(path: Path, missing: Sequence[str], unexpected: Sequence[str], strict: bool) -> str:

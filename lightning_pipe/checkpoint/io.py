@@ -321,10 +321,13 @@ def load_hf(
     plan = local_step(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
     agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
     # What every rank reads, leaves unread on purpose and misses: the same verdict on every rank.
-    found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing))
-    used = {name for read, ignorable, _ in found for name in (*read, *ignorable)}
-    missing = sorted({key for _, _, keys in found for key in keys})
+    found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing, plan.new_head))
+    used = {name for read, ignorable, _, _ in found for name in (*read, *ignorable)}
+    missing = sorted({key for _, _, keys, _ in found for key in keys})
     unexpected = sorted(set(plan.directory.files) - used)
+    new_head = sorted({key for *_, keys in found for key in keys})
+    if new_head and topo.global_rank == 0:
+        warnings.warn(hf.new_head_message(Path(source), network, plan.directory, new_head), UserWarning, stacklevel=2)
     if missing or unexpected:
         message = hf.mismatch_message(Path(source), missing, unexpected, strict)
         if strict:

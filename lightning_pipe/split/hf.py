@@ -154,7 +154,22 @@ def _plan(network: nn.Module) -> _Plan:
     for name, spec in head_pp_plan(network).items():
         if not (prefix and name.startswith(prefix + ".")) and _find(network, name) is not None:
             plan.setdefault(name, spec)
+    for name in task_heads(network, prefix):
+        plan.setdefault(name, (["hidden_states"], ["logits"]))
     return {name: (list(spec[0]), list(spec[1])) for name, spec in plan.items()}
+
+
+TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+"""The task models (class name suffixes) whose heads lightning-pipe adds to transformers' plan, which has none: their
+forward is the base model, then the head (``score``, ``classifier``, ``qa_outputs``) on its last hidden states."""
+
+
+def task_heads(network: nn.Module, prefix: str) -> list[str]:
+    """The heads of a sequence-, token-classification or question-answering model: its children with parameters
+    besides the base model (``prefix``); they run after the base model, on the last stage."""
+    if not type(network).__name__.endswith(TASK_HEADS) or not prefix:
+        return []
+    return [name for name, child in network.named_children() if name != prefix and _has_params(child)]
 
 
 def _require_plan(network: nn.Module) -> _Plan:

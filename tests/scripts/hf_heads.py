@@ -1,0 +1,38 @@
+"""Fine-tune tiny Hugging Face task heads (tests/hf_heads.py) under pipeline configurations, from their directories.
+Usage: hf_heads.py WORK CONFIGS_JSON (a list of {"name", "task", "schedule", "side", "user_loss", "directory"}); one
+launch runs them all. Each rank saves per config its losses, validation losses, and the head's parameters
+(``<name>.rank<r>.pt``); the run's checkpoint is saved as ``ckpt-<name>``, and the warnings the load raised."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from lightning_pipe import PipelineParallelStrategy
+from tests.hf_heads import fine_tune
+
+
+def main() -> None:
+    work, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    for cfg in configs:
+        directory = work / cfg.get("directory", cfg["task"])
+        strategy = PipelineParallelStrategy(schedule=cfg["schedule"], init_weights=directory)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, trainer = fine_tune(
+                work / cfg["task"], cfg["task"], strategy, devices=2, side=cfg["side"], user_loss=cfg["user_loss"]
+            )
+        result = {
+            "losses": model.step_losses,
+            "val_losses": model.val_losses,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "warnings": [str(w.message) for w in caught],
+        }
+        torch.save(result, work / f"{cfg['name']}.rank{trainer.global_rank}.pt")
+        trainer.save_checkpoint(work / f"ckpt-{cfg['name']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Hugging Face task heads under the pipeline: sequence classification (a reward model, right and left padding; a
+classifier), token classification and question answering. The head is a unit of the last stage; fine-tuned from a
+``save_pretrained`` directory at 2 processes under 1F1B and ZBVZeroBubble, the losses and validation equal a
+single-device ``from_pretrained`` fine-tune's, through ``labels=`` and through a loss on ``logits``; the export
+reloads with ``from_pretrained`` and gives the same logits. A causal LM's directory starts a classifier, the new head
+initialised by the model's own ``_init_weights`` as ``from_pretrained`` does."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_pipe import PipelineParallelStrategy  # noqa: E402
+from lightning_pipe.checkpoint import hf_export  # noqa: E402
+from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
+from lightning_pipe.split.hf import hf_layout  # noqa: E402
+from tests.hf_heads import TASKS, config, fine_tune, probe, save_pretrained  # noqa: E402
+from tests.launch import run_script  # noqa: E402
+
+TOL = 1e-5
+
+
+def _cfg(name, task, schedule, side="right", user_loss=False, **extra):
+    return dict(name=name, task=task, schedule=schedule, side=side, user_loss=user_loss, **extra)
+
+
+CONFIGS = [
+    _cfg("reward-right-1f1b", "reward", "1F1B"),
+    _cfg("reward-left-1f1b", "reward", "1F1B", "left", user_loss=True),
+    _cfg("reward-left-zbv", "reward", "ZBVZeroBubble", "left"),
+    _cfg("classifier-zbv", "classifier", "ZBVZeroBubble", user_loss=True),
+    _cfg("tagger-1f1b", "tagger", "1F1B"),
+    _cfg("tagger-zbv", "tagger", "ZBVZeroBubble", "left", user_loss=True),
+    _cfg("qa-1f1b", "qa", "1F1B", user_loss=True),
+    _cfg("qa-zbv", "qa", "ZBVZeroBubble"),
+    _cfg("reward-from-causal-lm", "reward", "1F1B", directory="reward-causal-lm"),
+]
+
+
+@pytest.mark.parametrize(
+    "task, head, base",
+    [("reward", "score", "model"), ("tagger", "score", "model"), ("qa", "qa_outputs", "transformer")],
+)
+def test_head_is_a_unit_after_the_final_norm(task, head, base):
+    network = getattr(transformers, TASKS[task][0])(config(task))
+    layout = hf_layout(network)
+    assert layout.pre == (f"{base}.embed_tokens",)
+    assert layout.post == (f"{base}.norm", head)
+    assert len(layout.blocks) == 4
+
+
+def test_question_answering_with_another_base_prefix():
+    network = transformers.LlamaForQuestionAnswering(config("reward"))  # its base model is `transformer`
+    assert hf_layout(network).post == ("transformer.norm", "qa_outputs")
+
+
+def test_causal_lm_directory_into_a_classifier_is_a_new_head(tmp_path):
+    path = save_pretrained(tmp_path / "lm", "classifier", causal_lm=True)
+    network = transformers.LlamaForSequenceClassification(config("classifier"))
+    directory = hf.read_directory(path)
+    assert directory.architectures == ("LlamaForCausalLM",)
+    ours, theirs = hf.new_head(directory, network, ["score.weight", "model.norm.weight"])
+    assert ours == {"score.weight"} and theirs == {"lm_head.weight"}
+    message = hf.new_head_message(path, network, directory, ["model.score.weight"])
+    assert "holds a LlamaForCausalLM, not a LlamaForSequenceClassification" in message
+    assert "'model.score.weight'" in message and "_init_weights" in message
+
+
+def test_directory_of_the_same_class_has_no_new_head(tmp_path):
+    path = save_pretrained(tmp_path / "cls", "classifier")
+    network = transformers.LlamaForSequenceClassification(config("classifier"))
+    assert hf.new_head(hf.read_directory(path), network, ["score.weight"]) == (set(), set())
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hf-heads")
+    for seed, task in enumerate(TASKS):
+        save_pretrained(work / task, task, seed=seed)
+    save_pretrained(work / "reward-causal-lm", "reward", seed=7, causal_lm=True)
+    return work
+
+
+@functools.cache
+def reference(path: str, task: str, side: str, user_loss: bool, init_weights: str | None = None):
+    """Losses, validation losses and probe logits of a single-device fine-tune of the directory: ``from_pretrained``,
+    or (``init_weights``) a one-stage pipeline started from that directory."""
+    strategy = None if init_weights is None else PipelineParallelStrategy(init_weights=init_weights)
+    model, _ = fine_tune(path, task, strategy, side=side, user_loss=user_loss)
+    return model.step_losses, model.val_losses, probe(model.model)
+
+
+@pytest.mark.slow
+def test_task_heads_fine_tune_and_export_2_procs(work):
+    run_script("hf_heads.py", str(work), json.dumps(CONFIGS), nprocs=2)
+    for cfg in CONFIGS:
+        task, name = cfg["task"], cfg["name"]
+        start = str(work / cfg["directory"]) if "directory" in cfg else None
+        losses, val_losses, logits = reference(str(work / task), task, cfg["side"], cfg["user_loss"], start)
+        ranks = [torch.load(work / f"{name}.rank{r}.pt") for r in range(2)]
+        for rank in ranks:
+            torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0, msg=name)
+        heads = ("score.weight", "qa_outputs.weight")
+        last = next(rank for rank in ranks if any(key.endswith(heads) for key in rank["state"]))
+        assert len(val_losses) == 2
+        torch.testing.assert_close(last["val_losses"], val_losses, rtol=TOL, atol=0, msg=name)
+        out = hf_export.export(work / f"ckpt-{name}", work / f"export-{name}")
+        assert json.loads((out / "config.json").read_text())["architectures"] == [TASKS[task][0]]
+        exported = getattr(transformers, TASKS[task][0]).from_pretrained(out, attn_implementation="eager")
+        torch.testing.assert_close(probe(exported), logits, rtol=0, atol=TOL, msg=name)
+    warned = [w for w in torch.load(work / "reward-from-causal-lm.rank0.pt")["warnings"] if "new head" in w]
+    assert len(warned) == 1 and "'model.score.weight' are not in it" in warned[0]
