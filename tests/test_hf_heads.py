@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from lightning_pipe import PipelineParallelStrategy  # noqa: E402
 from lightning_pipe.checkpoint import hf_export  # noqa: E402
 from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
-from lightning_pipe.split.hf import hf_layout  # noqa: E402
+from lightning_pipe.models import kind_of  # noqa: E402
+from lightning_pipe.models.huggingface.plan import hf_layout  # noqa: E402
 from tests.hf_heads import TASKS, config, fine_tune, probe, save_pretrained  # noqa: E402
 from tests.launch import run_script  # noqa: E402
 
@@ -64,7 +65,9 @@ def test_causal_lm_directory_into_a_classifier_is_a_new_head(tmp_path):
     network = transformers.LlamaForSequenceClassification(config("classifier"))
     directory = hf.read_directory(path)
     assert directory.architectures == ("LlamaForCausalLM",)
-    ours, theirs = hf.new_head(directory, network, ["score.weight", "model.norm.weight"])
+    ours, theirs = kind_of(network).new_weights(
+        network, directory.architectures, ["score.weight", "model.norm.weight"], directory.files
+    )
     assert ours == {"score.weight"} and theirs == {"lm_head.weight"}
     message = hf.new_head_message(path, network, directory, ["model.score.weight"])
     assert "holds a LlamaForCausalLM, not a LlamaForSequenceClassification" in message
@@ -74,7 +77,11 @@ def test_causal_lm_directory_into_a_classifier_is_a_new_head(tmp_path):
 def test_directory_of_the_same_class_has_no_new_head(tmp_path):
     path = save_pretrained(tmp_path / "cls", "classifier")
     network = transformers.LlamaForSequenceClassification(config("classifier"))
-    assert hf.new_head(hf.read_directory(path), network, ["score.weight"]) == (set(), set())
+    directory = hf.read_directory(path)
+    assert kind_of(network).new_weights(network, directory.architectures, ["score.weight"], directory.files) == (
+        set(),
+        set(),
+    )
 
 
 @pytest.fixture(scope="module")
