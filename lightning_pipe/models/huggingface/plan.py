@@ -25,6 +25,7 @@ from lightning_pipe.compat.transformers import head_pp_plan
 from lightning_pipe.errors import PipelineModelError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface.heads import HEAD_SPEC, task_heads
+from lightning_pipe.models.huggingface.vision import vision_plan
 from lightning_pipe.models.units import CONTAINERS, Layout
 
 MIN_TRANSFORMERS = "4.54"
@@ -156,6 +157,9 @@ def _plan(network: nn.Module) -> _Plan:
     The base model's plan runs first and the task model's own entries (heads) after it: transformers merges them in
     the other order (``LlamaForCausalLM.pp_plan`` starts with ``lm_head``).
     """
+    composite = vision_plan(network)
+    if composite is not None:  # a vision-language model: its text model's plan
+        return composite
     base_plan = dict(getattr(network.config, "base_model_pp_plan", None) or {})
     prefix = base_prefix(network)
     plan: _Plan = {(f"{prefix}.{name}" if prefix else name): spec for name, spec in base_plan.items()}
@@ -181,7 +185,7 @@ def _require_plan(network: nn.Module) -> _Plan:
             " reads the encoder's output, which the default frontend cannot pass from stage to stage. Pass"
             " `frontend='dataflow'`, which sends each value to the stages that read it."
         )
-    if not getattr(network.config, "base_model_pp_plan", None):
+    if not getattr(network.config, "base_model_pp_plan", None) and vision_plan(network) is None:
         raise PipelineModelError(
             f"{type(network).__name__} has no pipeline plan (`{type(network.config).__name__}.base_model_pp_plan` is"
             " empty in this transformers version), so lightning-pipe cannot tell where to cut it. Use a model"

@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
-from lightning_pipe.models.huggingface import router_logits
+from lightning_pipe.models.huggingface import router_logits, vision
 from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, block_stack
 
 #: On a stage view, how its blocks return their output: "tensor" or "tuple" (transformers 4.x families whose forward
@@ -73,9 +73,18 @@ def hf_stage_call(
     what the call returns on one device (``CausalLMOutputWithPast`` with ``loss`` when ``labels`` are given).
     """
     call = prepare_call(view, args, kwargs)
+    if not is_first:
+        call = vision.later_stage_call(call)
     blocks = _blocks(view)
     local = [i for i, block in enumerate(blocks) if not isinstance(block, PassThrough)]
-    exit_block = None if is_last else blocks[local[-1] + 1]
+    if not local and not is_first:
+        raise PipelineModelError(
+            f"A stage of {type(view).__name__} after the first holds none of its blocks (only what follows them), so"
+            " it has no block at which to take the hidden states it receives. Give the last stage at least one block"
+            " (fewer stages, or `balance=` that puts a block on it)."
+        )
+    # A first stage may hold only what precedes the blocks (a vision-language model's embedding and vision tower).
+    exit_block = None if is_last else blocks[local[-1] + 1 if local else 0]
     if is_first:
         carry = router_logits.Carry(view, call, (), is_last)
         with carry.recording():
@@ -136,7 +145,10 @@ class _Entry:
     def install(self, stack: ExitStack) -> None:
         for block in self.blocks[: self.first]:
             _hook(stack, block.register_forward_hook(lambda module, args, output: self.output))
-        _hook(stack, self.blocks[self.first].register_forward_pre_hook(self._check, with_kwargs=True))
+        # At block 0 (the previous stage held only what precedes the blocks) the forward hands it the stand-in
+        # embedding's value: it takes the received hidden states instead, as the previous stage's exit saw them.
+        check = self._check if self.first else self._replace
+        _hook(stack, self.blocks[self.first].register_forward_pre_hook(check, with_kwargs=True))
         for absent in self.view.modules():
             if isinstance(absent, AbsentInput):
                 absent.like = self.hidden
@@ -145,6 +157,11 @@ class _Entry:
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if _hidden_argument(args, kwargs) is not self.hidden:
             raise _WrongStyle
+
+    def _replace(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": self.hidden}
+        return (self.hidden, *args[1:]), kwargs
 
 
 def _run(view: nn.Module, call: dict[str, Any], exit_block: nn.Module | None, entry: _Entry | None) -> Any:
