@@ -63,3 +63,12 @@ def keys_to_ignore(model: Any) -> tuple[list[str], list[str]]:
     missing = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     unexpected = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     return list(missing), list(unexpected)
+
+
+def legacy_names(model: Any) -> dict[str, str]:
+    """``{stored pattern: network name}`` of the names older directories of this class store its weights under
+    (Llava in transformers 4.x saves ``language_model.model.*`` for ``model.language_model.*``), from the class's
+    ``_checkpoint_conversion_mapping``, which ``from_pretrained`` applies (4.x). Public replacement: none (5.x
+    converts through ``transformers.conversion_mapping``)."""
+    mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+    return {str(k): str(v) for k, v in mapping.items()}

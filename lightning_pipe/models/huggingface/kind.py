@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -98,11 +99,17 @@ class HuggingFaceKind:
 
     def disk_names(self, network: nn.Module, name: str) -> Iterator[str]:
         """``name``, then with the base model's prefix removed or added: a base model's directory loads into its task
-        model and the other way round, as with ``from_pretrained``."""
+        model and the other way round, as with ``from_pretrained``; then under the class's older names (a Llava
+        directory that transformers 4.x wrote)."""
         yield name
         base = base_prefix(network)
         if base:
             yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
+        for stored, ours in hf_compat.legacy_names(network).items():
+            # only plain prefixes (`^language_model.model`) can be turned back into the stored name
+            plain = stored.removeprefix("^")
+            if stored.startswith("^") and re.fullmatch(r"[\w.]+", plain) and name.startswith(ours + "."):
+                yield plain + name[len(ours) :]
 
     def ignored_on_load(self, network: nn.Module) -> tuple[list[str], list[str]]:
         return hf_compat.keys_to_ignore(network)

@@ -1,0 +1,111 @@
+"""Hugging Face vision-language models under the pipeline: Llava (CLIP + projector + Llama), Qwen2-VL (3-D rope
+positions from ``input_ids`` and ``image_grid_thw``) and Gemma3 (SigLIP, bidirectional image-token attention), cut by
+their text model's plan with the vision tower on the first stage. At 2 processes under 1F1B and ZBVZeroBubble the
+losses and validation equal one device's; a Llava directory (written in transformers 4.x's older names) starts a
+run with the vision tower frozen, and its export reloads with ``from_pretrained``."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_pipe.checkpoint import hf_export  # noqa: E402
+from lightning_pipe.errors import PipelineModelError  # noqa: E402
+from lightning_pipe.models import kind_of  # noqa: E402
+from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
+from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
+from lightning_pipe.models.huggingface.vision import later_stage_call  # noqa: E402
+from lightning_pipe.split.surgery import prune  # noqa: E402
+from tests.hf_vision import LAYERS, batches, build, probe, run_vision, save_pretrained  # noqa: E402
+from tests.launch import run_script  # noqa: E402
+
+TOL = 1e-5
+FAMILIES = {
+    "llava": ("model.vision_tower", "model.multi_modal_projector"),
+    "qwen2_vl": ("model.visual",),
+    "gemma3": ("model.vision_tower", "model.multi_modal_projector"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_vision_modules_join_the_embedding_before_the_text_blocks(family):
+    layout = hf_layout(build(family))
+    assert layout.pre == ("model.language_model.embed_tokens", *FAMILIES[family])
+    assert layout.blocks == tuple(f"model.language_model.layers.{i}" for i in range(LAYERS))
+    assert layout.post == ("model.language_model.norm", "lm_head")
+
+
+def test_later_stages_leave_the_pixels_out():
+    call = {"input_ids": 1, "pixel_values": 2, "pixel_values_videos": 3, "image_grid_thw": 4}
+    assert later_stage_call(call) == {
+        "input_ids": 1,
+        "pixel_values": None,
+        "pixel_values_videos": None,
+        "image_grid_thw": 4,
+    }
+
+
+def test_older_llava_names_on_disk():
+    network = build("llava")
+    names = list(kind_of(network).disk_names(network, "model.language_model.norm.weight"))
+    assert "language_model.model.norm.weight" in names
+    assert "vision_tower.x.weight" in list(kind_of(network).disk_names(network, "model.vision_tower.x.weight"))
+
+
+def _split(network, stages: list[list[str]]):
+    layout = hf_layout(network)
+    return [prune(copy.deepcopy(network), keep, layout.units, hf_placeholder(network)) for keep in stages]
+
+
+def test_a_first_stage_of_only_the_vision_tower_and_embedding_is_exact():
+    network = build("llava").eval()
+    layout = hf_layout(network)
+    ids, mask, labels, pixels = batches("llava", 2, 0).tensors
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels, pixel_values=pixels)
+    first, second = _split(network, [list(layout.pre), [*layout.blocks, *layout.post]])
+    with torch.no_grad():
+        sent = hf_stage_call(first, (), call, None, True, False)
+        out = hf_stage_call(second, (), call, (sent,), False, True)
+        torch.testing.assert_close(out.loss, network(**call).loss, rtol=0, atol=1e-6)
+
+
+def test_refuses_a_later_stage_without_blocks():
+    network = build("llava")
+    layout = hf_layout(network)
+    _, last = _split(network, [[*layout.pre, *layout.blocks], list(layout.post)])
+    ids, mask, labels, pixels = batches("llava", 2, 0).tensors
+    with pytest.raises(PipelineModelError, match=r"stage of LlavaForConditionalGeneration after the first holds none"):
+        hf_stage_call(last, (), dict(input_ids=ids, labels=labels), (torch.zeros(2, 12, 32),), False, True)
+
+
+CONFIGS = [
+    dict(name=f"{family}-{schedule}", family=family, schedule=schedule, devices=2)
+    for family in sorted(FAMILIES)
+    for schedule in ("1F1B", "ZBVZeroBubble")
+] + [dict(name="llava-directory", family="llava", schedule="1F1B", devices=2, freeze_vision=True, directory=True)]
+
+
+@pytest.mark.slow
+def test_vision_language_models_2_procs(tmp_path):
+    save_pretrained(tmp_path / "llava", "llava")
+    run_script("hf_vision.py", str(tmp_path), json.dumps(CONFIGS), nprocs=2)
+    for cfg in CONFIGS:
+        directory = {"path": str(tmp_path / "llava"), "pretrained": True} if cfg.get("directory") else {}
+        one = run_vision(family=cfg["family"], freeze_vision=cfg.get("freeze_vision", False), **directory)
+        for rank in range(2):
+            found = torch.load(tmp_path / f"{cfg['name']}.rank{rank}.pt")
+            torch.testing.assert_close(found["losses"], one["losses"], rtol=TOL, atol=0, msg=cfg["name"])
+            torch.testing.assert_close(found["metrics"]["val_loss"], one["metrics"]["val_loss"], rtol=TOL, atol=0)
+            for key, value in found["state"].items():
+                frozen = "vision_tower" in key and cfg.get("freeze_vision")
+                torch.testing.assert_close(
+                    value, one["state"][key], rtol=0 if frozen else TOL, atol=0 if frozen else TOL
+                )
+    out = hf_export.export(tmp_path / "ckpt-llava-directory", tmp_path / "export")
+    exported = transformers.LlavaForConditionalGeneration.from_pretrained(out, attn_implementation="eager")
+    torch.testing.assert_close(probe(exported, "llava"), probe(one["model"].model, "llava"), rtol=0, atol=TOL)
