@@ -102,10 +102,14 @@ def test_vision_language_models_2_procs(tmp_path):
             torch.testing.assert_close(found["losses"], one["losses"], rtol=TOL, atol=0, msg=cfg["name"])
             torch.testing.assert_close(found["metrics"]["val_loss"], one["metrics"]["val_loss"], rtol=TOL, atol=0)
             for key, value in found["state"].items():
-                frozen = "vision_tower" in key and cfg.get("freeze_vision")
-                torch.testing.assert_close(
-                    value, one["state"][key], rtol=0 if frozen else TOL, atol=0 if frozen else TOL
-                )
+                want = one["state"][key]
+                if "vision_tower" in key and cfg.get("freeze_vision"):
+                    assert torch.equal(value, want), key
+                    continue
+                # to the tensor's scale: Gemma3's zero-initialised image projection grows to ~1e16 in this tiny
+                # random model, where float sums differ in the 8th digit of the largest entries
+                scale = float(want.abs().max()) if want.is_floating_point() and want.numel() else 1.0
+                torch.testing.assert_close(value, want, rtol=TOL, atol=TOL * max(1.0, scale), msg=key)
     out = hf_export.export(tmp_path / "ckpt-llava-directory", tmp_path / "export")
     exported = transformers.LlavaForConditionalGeneration.from_pretrained(out, attn_implementation="eager")
     torch.testing.assert_close(probe(exported, "llava"), probe(one["model"].model, "llava"), rtol=0, atol=TOL)
