@@ -113,3 +113,10 @@ def test_vision_language_models_2_procs(tmp_path):
     out = hf_export.export(tmp_path / "ckpt-llava-directory", tmp_path / "export")
     exported = transformers.LlavaForConditionalGeneration.from_pretrained(out, attn_implementation="eager")
     torch.testing.assert_close(probe(exported, "llava"), probe(one["model"].model, "llava"), rtol=0, atol=TOL)
+
+
+def test_tensor_parallelism_of_a_vision_language_model_is_refused_by_name():
+    from lightning_pipe.models.huggingface.tensor_parallel import hf_tensor_parallel_plan
+
+    with pytest.raises(PipelineModelError, match=r"LlavaForConditionalGeneration has no tensor-parallel plan"):
+        hf_tensor_parallel_plan(build("llava"), 2, [])
