@@ -174,7 +174,10 @@ class LitVision(L.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
 
     def train_dataloader(self):
-        return DataLoader(batches(self.family, 32, 0), batch_size=8, shuffle=True)
+        # its own generator: from_pretrained of some families (Llava) draws from the global stream, which building
+        # from the config on the meta device does not, and the order must not depend on how the model was built
+        order = torch.Generator().manual_seed(0)
+        return DataLoader(batches(self.family, 32, 0), batch_size=8, shuffle=True, generator=order)
 
     def val_dataloader(self):
         return DataLoader(batches(self.family, 16, 1), batch_size=8)
