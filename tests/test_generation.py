@@ -1,8 +1,8 @@
 """``model.generate(...)`` inside validation, test and predict steps under the pipeline.
 
-- fast: stages chained in one process, each with its own layers' cache (:mod:`lightning_pipe.split.hf_generate`),
-  decode as the whole model with its cache (a full-attention and a sliding-window family); every refusal names what
-  it refuses;
+- fast: stages chained in one process, each with its own layers' cache
+  (:mod:`lightning_pipe.models.huggingface.generation`), decode as the whole model with its cache (a full-attention
+  and a sliding-window family); every refusal names what it refuses;
 - slow: a tiny Llama and a sliding-window Mistral generate in ``validation_step`` and ``predict_step`` at 2 processes
   (1F1B), greedy and seeded sampling, left padding: the ids equal one device's, the logged metrics within 1e-5 (one
   launch); extended: Interleaved1F1B at 4 processes.
@@ -20,12 +20,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe.errors import PipelineUsageError  # noqa: E402
-from lightning_pipe.split import hf_generate  # noqa: E402
-from lightning_pipe.split.hf import hf_layout, hf_placeholder  # noqa: E402
-from lightning_pipe.split.hf_stage import hf_stage_call  # noqa: E402
+from lightning_pipe.models.huggingface import generation as hf_generate  # noqa: E402
+from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
+from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
 from lightning_pipe.split.partition import balance_blocks, stage_units  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
-from lightning_pipe.step.generation import check_generating  # noqa: E402
+from lightning_pipe.step.generation import decoding_of  # noqa: E402
 from lightning_pipe.step.interception import CallInterceptor  # noqa: E402
 from tests.generation_models import build, run_generation  # noqa: E402
 from tests.hf_models import padded_batches  # noqa: E402
@@ -112,7 +112,18 @@ def test_greedy_and_sampling_pass_the_check():
 
 def test_generate_in_training_step_is_refused():
     with pytest.raises(PipelineUsageError, match="`training_step` called `LlamaForCausalLM.generate"):
-        check_generating(build("llama", layers=2), None, "training_step")
+        decoding_of(build("llama", layers=2), None, "training_step")
+
+
+def test_a_plain_module_with_a_generate_method_is_refused_by_name():
+    class HandWritten(torch.nn.Module):
+        def generate(self, x):  # a decoding loop of its own, calling forward once per token
+            return x
+
+    with pytest.raises(PipelineUsageError) as err:
+        decoding_of(HandWritten(), None, "validation_step")
+    for name in ["`HandWritten.generate(...)`", "`validation_step`", "plain module", "Call the network once per step"]:
+        assert name in str(err.value)
 
 
 def test_generate_outside_a_step_and_after_a_forward_are_refused():

@@ -21,17 +21,17 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm.transport import pack, unpack
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.microbatch import batch_size
-from lightning_pipe.split import hf_generate
-from lightning_pipe.split.hf_stage import hf_stage_call
+from lightning_pipe.models import kind_of
+from lightning_pipe.models.base import Decoding
 from lightning_pipe.step.executors.forward_only import ForwardOnlyExecutor, microbatch_sizes, resolve_eval_microbatches
 from lightning_pipe.step.interception import Call
 from lightning_pipe.step.runtime import PipelineRuntime
 from lightning_pipe.step.stage import StepContext
 
 
-def check_generating(network: nn.Module, runtime: PipelineRuntime, hook: str) -> None:
-    """Refuse a generating step that the pipeline cannot run exactly: in training, or on stages whose call is not a
-    transformers model's own forward (the dataflow or trace frontends, which keep no cache)."""
+def decoding_of(network: nn.Module, runtime: PipelineRuntime, hook: str) -> Decoding:
+    """How ``network`` decodes under the pipeline; refuses a generating step that cannot run exactly (in training, on
+    stages that do not run the kind's own stage call: the dataflow or trace frontends keep no cache)."""
     name = type(network).__name__
     if hook == "training_step":
         raise PipelineUsageError(
@@ -39,52 +39,62 @@ def check_generating(network: nn.Module, runtime: PipelineRuntime, hook: str) ->
             " forward and backward pass per microbatch through the schedule. Generate in `validation_step`,"
             " `test_step` or `predict_step`."
         )
-    calls = {type(s.stage_call).__name__ for s in runtime.stages.values() if s.stage_call is not hf_stage_call}
+    kind = kind_of(network)
+    decoding = kind.decoding()
+    if decoding is None:
+        raise PipelineUsageError(
+            f"`{name}.generate(...)` was called in `{hook}`, but a {kind.name} does not decode under"
+            " PipelineParallelStrategy: only a transformers model's own `generate` does (each stage keeps its own"
+            " layers' cache). Call the network once per step instead."
+        )
+    calls = {type(s.stage_call).__name__ for s in runtime.stages.values() if s.stage_call is not kind.stage_call}
     if calls:
         raise PipelineUsageError(
-            f"`{name}.generate(...)` under PipelineParallelStrategy needs the stages of a transformers model split by"
-            f" its pipeline plan (frontend='auto' or 'modules'); these stages run through {sorted(calls)}, which keep"
-            " no key/value cache. Use `frontend='auto'`."
+            f"`{name}.generate(...)` under PipelineParallelStrategy needs stages that run the model's own forward"
+            f" (frontend='auto' or 'modules'); these stages run through {sorted(calls)}, which keep no key/value cache."
+            " Use `frontend='auto'`."
         )
+    return decoding
 
 
 class Lockstep:
     """Answers the network's calls while a generating step runs on every rank of the pipeline (see the module
     docstring). One per step."""
 
-    def __init__(self, runtime: PipelineRuntime, executor: ForwardOnlyExecutor, network: nn.Module) -> None:
-        self.runtime, self.executor, self.network = runtime, executor, network
+    def __init__(
+        self, runtime: PipelineRuntime, executor: ForwardOnlyExecutor, network: nn.Module, decoding: Decoding
+    ) -> None:
+        self.runtime, self.executor, self.network, self.decoding = runtime, executor, network, decoding
         #: while ``generate`` runs: the stage caches of each row chunk (made at its first network call)
-        self._chunks: list[hf_generate.StageCaches] | None = None
+        self._chunks: list[Any] | None = None
         self._generating = False
 
     def generate(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The model's own ``generate`` on this rank, its network calls answered by :meth:`answer`."""
-        hf_generate.check_generate(self.network, args, kwargs)
+        self.decoding.check(self.network, args, kwargs)
         self._generating, self._chunks = True, None
         try:
-            return type(self.network).generate(self.network, *args, **kwargs)
+            return self.decoding.generate(self.network, args, kwargs)
         finally:
             self._generating, self._chunks = False, None
 
     def answer(self, call: Call) -> Any:
         """One network call, made alike on every rank: one pass through the stages; the last stage's output on every
         rank."""
-        runtime = self.runtime
+        runtime, decoding = self.runtime, self.decoding
         if self._generating:
-            cache = call.kwargs.get("past_key_values")
-            rows = hf_generate.rows_of(call.kwargs)
+            rows = decoding.rows(call.kwargs)
             n = resolve_eval_microbatches(self.executor.eval_microbatches, rows, runtime.pipeline_size)
             sizes = microbatch_sizes(rows, n)
             if self._chunks is None or len(self._chunks) != len(sizes):
-                self._chunks = [hf_generate.StageCaches() for _ in sizes]
+                self._chunks = [decoding.new_caches() for _ in sizes]
             starts = [sum(sizes[:m]) for m in range(len(sizes))]
             calls = [
-                Call((), hf_generate.chunk_call(call.kwargs, rows, a, a + size, caches))
-                for a, size, caches in zip(starts, sizes, self._chunks if cache is not None else [None] * len(sizes))
+                Call((), decoding.chunk(call.kwargs, rows, a, a + size, caches))
+                for a, size, caches in zip(starts, sizes, self._chunks)
             ]
         else:
-            cache, sizes, calls = None, [batch_size((call.args, call.kwargs))], [call]
+            sizes, calls = [batch_size((call.args, call.kwargs))], [call]
         outputs: dict[int, Any] = {}
         step = StepContext(calls, sizes)
         step.on_output = outputs.__setitem__
@@ -93,9 +103,9 @@ class Lockstep:
         merged = None
         if runtime.has_last:
             ordered = [outputs[m] for m in range(len(sizes))]
-            merged = hf_generate.merge_chunks(ordered) if self._generating else ordered[0]
+            merged = decoding.merge(ordered) if self._generating else ordered[0]
         skeleton, tensors = pack(merged) if merged is not None else (None, [])
         shared = collectives.broadcast_object((skeleton, [t.cpu() for t in tensors]), last, runtime.group)
         if merged is None:
             merged = unpack(shared[0], [t.to(runtime.device) for t in shared[1]])
-        return hf_generate.with_cache(merged, cache) if self._generating else merged
+        return decoding.answer(merged, call.kwargs) if self._generating else merged

@@ -33,7 +33,7 @@ from lightning_pipe.errors import MicrobatchError, PipelineUsageError
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 from lightning_pipe.step.executors.base import Executor
 from lightning_pipe.step.executors.forward_only import ForwardOnlyExecutor
-from lightning_pipe.step.generation import Lockstep, check_generating
+from lightning_pipe.step.generation import Lockstep, decoding_of
 from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue, recording_logs
 from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
 from lightning_pipe.step.metrics import MetricMirror, MetricUpdate, StepMetrics
@@ -185,11 +185,11 @@ class StepProtocol:
         """A step that generates: every rank runs it on the whole batch in lockstep
         (:mod:`lightning_pipe.step.generation`); the last stage settles it as a one-microbatch step."""
         network = self.interceptor.module
-        check_generating(network, self.runtime, hook)
+        decoding = decoding_of(network, self.runtime, hook)
         assert isinstance(executor, ForwardOnlyExecutor)
         # Sampling draws from the compute stream: the same numbers on every rank, so every rank picks the same tokens.
         self.rng.agree(self.runtime.group, self.runtime.last_stage_global_rank)
-        driver = Lockstep(self.runtime, executor, network)
+        driver = Lockstep(self.runtime, executor, network, decoding)
         logs: list[LoggedValue] = []
         if not self.runtime.has_last:
             with self.interceptor.lockstep(driver.answer, driver.generate), recording_logs(self.lightning_module, logs):

@@ -2,7 +2,7 @@
 at the next stage's first block.
 
 Every stage calls the whole task model with the microbatch's own call (``use_cache=False``), on a module whose units
-of other stages are stand-ins (:func:`lightning_pipe.split.hf.hf_placeholder`):
+of other stages are stand-ins (:func:`lightning_pipe.models.huggingface.plan.hf_placeholder`):
 
 - **entry** (stages after the first): the embedding's stand-in returns zeros shaped like the received hidden states,
   so the forward builds its masks and position embeddings as on the first stage; the blocks before the stage's
@@ -35,9 +35,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
-from lightning_pipe.split import router_logits
-from lightning_pipe.split.hf import AbsentInput, PassThrough, block_stack
-from lightning_pipe.split.hf_generate import StageCaches
+from lightning_pipe.models.huggingface import router_logits
+from lightning_pipe.models.huggingface.generation import StageCaches
+from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, block_stack
 
 #: On a stage view, how its blocks return their output: "tensor" or "tuple" (transformers 4.x families whose forward
 #: unpacks ``layer_outputs[0]``). A stage view is lightning-pipe's own shallow copy of the network.
@@ -108,7 +108,7 @@ def hf_stage_call(
 def prepare_call(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The network call ``view(*args, **kwargs)`` by argument name, with ``use_cache=False``; refuses what a stage
     cannot compute (a cache of the whole model, every layer's hidden states or attentions). A decoding call made by
-    ``generate`` under the pipeline carries the stage caches of its row chunk (:class:`.hf_generate.StageCaches`):
+    ``generate`` under the pipeline carries the stage caches of its row chunk (:class:`.generation.StageCaches`):
     the stage runs with its own cache, ``use_cache=True``."""
     call = _bind(view, args, kwargs)
     caches = call.get("past_key_values")

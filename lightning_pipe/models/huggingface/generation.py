@@ -1,10 +1,11 @@
 """What cached decoding needs to know about a transformers model: the key/value cache each stage keeps of its own
 layers, the row chunks of a decoding call, and which ``generate`` modes fit a pipeline.
 
-transformers' own ``generate`` runs unchanged on every rank (:mod:`lightning_pipe.step.generation` drives it); each
-of its network calls is one pass through the stages. The cache object ``generate`` made and passes in is only carried
-along: every stage keeps, per row chunk, a :class:`StageCache` holding its own layers' keys and values, and the
-forward of the stage (:func:`lightning_pipe.split.hf_stage.prepare_call`) is given that one.
+transformers' own ``generate`` runs unchanged on every rank (:mod:`lightning_pipe.step.generation` drives it through
+:class:`HuggingFaceDecoding`); each of its network calls is one pass through the stages. The cache object ``generate``
+made and passes in is only carried along: every stage keeps, per row chunk, a cache holding its own layers' keys and
+values (:func:`make_stage_cache`), and the forward of the stage (:func:`lightning_pipe.models.huggingface.stage.
+prepare_call`) is given that one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.split.hf import PassThrough, block_stack
+from lightning_pipe.models.huggingface.plan import PassThrough, block_stack
 
 #: the ``generate`` modes a pipeline decodes exactly: one token per row and per network call, no cache reordering
 SUPPORTED_MODES = ("greedy_search", "sample")
@@ -61,6 +62,32 @@ class StageCaches:
         if held is None:
             held = self._caches[id(view)] = (view, make_stage_cache(view))
         return held[1]
+
+
+class HuggingFaceDecoding:
+    """A transformers model's ``generate`` under a pipeline (:class:`~lightning_pipe.models.base.Decoding`)."""
+
+    def check(self, network: nn.Module, args: tuple, kwargs: dict) -> None:
+        check_generate(network, args, kwargs)
+
+    def generate(self, network: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return type(network).generate(network, *args, **kwargs)  # the class's: the instance's is the interceptor
+
+    def rows(self, kwargs: dict) -> int:
+        return rows_of(kwargs)
+
+    def new_caches(self) -> StageCaches:
+        return StageCaches()
+
+    def chunk(self, kwargs: dict, rows: int, start: int, stop: int, caches: Any) -> dict:
+        # generate(use_cache=False) passes no cache: every call recomputes the whole sequence, as on one device
+        return chunk_call(kwargs, rows, start, stop, caches if kwargs.get("past_key_values") is not None else None)
+
+    def merge(self, outputs: list[Any]) -> Any:
+        return merge_chunks(outputs)
+
+    def answer(self, output: Any, kwargs: dict) -> Any:
+        return with_cache(output, kwargs.get("past_key_values"))
 
 
 def check_generate(network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
