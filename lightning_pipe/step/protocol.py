@@ -189,6 +189,7 @@ class StepProtocol:
         assert isinstance(executor, ForwardOnlyExecutor)
         # Sampling draws from the compute stream: the same numbers on every rank, so every rank picks the same tokens.
         self.rng.agree(self.runtime.group, self.runtime.last_stage_global_rank)
+        self.rng.agree_device(self.runtime.group, self.runtime.last_stage_global_rank, self.runtime.device)
         driver = Lockstep(self.runtime, executor, network, decoding)
         logs: list[LoggedValue] = []
         if not self.runtime.has_last:
