@@ -60,7 +60,10 @@ class CallInterceptor:
         #: in lockstep mode: ``answer(call) -> output``, the same on every rank
         self._answer: Callable[[Call], Any] | None = None
         # `generate` reads the forward's parameters (position_ids, logits_to_keep) to decide what to pass it.
-        self.__signature__ = inspect.signature(module.forward)
+        try:
+            self.__signature__ = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a forward without a signature (a builtin): (*args, **kwargs) as before
+            pass
         # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
         module.forward = self  # type: ignore[method-assign]
         self.generate = GenerateInterceptor(self) if callable(getattr(module, "generate", None)) else None
