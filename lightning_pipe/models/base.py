@@ -11,7 +11,8 @@ A *model kind* (a plain ``nn.Module``, a transformers model, ...) answers, for o
   of another class of the family lacks or adds (:meth:`ModelKind.new_weights`), and what a
   checkpoint records to write it back in the family's format (:meth:`ModelKind.record`);
 - the tensors its own initialisation leaves unset on the meta device and how to set them (:meth:`ModelKind.
-  restore_buffers`).
+  restore_buffers`);
+- how its ``generate`` decodes under a pipeline, if it has one (:meth:`ModelKind.decoding`, :class:`Decoding`).
 
 The split, the checkpoint code and tensor parallelism ask :func:`lightning_pipe.models.kind_of` for the network's kind
 and call these; they hold no family's knowledge themselves. Pure: no process group, no step.
@@ -37,6 +38,40 @@ Placeholder = Callable[[str], "nn.Module | None"]
 
 #: ``(args, kwargs) -> (args, kwargs)``: a network call as the dataflow frontend runs it on every stage
 PrepareCall = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict]"]
+
+
+class Decoding(Protocol):
+    """How a kind's ``generate`` decodes under a pipeline (driven by :mod:`lightning_pipe.step.generation`): every
+    rank runs the kind's own loop; each network call it makes is split into row chunks, each carrying the caches its
+    stages keep between calls."""
+
+    def check(self, network: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Refuse, naming the argument, a ``generate`` call whose decoding a pipeline cannot reproduce exactly."""
+        ...
+
+    def generate(self, network: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The kind's own ``generate(*args, **kwargs)`` on this rank (its network calls go through the stages)."""
+        ...
+
+    def rows(self, kwargs: dict) -> int:
+        """The number of sequences of a network call ``generate`` made."""
+        ...
+
+    def new_caches(self) -> Any:
+        """The empty caches of one row chunk (each stage makes its own at its first call)."""
+        ...
+
+    def chunk(self, kwargs: dict, rows: int, start: int, stop: int, caches: Any) -> dict:
+        """The network call ``kwargs`` (by name) for rows ``start:stop`` of ``rows``, carrying ``caches``."""
+        ...
+
+    def merge(self, outputs: list[Any]) -> Any:
+        """The last stage's output of a call from its chunks' outputs, in row order, without stage caches."""
+        ...
+
+    def answer(self, output: Any, kwargs: dict) -> Any:
+        """``output`` as ``generate`` expects it back from the network call ``kwargs``."""
+        ...
 
 
 class ModelKind(Protocol):
@@ -101,4 +136,8 @@ class ModelKind(Protocol):
 
     def restore_buffers(self, module: nn.Module) -> bool:
         """Set a submodule's tensors that its constructor computed and the meta device lost; ``True`` if it did."""
+        ...
+
+    def decoding(self) -> Decoding | None:
+        """How the kind's ``generate`` decodes under a pipeline; ``None``: the kind cannot generate there."""
         ...

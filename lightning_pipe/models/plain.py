@@ -102,3 +102,6 @@ class PlainKind:
 
     def restore_buffers(self, module: nn.Module) -> bool:
         return False
+
+    def decoding(self) -> None:
+        return None  # a decoding loop of the user's own calls the network once per token: refused as such

@@ -6,7 +6,13 @@ The pipelined network is never called as a whole. Its ``forward`` is replaced by
   and stops the step (every rank does this for every microbatch: that call is the pipeline's input and the source of
   each stage's side inputs);
 - in *respond* mode, on the rank holding the last stage, the user's step runs once per microbatch and the
-  interceptor returns that microbatch's pipeline output, from which the step computes its loss and logs.
+  interceptor returns that microbatch's pipeline output, from which the step computes its loss and logs;
+- in *lockstep* mode (a step that generates), every rank runs the user's step on the whole batch and each network
+  call, those ``generate`` makes included, is one pass through the stages answered on every rank
+  (:mod:`lightning_pipe.step.generation`).
+
+A network with a ``generate`` method (transformers) gets a :class:`GenerateInterceptor` too: capturing a step stops at
+``generate`` as at a forward, and the call is marked, so that the step protocol runs the step in lockstep.
 
 ``self.log`` calls made during those runs are recorded (:func:`recording_logs`); the step protocol merges them over
 microbatches and replays them once, on every rank.
@@ -14,6 +20,7 @@ microbatches and replays them once, on every rank.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +39,8 @@ class Call:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: the step's first use of the network was ``generate(...)``, not a forward
+    generate: bool = False
 
 
 class _InputsCaptured(BaseException):
@@ -48,16 +57,28 @@ class CallInterceptor:
         self._output: Any = None
         self._used = False
         self._captured: Call | None = None
+        #: in lockstep mode: ``answer(call) -> output``, the same on every rank
+        self._answer: Callable[[Call], Any] | None = None
+        # `generate` reads the forward's parameters (position_ids, logits_to_keep) to decide what to pass it.
+        try:
+            self.__signature__ = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a forward without a signature (a builtin): (*args, **kwargs) as before
+            pass
         # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
         module.forward = self  # type: ignore[method-assign]
+        self.generate = GenerateInterceptor(self) if callable(getattr(module, "generate", None)) else None
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
+        self.module.__dict__.pop("generate", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "capture":
             self._captured = Call(args, kwargs)
             raise _InputsCaptured
+        if self._mode == "lockstep":
+            assert self._answer is not None
+            return self._answer(Call(args, kwargs))
         if self._mode == "respond":
             if self._used:
                 raise PipelineUsageError(
@@ -92,6 +113,40 @@ class CallInterceptor:
             )
         return self._captured
 
+    def generate_called(self, args: tuple, kwargs: dict, run: Callable[[tuple, dict], Any] | None) -> Any:
+        """The network's ``generate`` was called: captured, or run on this rank (lockstep), or refused."""
+        if self._mode == "capture":
+            self._captured = Call(args, kwargs, generate=True)
+            raise _InputsCaptured
+        if self._mode == "lockstep":
+            assert run is not None
+            return run(args, kwargs)
+        if self._mode == "respond":
+            raise PipelineUsageError(
+                f"`{self.hook}` called `generate` after calling the pipelined network. A step that generates runs on"
+                " every stage, which the strategy learns from the step's first use of the network: call"
+                " `generate(...)` before any other call of the network in the step."
+            )
+        raise PipelineUsageError(
+            f"`generate` of the pipelined network ({type(self.module).__name__}) was called outside a validation,"
+            " test or predict step. Under PipelineParallelStrategy each rank holds only its stages, so the network"
+            " can only generate inside the strategy's steps."
+        )
+
+    @contextmanager
+    def lockstep(self, answer: Callable[[Call], Any], generate: Callable[[tuple, dict], Any]) -> Iterator[None]:
+        """Within the block, every call of the network is answered by ``answer`` and ``generate(...)`` runs
+        ``generate(args, kwargs)``."""
+        self._mode, self._answer = "lockstep", answer
+        if self.generate is not None:
+            self.generate.run = generate
+        try:
+            yield
+        finally:
+            self._mode, self._answer = "off", None
+            if self.generate is not None:
+                self.generate.run = None
+
     @contextmanager
     def responding(self, output: Any) -> Iterator[None]:
         """Within the block, the network's single call returns ``output``."""
@@ -105,6 +160,20 @@ class CallInterceptor:
                 f"`{self.hook}` did not call the pipelined network for this microbatch. Call the network"
                 " (e.g. `self(x)`) exactly once in each step."
             )
+
+
+class GenerateInterceptor:
+    """Stands in for the network's ``generate`` while the strategy runs a step (installed by
+    :class:`CallInterceptor`, which it reports to)."""
+
+    def __init__(self, forward: CallInterceptor) -> None:
+        self.forward = forward
+        #: in lockstep mode: ``run(args, kwargs) -> output`` runs the real ``generate`` on this rank
+        self.run: Callable[[tuple, dict], Any] | None = None
+        forward.module.generate = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward.generate_called(args, kwargs, self.run)
 
 
 @dataclass

@@ -32,6 +32,8 @@ from lightning_pipe.comm.dtensor import full
 from lightning_pipe.errors import MicrobatchError, PipelineUsageError
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 from lightning_pipe.step.executors.base import Executor
+from lightning_pipe.step.executors.forward_only import ForwardOnlyExecutor
+from lightning_pipe.step.generation import Lockstep, decoding_of
 from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue, recording_logs
 from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
 from lightning_pipe.step.metrics import MetricMirror, MetricUpdate, StepMetrics
@@ -127,7 +129,9 @@ class StepProtocol:
             self._check_agreement(key)
             step = StepContext(calls, sizes)
             local = None
-            if runtime.has_last:
+            if any(c.generate for c in calls):
+                local = self._generating(hook, batch, extra_args, executor, _checksum(key))
+            elif runtime.has_last:
                 record = _Record()
                 scale = 1.0 / (n * accumulate)
                 with self.mirror.step(record_step_values=n > 1) as metrics:
@@ -173,6 +177,34 @@ class StepProtocol:
         if len({int(t) for t in everyone}) != 1:
             raise MicrobatchError(DIFFERENT_BATCHES)
         self._agreed.add(checksum)
+
+    # ------------------------------------------------------------------------------------------------ generating
+    def _generating(
+        self, hook: str, batch: Any, extra_args: tuple, executor: Executor, checksum: int
+    ) -> Outcome | None:
+        """A step that generates: every rank runs it on the whole batch in lockstep
+        (:mod:`lightning_pipe.step.generation`); the last stage settles it as a one-microbatch step."""
+        network = self.interceptor.module
+        decoding = decoding_of(network, self.runtime, hook)
+        assert isinstance(executor, ForwardOnlyExecutor)
+        # Sampling draws from the compute stream: the same numbers on every rank, so every rank picks the same tokens.
+        self.rng.agree(self.runtime.group, self.runtime.last_stage_global_rank)
+        self.rng.agree_device(self.runtime.group, self.runtime.last_stage_global_rank, self.runtime.device)
+        driver = Lockstep(self.runtime, executor, network, decoding)
+        logs: list[LoggedValue] = []
+        if not self.runtime.has_last:
+            with self.interceptor.lockstep(driver.answer, driver.generate), recording_logs(self.lightning_module, logs):
+                getattr(self.lightning_module, hook)(batch, *extra_args)
+            return None
+        record = _Record()
+        with self.mirror.step(record_step_values=False) as metrics:
+            with self.interceptor.lockstep(driver.answer, driver.generate), recording_logs(self.lightning_module, logs):
+                result = getattr(self.lightning_module, hook)(batch, *extra_args)
+            record.logs[0] = [LoggedValue(e.name, _whole(e.value), e.kwargs) for e in logs]
+            record.results[0] = result = _whole(result)
+            items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
+            record.items[0] = None if items is None else torch.as_tensor(items).detach()
+            return self._settle(hook, record, [batch_size(batch)], metrics, checksum)
 
     # ------------------------------------------------------------------------------------------------ last stage
     def run_user_step(self, hook: str, microbatch: Any, extra_args: tuple, output: Any) -> tuple[Any, list]:

@@ -35,6 +35,15 @@ class RngStreams:
         collectives.broadcast_(state, src, group)
         torch.set_rng_state(state)
 
+    def agree_device(self, group: Any, src: int, device: torch.device) -> None:
+        """Give every rank of ``group`` the CUDA generator state of global rank ``src`` for its own ``device``
+        (collective; nothing on other devices): sampling on the device draws from it."""
+        if device.type != "cuda":
+            return
+        state = torch.cuda.get_rng_state(device)
+        collectives.broadcast_(state, src, group)
+        torch.cuda.set_rng_state(state, device)
+
     @contextmanager
     def compute(self) -> Iterator[None]:
         data = torch.get_rng_state()

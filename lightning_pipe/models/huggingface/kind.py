@@ -22,6 +22,7 @@ from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface import router_logits
 from lightning_pipe.models.huggingface.heads import new_weights
+from lightning_pipe.models.huggingface.generation import HuggingFaceDecoding
 from lightning_pipe.models.huggingface.plan import (
     base_prefix,
     hf_layout,
@@ -144,3 +145,6 @@ class HuggingFaceKind:
 
     def restore_buffers(self, module: nn.Module) -> bool:
         return restore_rotary_buffers(module)
+
+    def decoding(self) -> HuggingFaceDecoding:
+        return HuggingFaceDecoding()

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 from lightning_pipe.models.huggingface import router_logits, vision
+from lightning_pipe.models.huggingface.generation import StageCaches
 from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, block_stack
 
 #: On a stage view, how its blocks return their output: "tensor" or "tuple" (transformers 4.x families whose forward
@@ -115,8 +116,16 @@ def hf_stage_call(
 
 def prepare_call(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The network call ``view(*args, **kwargs)`` by argument name, with ``use_cache=False``; refuses what a stage
-    cannot compute (cached decoding, every layer's hidden states or attentions)."""
+    cannot compute (a cache of the whole model, every layer's hidden states or attentions). A decoding call made by
+    ``generate`` under the pipeline carries the stage caches of its row chunk (:class:`.generation.StageCaches`):
+    the stage runs with its own cache, ``use_cache=True``."""
     call = _bind(view, args, kwargs)
+    caches = call.get("past_key_values")
+    if isinstance(caches, StageCaches):
+        call["past_key_values"] = caches.of(view)
+        _refuse_unsupported(view, {**call, "past_key_values": None})
+        call["use_cache"] = True
+        return call
     _refuse_unsupported(view, call)
     call["use_cache"] = False
     return call
@@ -263,7 +272,9 @@ def _refuse_unsupported(view: nn.Module, call: dict[str, Any]) -> None:
     if call.get("past_key_values") is not None:
         raise PipelineUsageError(
             f"{type(view).__name__} was called with `past_key_values`: a pipeline stage holds only its own layers'"
-            " cache, so cached decoding is not supported. Call the model without `past_key_values` in the step."
+            " cache, so a cache passed in cannot be used. Call the model without `past_key_values` in the step; to"
+            " decode, call `generate(...)` in validation, test or predict steps, where each stage keeps its own"
+            " layers' cache."
         )
     for flag in ("output_hidden_states", "output_attentions"):
         if call.get(flag, getattr(view.config, flag, False)):

@@ -1,0 +1,216 @@
+"""``model.generate(...)`` inside validation, test and predict steps under the pipeline.
+
+- fast: stages chained in one process, each with its own layers' cache
+  (:mod:`lightning_pipe.models.huggingface.generation`), decode as the whole model with its cache (a full-attention
+  and a sliding-window family); every refusal names what it refuses;
+- slow: a tiny Llama and a sliding-window Mistral generate in ``validation_step`` and ``predict_step`` at 2 processes
+  (1F1B), greedy and seeded sampling, left padding: the ids equal one device's, the logged metrics within 1e-5 (one
+  launch); extended: Interleaved1F1B at 4 processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_pipe.errors import PipelineUsageError  # noqa: E402
+from lightning_pipe.models.huggingface import generation as hf_generate  # noqa: E402
+from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
+from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
+from lightning_pipe.split.partition import balance_blocks, stage_units  # noqa: E402
+from lightning_pipe.split.surgery import prune  # noqa: E402
+from lightning_pipe.step.generation import decoding_of  # noqa: E402
+from lightning_pipe.step.interception import CallInterceptor  # noqa: E402
+from tests.generation_models import build, run_generation  # noqa: E402
+from tests.hf_models import padded_batches  # noqa: E402
+from tests.launch import run_script  # noqa: E402
+
+TOL = 1e-5
+
+
+def _stages(model, n):
+    layout = hf_layout(model)
+    units = stage_units(layout, balance_blocks(len(layout.blocks), n))
+    return [prune(copy.deepcopy(model), keep, layout.units, hf_placeholder(model)) for keep in units]
+
+
+def _chained(stages, kwargs, caches):
+    received = None
+    for i, stage in enumerate(stages):
+        out = hf_stage_call(stage, (), {**kwargs, "past_key_values": caches}, received, i == 0, i == len(stages) - 1)
+        received = (out,)
+    return out.logits
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_stages_with_their_own_caches_decode_as_the_whole_model(family, n):
+    torch.manual_seed(0)
+    model = build(family, layers=4).eval()
+    stages = _stages(model, n)
+    ids, mask, _ = padded_batches(4, 3, "left").tensors
+    caches, whole = hf_generate.StageCaches(), transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        for step in range(6):  # prefill, then 5 single tokens: past the Mistral window of 5
+            length = ids.shape[1]
+            new = length if step == 0 else 1
+            position = (mask.cumsum(-1) - 1).clamp(min=0)
+            kwargs = dict(
+                input_ids=ids[:, -new:],
+                attention_mask=mask,
+                position_ids=position[:, -new:],
+                cache_position=torch.arange(length - new, length),
+            )
+            expected = model(**kwargs, past_key_values=whole, use_cache=True).logits
+            got = _chained(stages, kwargs, caches)
+            torch.testing.assert_close(got, expected, rtol=TOL, atol=1e-6)
+            token = expected[:, -1].argmax(-1, keepdim=True)
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+
+
+def test_a_stage_cache_answers_for_absent_layers_with_a_held_one_of_the_same_kind():
+    model = build("mistral", layers=4)
+    later = _stages(model, 2)[1]
+    cache = hf_generate.StageCaches().of(later)
+    assert cache.is_sliding == [True] * 4
+    key = torch.zeros(1, 2, 3, 8)
+    for layer in (2, 3):
+        cache.update(key, key, layer)
+    assert cache.get_seq_length() == 3  # layer 0 is another stage's: answered by layer 2
+    assert cache.get_mask_sizes(torch.arange(3, 4), 0) == (4, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,names",
+    [
+        (dict(num_beams=2), ["beam search", "num_beams=2", "num_beams=1"]),
+        (dict(num_beams=2, do_sample=True), ["beam sample", "num_beams=2"]),
+        (dict(penalty_alpha=0.6, top_k=4), ["contrastive search", "penalty_alpha=0.6"]),
+        (dict(cache_implementation="static"), ["cache_implementation='static'", "cache_implementation=None"]),
+        (dict(past_key_values=object()), ["past_key_values", "no `past_key_values`"]),
+    ],
+)
+def test_generate_modes_a_pipeline_cannot_reproduce_are_refused_by_name(kwargs, names):
+    model = build("llama", layers=2)
+    with pytest.raises(PipelineUsageError) as err:
+        hf_generate.check_generate(model, (), {"max_new_tokens": 3, **kwargs})
+    for name in ["LlamaForCausalLM.generate", *names]:
+        assert name in str(err.value)
+
+
+def test_greedy_and_sampling_pass_the_check():
+    model = build("llama", layers=2)
+    hf_generate.check_generate(model, (), dict(max_new_tokens=3, do_sample=False))
+    hf_generate.check_generate(model, (), dict(max_new_tokens=3, do_sample=True, top_k=5))
+
+
+def test_generate_in_training_step_is_refused():
+    with pytest.raises(PipelineUsageError, match="`training_step` called `LlamaForCausalLM.generate"):
+        decoding_of(build("llama", layers=2), None, "training_step")
+
+
+def test_a_plain_module_with_a_generate_method_is_refused_by_name():
+    class HandWritten(torch.nn.Module):
+        def generate(self, x):  # a decoding loop of its own, calling forward once per token
+            return x
+
+    with pytest.raises(PipelineUsageError) as err:
+        decoding_of(HandWritten(), None, "validation_step")
+    for name in ["`HandWritten.generate(...)`", "`validation_step`", "plain module", "Call the network once per step"]:
+        assert name in str(err.value)
+
+
+def test_generate_outside_a_step_and_after_a_forward_are_refused():
+    model = build("llama", layers=2)
+    interceptor = CallInterceptor(model)
+    try:
+        with pytest.raises(PipelineUsageError, match=r"`generate` of the pipelined network \(LlamaForCausalLM\)"):
+            model.generate(input_ids=torch.ones(1, 2, dtype=torch.long))
+        interceptor.hook = "validation_step"
+
+        def step():
+            model(input_ids=torch.ones(1, 2, dtype=torch.long))
+            model.generate(input_ids=torch.ones(1, 2, dtype=torch.long))
+
+        with pytest.raises(PipelineUsageError, match="`validation_step` called `generate` after calling"):
+            with interceptor.responding(None):
+                step()
+        call = interceptor.capture(lambda: model.generate(input_ids=torch.ones(1, 2, dtype=torch.long)))
+        assert call.generate
+    finally:
+        interceptor.remove()
+    assert "generate" not in vars(model) and "forward" not in vars(model)
+
+
+def test_the_interceptor_keeps_the_forward_signature():
+    model = build("llama", layers=2)
+    interceptor = CallInterceptor(model)
+    try:
+        import inspect
+
+        assert "logits_to_keep" in inspect.signature(model.forward).parameters
+    finally:
+        interceptor.remove()
+
+
+# ------------------------------------------------------------------------------------------------ multi-process
+def _configs(families, schedule, devices, layers):
+    return [
+        {"name": f"{f}-{schedule}-{mode}", "schedule": schedule, "devices": devices, "family": f}
+        | {"sample": mode == "sample", "layers": layers}
+        for f in families
+        for mode in ("greedy", "sample")
+    ]
+
+
+TWO = _configs(["llama", "mistral"], "1F1B", 2, 4)
+FOUR = _configs(["llama"], "Interleaved1F1B", 4, 8)
+
+
+@functools.cache
+def reference(family: str, sample: bool, layers: int) -> dict:
+    return run_generation(family=family, sample=sample, layers=layers)
+
+
+def _check(out, cfg):
+    ref = reference(cfg["family"], cfg["sample"], cfg["layers"])
+    for rank in range(cfg["devices"]):
+        got = torch.load(out / f"{cfg['name']}.rank{rank}.pt")
+        # every rank ran the same generate loop: every rank holds the one device's ids
+        assert len(got["generated"]) == len(ref["generated"])
+        for a, b in zip(got["generated"], ref["generated"]):
+            assert torch.equal(a, b), (rank, a, b)
+        assert got["metrics"].keys() == ref["metrics"].keys()
+        for key, value in ref["metrics"].items():
+            assert got["metrics"][key] == pytest.approx(value, rel=TOL), key
+        if rank == 0:
+            assert len(got["predictions"]) == len(ref["predictions"])
+            for a, b in zip(got["predictions"], ref["predictions"]):
+                assert torch.equal(a, b), (a, b)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("generation2")
+    run_script("generation.py", str(out), json.dumps(TWO), nprocs=2, launcher="lightning", timeout=900)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", TWO, ids=lambda c: c["name"])
+def test_generate_in_validation_and_predict_equals_one_device(two, cfg):
+    _check(two, cfg)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_generate_under_interleaved_1f1b_at_four_processes(tmp_path):
+    run_script("generation.py", str(tmp_path), json.dumps(FOUR), nprocs=4, launcher="torchrun", timeout=900)
+    for cfg in FOUR:
+        _check(tmp_path, cfg)
