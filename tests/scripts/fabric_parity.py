@@ -1,0 +1,43 @@
+"""Run the Fabric loop of ``tests/fabric_loop.py`` under several pipeline configurations in one launch; each rank saves
+its losses, clip norms and weights per configuration.
+
+Usage: fabric_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "meta", ...}).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+
+import lightning_pipe
+from tests.fabric_loop import train
+
+
+def main() -> None:
+    out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    for cfg in configs:
+        if cfg.get("by_name"):
+            fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=cfg["devices"])
+        else:
+            strategy = lightning_pipe.PipelineFabricStrategy(schedule=cfg["schedule"])
+            fabric = Fabric(strategy=strategy, accelerator="cpu", devices=cfg["devices"])
+        fabric.launch()
+        assert isinstance(fabric.strategy, lightning_pipe.PipelineFabricStrategy)
+        losses, weights, norms = train(fabric, cfg, pipelined=True)
+        rank = fabric.global_rank
+        torch.save(
+            {
+                "losses": losses,
+                "weights": weights,
+                "norms": norms,
+                "stages": list(fabric.strategy.engine.runtime.stages),
+            },
+            out / f"{cfg['name']}.rank{rank}.pt",
+        )
+        fabric.strategy.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""``Fabric(strategy="pipeline")``: a Fabric loop (``tests/fabric_loop.py``) against ``Fabric(devices=1)``, and the
+errors a Fabric loop gets for what cannot run under a pipeline."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+import lightning_pipe
+from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from tests.fabric_loop import VOCAB, build_gpt, dataset, train
+from tests.launch import run_script
+
+CLIP = 0.5
+CONFIGS = [
+    {"name": "1F1B-acc2-clip", "schedule": "1F1B", "devices": 2, "accumulate": 2, "clip": CLIP},
+    {"name": "ZBV-acc2-clip", "schedule": "ZBVZeroBubble", "devices": 2, "accumulate": 2, "clip": CLIP},
+    # By the registry's name, with every default, the model built on the meta device.
+    {"name": "by-name-meta", "by_name": True, "devices": 2, "meta": True},
+]
+
+
+@functools.cache
+def _reference(accumulate: int = 1, clip: float | None = None, meta: bool = False) -> tuple:
+    """The loop under ``Fabric(devices=1)``; with ``meta``, under a one-process pipeline (a model built with
+    ``empty_init=True`` is initialised per unit there, the same whatever the layout)."""
+    cfg = {"accumulate": accumulate, "clip": clip, "meta": meta}
+    if meta:
+        fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+        fabric.launch()
+        return train(fabric, cfg, pipelined=True)
+    return train(Fabric(accelerator="cpu", devices=1), cfg, pipelined=False)
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric2")
+    run_script("fabric_parity.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
+def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
+    ranks = [torch.load(two_procs / f"{cfg['name']}.rank{r}.pt") for r in range(2)]
+    losses, weights, norms = _reference(cfg.get("accumulate", 1), cfg.get("clip"), cfg.get("meta", False))
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        # Every rank gets the step's loss (and the clip's global norm).
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+        assert not merged.keys() & r["weights"].keys(), "each rank holds only its own stages"
+        merged.update(r["weights"])
+    assert merged.keys() == weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+    assert sorted(s for r in ranks for s in r["stages"]) == list(
+        range(4 if cfg.get("schedule") == "ZBVZeroBubble" else 2)
+    )
+    if cfg.get("clip"):
+        assert max(norms) > CLIP, "the clip is active in the reference"
+
+
+def test_registered_in_fabric_registry():
+    assert STRATEGY_REGISTRY["pipeline"]["strategy"] is lightning_pipe.PipelineFabricStrategy
+
+
+# ---------------------------------------------------------------------------------------------- errors, one process
+@pytest.fixture(scope="module")
+def fabric():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    return fabric
+
+
+@pytest.fixture(scope="module")
+def set_up(fabric):
+    model = fabric.setup_module(build_gpt(fabric))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = dataset(1).tensors
+
+    def forward_and_loss(batch):
+        logits = model(batch[0])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), batch[1].reshape(-1))
+
+    return model, optimizer, (x, y), forward_and_loss
+
+
+def test_loss_backward_outside_fabric_backward_is_refused(fabric, set_up):
+    model, _, batch, fn = set_up
+    loss = model.step(fn, batch)
+    with pytest.raises(PipelineUsageError, match=r"`loss.backward\(\)`.*call `fabric.backward\(loss\)`"):
+        loss.backward()
+    fabric.backward(loss)  # the step's gradients are still handed over
+
+
+def test_backward_once_per_step(fabric, set_up):
+    model, optimizer, batch, fn = set_up
+    loss = model.step(fn, batch)
+    fabric.backward(loss / 2)
+    with pytest.raises(PipelineUsageError, match=r"once per step.*`loss = model.step\(fn, batch\)`"):
+        fabric.backward(loss / 2)
+    optimizer.zero_grad()
+
+
+def test_second_step_before_backward_is_refused(fabric, set_up):
+    model, optimizer, batch, fn = set_up
+    loss = model.step(fn, batch)
+    with pytest.raises(PipelineUsageError, match=r"called again before `fabric.backward\(loss\)`"):
+        model.step(fn, batch)
+    fabric.backward(loss * 0)
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters() if p.grad is not None)
+    optimizer.zero_grad()
+
+
+def test_backward_of_a_tensor_without_the_loss_is_refused(fabric, set_up):
+    model, optimizer, batch, fn = set_up
+    model.step(fn, batch)
+    other = torch.ones((), requires_grad=True) * 2
+    with pytest.raises(PipelineUsageError, match="does not depend on the loss that `model.step"):
+        fabric.backward(other)
+    optimizer.zero_grad()
+
+
+def test_model_call_outside_the_step_is_refused(set_up):
+    model, _, batch, _ = set_up
+    with pytest.raises(PipelineUsageError, match=r"\(GPT2\) was called outside `model.step\(fn, batch\)`"):
+        model(batch[0])
+
+
+def test_evaluate_runs_forward_only(fabric, set_up):
+    model, _, batch, fn = set_up
+    value = model.evaluate(fn, batch)
+    assert value.dim() == 0 and not value.requires_grad
+
+
+def test_clip_by_another_norm_is_refused(fabric, set_up):
+    model, optimizer, _, _ = set_up
+    with pytest.raises(PipelineConfigError, match=r"norm_type=1.0.*Use `norm_type=2`"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, norm_type=1.0)
+
+
+def test_optimizer_set_up_with_the_model_is_refused():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    model = build_gpt(fabric)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PipelineUsageError, match=r"`fabric.setup\(model, optimizer\)` cannot be used.*setup_module"):
+        fabric.setup(model, optimizer)
+    with pytest.raises(PipelineUsageError, match=r"optimizer was set up before the model.*fabric.setup_module"):
+        fabric.setup_optimizers(optimizer)
+
+
+def test_optimizer_made_before_the_split_is_refused():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    model = build_gpt(fabric)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = fabric.setup_module(model)
+    # A one-stage pipeline keeps every parameter: the check is by identity, here against a copy's parameters.
+    other = torch.optim.SGD(build_gpt(fabric).parameters(), lr=0.1)
+    with pytest.raises(PipelineUsageError, match=r"holds \d+ parameters that are not this rank's stages'"):
+        fabric.setup_optimizers(other)
+    fabric.setup_optimizers(stale)  # the same parameter objects: accepted
+    fabric.strategy.teardown()
