@@ -61,14 +61,12 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
 def build_litgpt(fabric: Any, meta: bool = False) -> torch.nn.Module:
     from litgpt import GPT, Config
 
-    config = Config(
-        block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32, rotary_percentage=1.0
-    )
+    config = Config(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
     with fabric.init_module(empty_init=meta):
         return GPT(config)
 
 
-def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, torch.Tensor], list]:
+def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, Any], list]:
     """litgpt's full fine-tune loop (``litgpt/finetune/full.py``'s ``fit``), with its chunked cross-entropy and,
     when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``."""
     from litgpt.utils import chunked_cross_entropy

@@ -1,7 +1,8 @@
 """The package's layering rules, checked on its source (see docs/architecture.md).
 
 - Folders are layers with a rank: a module imports only its own folder or folders of a lower rank, never a folder of
-  the same rank (the table ``RANKS``); nothing but the package's ``__init__`` imports the strategies (``strategy.py``, ``fabric.py``).
+  the same rank (the table ``RANKS``); nothing but the package's ``__init__`` imports the strategies
+  (``strategy.py``, ``fabric.py``).
 - Private names of torch, torchmetrics, transformers and Lightning are used only in ``lightning_pipe/compat/``: no
   private import, no ``obj._name``, no private name spelled as a string, and no ``self._name`` or ``def _name`` that
   belongs to a third-party base class.
