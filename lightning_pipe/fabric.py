@@ -11,6 +11,7 @@ docs/fabric.md.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         self._meshes = meshes.MeshCache()
         self._mesh: Optional[DeviceMesh] = None
         self._split: Optional[Split] = None
+        self._owner: Optional[nn.Module] = None  # the set-up module (the split's network, or the module holding it)
         self._engine: Optional[StepEngine] = None
         self._gradients: Optional[StageGradients] = None
         self._wrapped = Wrapped()
@@ -235,6 +237,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
                 " hide under Fabric(strategy='pipeline'). Rename it in your model."
             )
         recording, self._init_recording = self._init_recording, None
+        self._owner = module
         self._split = split = split_module(
             module,
             self._settings,
@@ -463,6 +466,55 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             tensor_parallel_size=1,
             replica_group=self._meshes.replica_group,
         )
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Union[str, Path],
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """``fabric.save(path, state)``: the directory ``path`` of per-rank shards, the Trainer strategy's format
+        (docs/checkpoints.md); every rank calls it."""
+        from lightning_pipe.checkpoint import fabric_state
+        from lightning_pipe.models import kind_of
+
+        if storage_options is not None or filter:
+            raise PipelineUsageError(
+                "`fabric.save(..., filter=...)` and `storage_options` are not supported under"
+                " Fabric(strategy='pipeline'): checkpoints are written with torch.distributed.checkpoint. Remove them."
+            )
+        split = self._require_split("fabric.save")
+        path, token = self.broadcast((Path(path), uuid.uuid4().hex[:12]))
+        record = kind_of(split.network).record(split.network, split.network_attr)  # for export-hf
+        fabric_state.save_state(path, state, self._owner, self.checkpoint_topology(), token, record)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Union[str, Path],
+        state: Optional[Union[nn.Module, Any, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """``fabric.load(path, state)``: each rank reads its own stages' entries (any layout at save time) into the
+        model and optimizers of ``state``; returns the checkpoint's values ``state`` did not ask for."""
+        from lightning_pipe.checkpoint import fabric_state
+
+        self._require_split("fabric.load")
+        if not isinstance(state, dict):
+            state = {"model": state} if isinstance(state, nn.Module) else {}
+        path = Path(self.broadcast(path))
+        return fabric_state.load_state(path, state, self._owner, self.checkpoint_topology(), strict, weights_only)
+
+    def _require_split(self, call: str) -> Split:
+        if self._split is None or self._owner is None:
+            raise PipelineUsageError(
+                f"`{call}` under Fabric(strategy='pipeline') needs the set-up model (each rank saves and loads only its"
+                " stages): call `fabric.setup_module(model)` first."
+            )
+        return self._split
 
     # ------------------------------------------------------------------ end
     @override

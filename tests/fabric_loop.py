@@ -42,8 +42,14 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
         logits = model(x)  # (B, T, vocab)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
+    # litgpt's scripts keep the loop's position in the state they save (`fabric.save(path, state)`).
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0}
+    if cfg.get("resume_from"):
+        fabric.load(cfg["resume_from"], state)
     losses, norms = [], []
     for i, batch in enumerate(loader):
+        if i < state["iter_num"]:
+            continue
         accumulating = (i + 1) % accumulate != 0
         with fabric.no_backward_sync(model, enabled=accumulating):
             loss = model.step(forward_and_loss, batch) if pipelined else forward_and_loss(batch)
@@ -54,6 +60,9 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach())))
+        state["iter_num"] = i + 1
+        if cfg.get("save_at") == i + 1:
+            fabric.save(cfg["save_to"], state)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, weights, norms
 
@@ -87,8 +96,14 @@ def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[lis
         logits = model(input_ids)
         return chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
 
+    # litgpt's scripts keep the loop's position in the state they save (`fabric.save(path, state)`).
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0}
+    if cfg.get("resume_from"):
+        fabric.load(cfg["resume_from"], state)
     losses, norms = [], []
     for i, batch in enumerate(loader):
+        if i < state["iter_num"]:
+            continue
         accumulating = (i + 1) % accumulate != 0
         with fabric.no_backward_sync(model, enabled=accumulating):
             loss = model.step(forward_and_loss, batch) if pipelined else forward_and_loss(batch)
@@ -99,5 +114,8 @@ def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[lis
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach())))
+        state["iter_num"] = i + 1
+        if cfg.get("save_at") == i + 1:
+            fabric.save(cfg["save_to"], state)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, weights, norms

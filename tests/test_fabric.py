@@ -14,28 +14,35 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_pipe
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
-from tests.fabric_loop import VOCAB, build_gpt, dataset, train
+from tests.fabric_loop import VOCAB, build_gpt, build_litgpt, dataset, train, train_litgpt
 from tests.launch import run_script
 
 CLIP = 0.5
+LITGPT = {"model": "litgpt", "frontend": "dataflow", "devices": 2, "accumulate": 2, "clip": CLIP}
 CONFIGS = [
     {"name": "1F1B-acc2-clip", "schedule": "1F1B", "devices": 2, "accumulate": 2, "clip": CLIP},
     {"name": "ZBV-acc2-clip", "schedule": "ZBVZeroBubble", "devices": 2, "accumulate": 2, "clip": CLIP},
     # By the registry's name, with every default, the model built on the meta device.
     {"name": "by-name-meta", "by_name": True, "devices": 2, "meta": True},
+    # litgpt's GPT in litgpt's fine-tune loop: its chunked cross-entropy, `lm_head_chunk_size`, its rope cache.
+    {**LITGPT, "name": "litgpt-1F1B-acc2-clip", "schedule": "1F1B"},
+    {**LITGPT, "name": "litgpt-ZBV-acc2-clip-chunks", "schedule": "ZBVZeroBubble", "chunk": 4},
+    {**LITGPT, "name": "litgpt-meta", "schedule": "1F1B", "meta": True},
 ]
 
 
 @functools.cache
-def _reference(accumulate: int = 1, clip: float | None = None, meta: bool = False) -> tuple:
+def _reference(model: str, accumulate: int, clip: float | None, meta: bool, chunk: int) -> tuple:
     """The loop under ``Fabric(devices=1)``; with ``meta``, under a one-process pipeline (a model built with
     ``empty_init=True`` is initialised per unit there, the same whatever the layout)."""
-    cfg = {"accumulate": accumulate, "clip": clip, "meta": meta}
+    cfg = {"accumulate": accumulate, "clip": clip, "meta": meta, "chunk": chunk}
+    loop = train_litgpt if model == "litgpt" else train
     if meta:
-        fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+        frontend = "dataflow" if model == "litgpt" else "auto"
+        fabric = Fabric(strategy=lightning_pipe.PipelineFabricStrategy(frontend=frontend), accelerator="cpu", devices=1)
         fabric.launch()
-        return train(fabric, cfg, pipelined=True)
-    return train(Fabric(accelerator="cpu", devices=1), cfg, pipelined=False)
+        return loop(fabric, cfg, pipelined=True)
+    return loop(Fabric(accelerator="cpu", devices=1), cfg, pipelined=False)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,9 @@ def two_procs(tmp_path_factory):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
     ranks = [torch.load(two_procs / f"{cfg['name']}.rank{r}.pt") for r in range(2)]
-    losses, weights, norms = _reference(cfg.get("accumulate", 1), cfg.get("clip"), cfg.get("meta", False))
+    losses, weights, norms = _reference(
+        cfg.get("model", "gpt"), cfg.get("accumulate", 1), cfg.get("clip"), cfg.get("meta", False), cfg.get("chunk", 0)
+    )
     merged: dict[str, torch.Tensor] = {}
     for r in ranks:
         # Every rank gets the step's loss (and the clip's global norm).
@@ -65,6 +74,13 @@ def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
     )
     if cfg.get("clip"):
         assert max(norms) > CLIP, "the clip is active in the reference"
+
+
+def test_litgpt_under_the_default_frontend_is_refused_by_name():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`"):
+        fabric.setup_module(build_litgpt(fabric))
 
 
 def test_registered_in_fabric_registry():
