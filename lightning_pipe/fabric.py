@@ -57,6 +57,11 @@ SETUP_ORDER = (
     " fabric.setup_module(model)`, then `optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
 )
 
+NOT_FROM_STEP = (
+    "The tensor given to `fabric.backward` does not depend on the loss that `model.step(fn, batch)` returned. Pass"
+    " that loss, or a tensor computed from it (e.g. `loss / accumulate`)."
+)
+
 
 @dataclass
 class _PendingStep:
@@ -197,8 +202,6 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         super().setup_environment()  # the process group, as Fabric's DDP strategy makes it
         settings = dataclasses.replace(self._settings, process_group_backend=self.process_group_backend)
         self._settings = settings.resolve(self.world_size)
-        if self._settings.tensor_parallel_size > 1:  # "auto" resolves to 1; kept for a direct construction
-            raise PipelineConfigError("tensor_parallel > 1 is not supported under Fabric(strategy='pipeline').")
         self._mesh = self._meshes.build(self._settings, self.root_device.type)
 
     # ------------------------------------------------------------------ the model
@@ -379,10 +382,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
                 " and the loss through `loss = model.step(fn, batch)` first."
             )
         if not tensor.requires_grad:
-            raise PipelineUsageError(
-                "The tensor given to `fabric.backward` does not depend on the loss that `model.step(fn, batch)`"
-                " returned. Pass that loss, or a tensor computed from it (e.g. `loss / accumulate`)."
-            )
+            raise PipelineUsageError(NOT_FROM_STEP)
         self._in_backward = True
         try:
             super().backward(tensor, module, *args, **kwargs)
@@ -390,10 +390,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             self._in_backward = False
         factor = pending.loss.grad
         if factor is None:
-            raise PipelineUsageError(
-                "The tensor given to `fabric.backward` does not depend on the loss that `model.step(fn, batch)`"
-                " returned. Pass that loss, or a tensor computed from it (e.g. `loss / accumulate`)."
-            )
+            raise PipelineUsageError(NOT_FROM_STEP)
         assert self._gradients is not None
         self._gradients.stash.scale = float(factor) * (pending.grad_scale if pending.grad_scale is not None else 1.0)
         self._gradients.stash.apply()

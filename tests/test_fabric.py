@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_pipe
-from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
 from tests.fabric_loop import VOCAB, build_gpt, build_litgpt, dataset, train, train_litgpt
 from tests.launch import run_script
 
@@ -29,6 +29,11 @@ CONFIGS = [
     {**LITGPT, "name": "litgpt-ZBV-acc2-clip-chunks", "schedule": "ZBVZeroBubble", "chunk": 4},
     {**LITGPT, "name": "litgpt-meta", "schedule": "1F1B", "meta": True},
 ]
+
+
+#: save after step 2 of 4, then continue from it in a fresh model and optimizer (the same launch)
+SAVED = {"name": "ckpt-full", "schedule": "1F1B", "devices": 2, "save_at": 2}
+RESUMED = {"name": "ckpt-resumed", "schedule": "1F1B", "devices": 2, "resume": "ckpt-full"}
 
 
 @functools.cache
@@ -48,7 +53,7 @@ def _reference(model: str, accumulate: int, clip: float | None, meta: bool, chun
 @pytest.fixture(scope="module")
 def two_procs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric2")
-    run_script("fabric_parity.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
+    run_script("fabric_parity.py", str(out), json.dumps([*CONFIGS, SAVED, RESUMED]), nprocs=2, launcher="lightning")
     return out
 
 
@@ -81,6 +86,32 @@ def test_litgpt_under_the_default_frontend_is_refused_by_name():
     fabric.launch()
     with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`"):
         fabric.setup_module(build_litgpt(fabric))
+
+
+def _ranks(out, name: str) -> list[dict]:
+    return [torch.load(out / f"{name}.rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+def test_fabric_checkpoint_continues_bitwise(two_procs):
+    for full, resumed in zip(_ranks(two_procs, "ckpt-full"), _ranks(two_procs, "ckpt-resumed")):
+        assert resumed["losses"] == full["losses"][2:]
+        assert resumed["weights"].keys() == full["weights"].keys()
+        assert all(torch.equal(resumed["weights"][k], v) for k, v in full["weights"].items())
+    assert (two_procs / "ckpt-full-ckpt" / "lightning_pipe.json").is_file()  # the Trainer strategy's format
+
+
+@pytest.mark.slow
+def test_fabric_checkpoint_loads_into_another_layout(two_procs):
+    """The 2-process checkpoint continues in a one-process pipeline (every stage on one rank)."""
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    losses, weights, _ = train(fabric, {"steps": 4, "resume_from": str(two_procs / "ckpt-full-ckpt")}, pipelined=True)
+    full = _ranks(two_procs, "ckpt-full")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=1e-7)
+    merged = {**full[0]["weights"], **full[1]["weights"]}
+    for key, value in merged.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7)
 
 
 def test_registered_in_fabric_registry():
@@ -154,6 +185,24 @@ def test_evaluate_runs_forward_only(fabric, set_up):
     model, _, batch, fn = set_up
     value = model.evaluate(fn, batch)
     assert value.dim() == 0 and not value.requires_grad
+
+
+def test_save_of_another_module_is_refused(fabric, set_up, tmp_path):
+    model, optimizer, _, _ = set_up
+    with pytest.raises(PipelineUsageError, match=r"the one model set up.*modules are \['model', 'other'\]"):
+        fabric.save(tmp_path / "ckpt", {"model": model, "other": torch.nn.Linear(2, 2), "optimizer": optimizer})
+    with pytest.raises(PipelineUsageError, match=r"`fabric.save\(..., filter=...\)`.*Remove them"):
+        fabric.save(tmp_path / "ckpt", {"model": model}, filter={"model": lambda k, v: True})
+
+
+def test_load_of_a_missing_value_is_refused(fabric, set_up, tmp_path):
+    model, optimizer, _, _ = set_up
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 3})
+    state = {"model": model, "optimizer": optimizer, "step": 0, "epoch": 1}
+    with pytest.raises(PipelineCheckpointError, match=r"has no \['epoch'\].*strict=False"):
+        fabric.load(tmp_path / "ckpt", state)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    assert fabric.load(tmp_path / "ckpt", state) == {} and state["step"] == 3
 
 
 def test_clip_by_another_norm_is_refused(fabric, set_up):

@@ -81,5 +81,4 @@ class FunctionStep:
         return nullcontext()
 
     def log(self, entry: LoggedValue, value: Any) -> None:
-        # Nothing is ever recorded (recording_logs above), so there is nothing to replay.
-        raise AssertionError(f"{self.name} recorded no logs to replay")
+        """Never called: nothing is recorded (:meth:`recording_logs`), so there is nothing to replay."""
