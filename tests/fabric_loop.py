@@ -35,7 +35,10 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
     accumulate, steps = cfg.get("accumulate", 1), cfg.get("steps", 4)
     model = fabric.setup_module(build_gpt(fabric, cfg.get("meta", False)))
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    loader = fabric.setup_dataloaders(DataLoader(dataset(steps * accumulate), batch_size=BATCH))
+    # `batch`: the global batch (its samples are shared out over data-parallel replicas by the sampler).
+    batch, replicas = cfg.get("batch", BATCH), cfg.get("replicas", 1)
+    data = dataset(steps * accumulate * batch // BATCH)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch // replicas))
 
     def forward_and_loss(batch: Any) -> torch.Tensor:
         x, y = batch

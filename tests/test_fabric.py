@@ -88,6 +88,44 @@ def test_litgpt_under_the_default_frontend_is_refused_by_name():
         fabric.setup_module(build_litgpt(fabric))
 
 
+#: 2 pipelines of 2 stages; the global batch of 16 shared out by the sampler, as one device's batch of 16
+DATA_PARALLEL = [
+    {"name": f"dp2-pp2-{mode}", "schedule": "1F1B", "devices": 4, "pipeline_size": 2, "data_parallel": mode}
+    | {"accumulate": 2, "clip": CLIP, "batch": 16, "replicas": 2}
+    for mode in ("ddp", "fsdp")
+]
+
+
+@pytest.fixture(scope="module")
+def four_procs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric4")
+    run_script("fabric_parity.py", str(out), json.dumps(DATA_PARALLEL), nprocs=4, launcher="lightning")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("cfg", DATA_PARALLEL, ids=lambda c: c["name"])
+def test_data_parallel_pipelines_match_one_device_on_the_global_batch(four_procs, cfg):
+    ranks = [torch.load(four_procs / f"{cfg['name']}.rank{r}.pt") for r in range(4)]
+    fabric = Fabric(accelerator="cpu", devices=1)
+    losses, weights, norms = train(fabric, {"accumulate": 2, "clip": CLIP, "batch": 16}, pipelined=False)
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+    if cfg["data_parallel"] == "fsdp":
+        return  # FSDP's weights are shards (DTensors): losses and clip norms compared above
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for key, value in r["weights"].items():
+            # The replicas of a stage hold bitwise equal weights.
+            assert key not in merged or torch.equal(merged[key], value), key
+            merged[key] = value
+    assert merged.keys() == weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def _ranks(out, name: str) -> list[dict]:
     return [torch.load(out / f"{name}.rank{r}.pt") for r in range(2)]
 

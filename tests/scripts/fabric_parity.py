@@ -22,7 +22,7 @@ def main() -> None:
         if cfg.get("by_name"):
             fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=cfg["devices"])
         else:
-            options = {k: cfg[k] for k in ("schedule", "frontend") if k in cfg}
+            options = {k: cfg[k] for k in ("schedule", "frontend", "pipeline_size", "data_parallel") if k in cfg}
             strategy = lightning_pipe.PipelineFabricStrategy(**options)
             fabric = Fabric(strategy=strategy, accelerator="cpu", devices=cfg["devices"])
         fabric.launch()
