@@ -15,6 +15,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 import lightning_pipe
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
 from tests.fabric_loop import VOCAB, build_gpt, build_litgpt, dataset, train, train_litgpt
+from tests.gpt2 import GPT2
 from tests.launch import run_script
 
 CLIP = 0.5
@@ -272,3 +273,17 @@ def test_optimizer_made_before_the_split_is_refused():
         fabric.setup_optimizers(other)
     fabric.setup_optimizers(stale)  # the same parameter objects: accepted
     fabric.strategy.teardown()
+
+
+def test_init_weights_loads_each_rank_stages(tmp_path):
+    torch.manual_seed(7)
+    source = GPT2(vocab=VOCAB, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    torch.save(source.state_dict(), tmp_path / "weights.pt")
+    strategy = lightning_pipe.PipelineFabricStrategy(init_weights=tmp_path / "weights.pt")
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    model = fabric.setup_module(build_gpt(fabric, meta=True))
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    fabric.strategy.teardown()
+    assert "step" not in vars(model), "teardown takes model.step off the model"
