@@ -24,16 +24,16 @@ def dataset(steps: int) -> TensorDataset:
     return TensorDataset(x[:, :-1], x[:, 1:])
 
 
-def build_gpt(fabric: Any, meta: bool = False) -> torch.nn.Module:
+def build_gpt(fabric: Any, meta: bool = False, n_layer: int = 4) -> torch.nn.Module:
     with fabric.init_module(empty_init=meta):
-        return GPT2(vocab=VOCAB, block_size=BLOCK, n_layer=4, n_head=2, n_embd=32)
+        return GPT2(vocab=VOCAB, block_size=BLOCK, n_layer=n_layer, n_head=2, n_embd=32)
 
 
 def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, torch.Tensor], list]:
     """Per-step losses (as ``fabric.all_reduce`` gives them), this rank's final weights and the clip norms."""
     fabric.seed_everything(0)
     accumulate, steps = cfg.get("accumulate", 1), cfg.get("steps", 4)
-    model = fabric.setup_module(build_gpt(fabric, cfg.get("meta", False)))
+    model = fabric.setup_module(build_gpt(fabric, cfg.get("meta", False), cfg.get("n_layer", 4)))
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     # `batch`: the global batch (its samples are shared out over data-parallel replicas by the sampler).
     batch, replicas = cfg.get("batch", BATCH), cfg.get("replicas", 1)

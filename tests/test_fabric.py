@@ -94,6 +94,10 @@ DATA_PARALLEL = [
     {"name": f"dp2-pp2-{mode}", "schedule": "1F1B", "devices": 4, "pipeline_size": 2, "data_parallel": mode}
     | {"accumulate": 2, "clip": CLIP, "batch": 16, "replicas": 2}
     for mode in ("ddp", "fsdp")
+] + [
+    # one pipeline of 4 processes, 2 stages each
+    {"name": "pp4-interleaved", "schedule": "Interleaved1F1B", "devices": 4, "n_layer": 8, "data_parallel": "ddp"}
+    | {"accumulate": 2, "clip": CLIP}
 ]
 
 
@@ -107,10 +111,11 @@ def four_procs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("cfg", DATA_PARALLEL, ids=lambda c: c["name"])
-def test_data_parallel_pipelines_match_one_device_on_the_global_batch(four_procs, cfg):
+def test_four_processes_match_one_device_on_the_global_batch(four_procs, cfg):
     ranks = [torch.load(four_procs / f"{cfg['name']}.rank{r}.pt") for r in range(4)]
     fabric = Fabric(accelerator="cpu", devices=1)
-    losses, weights, norms = train(fabric, {"accumulate": 2, "clip": CLIP, "batch": 16}, pipelined=False)
+    reference = {"accumulate": 2, "clip": CLIP, "batch": cfg.get("batch", 8), "n_layer": cfg.get("n_layer", 4)}
+    losses, weights, norms = train(fabric, reference, pipelined=False)
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
