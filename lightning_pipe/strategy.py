@@ -58,6 +58,7 @@ from lightning_pipe.split import tied
 from lightning_pipe.split.builder import Split, has_network, is_split, split_module
 from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
+from lightning_pipe.step.frontend import HookStep
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
 from lightning_pipe.step.rng import RngStreams
@@ -408,8 +409,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         engine = self._require_engine("training_step", kwargs)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         assert self._gradients is not None
+        step = HookStep(self.lightning_module, "training_step", tuple(args[1:]))
         with self.precision_plugin.train_step_context(), self._gradients.capture():
-            outcome = engine.train(args[0], tuple(args[1:]), accumulate)
+            outcome = engine.train(step, args[0], accumulate)
         dp_modes.check_token_weighting(self._settings, accumulate, outcome.grad_scale)
         self._gradients.stash.scale = outcome.grad_scale
         if outcome.output is not None and (outcome.output_shared or engine.runtime.has_last):
@@ -496,7 +498,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
 
     def _eval_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         engine = self._require_engine(hook, kwargs)
-        outcome = engine.evaluate(hook, args[0], tuple(args[1:]))
+        outcome = engine.evaluate(HookStep(self.lightning_module, hook, tuple(args[1:])), args[0])
         if self._wrapped.sharded:
             dp_modes.reshard(engine.runtime.stages.values())
         if hook == "predict_step":

@@ -1,7 +1,8 @@
 """The package's layering rules, checked on its source (see docs/architecture.md).
 
 - Folders are layers with a rank: a module imports only its own folder or folders of a lower rank, never a folder of
-  the same rank (the table ``RANKS``); nothing but the package's ``__init__`` imports the strategy.
+  the same rank (the table ``RANKS``); nothing but the package's ``__init__`` imports the strategies
+  (``strategy.py``, ``fabric.py``).
 - Private names of torch, torchmetrics, transformers and Lightning are used only in ``lightning_pipe/compat/``: no
   private import, no ``obj._name``, no private name spelled as a string, and no ``self._name`` or ``def _name`` that
   belongs to a third-party base class.
@@ -69,6 +70,7 @@ RANKS = {
     "callbacks": 6,
     "tune": 6,
     "strategy": 7,
+    "fabric": 7,
     "": 8,  # the package's __init__
 }
 #: Modules that plan (pure functions of names, counts and settings): they must not reach anything that communicates.
@@ -309,8 +311,9 @@ def test_layers():
             if theirs != mine and RANKS[theirs] >= RANKS[mine]:
                 wrong.append(f"{module} -> {dep}")
     assert wrong == []
-    importers = [name for name, deps in import_graph(module_level=False).items() if "lightning_pipe.strategy" in deps]
-    assert importers == ["lightning_pipe"], importers
+    for strategy in ("lightning_pipe.strategy", "lightning_pipe.fabric"):
+        importers = [name for name, deps in import_graph(module_level=False).items() if strategy in deps]
+        assert importers == ["lightning_pipe"], (strategy, importers)
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:

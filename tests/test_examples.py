@@ -190,3 +190,14 @@ def test_hf_finetune_example(tmp_path: Path) -> None:
     out = run_example(example / "evaluate.py", str(pretrained), str(exported))
     losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "held-out loss" in line]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+@pytest.mark.extended
+def test_fabric_example_matches_its_plain_loop(tmp_path: Path) -> None:
+    """The README's two commands: the pipelined Fabric loop prints the losses and clip norms of the plain one."""
+    script = EXAMPLES / "fabric" / "train_gpt.py"
+    piped = run_example(script, "--steps", "3", "--save", str(tmp_path / "ckpt"))
+    plain = run_example(script, "--steps", "3", "--devices", "1", "--plain")
+    lines = lambda out: [line for line in out.splitlines() if line.startswith("step ")]  # noqa: E731
+    assert len(lines(piped)) == 3 and lines(piped) == lines(plain)
+    assert (tmp_path / "ckpt" / "lightning_pipe.json").is_file()

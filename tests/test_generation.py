@@ -132,7 +132,7 @@ def test_generate_outside_a_step_and_after_a_forward_are_refused():
     try:
         with pytest.raises(PipelineUsageError, match=r"`generate` of the pipelined network \(LlamaForCausalLM\)"):
             model.generate(input_ids=torch.ones(1, 2, dtype=torch.long))
-        interceptor.hook = "validation_step"
+        interceptor.step_name = "validation_step"
 
         def step():
             model(input_ids=torch.ones(1, 2, dtype=torch.long))

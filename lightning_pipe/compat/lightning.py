@@ -7,6 +7,8 @@ outside Lightning can rely on it; they are imported here only, so an upgrade has
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # Process-group set-up as `DDPStrategy.setup_distributed` does it; public replacement: none in Lightning 2.6.
@@ -94,7 +96,30 @@ def set_device_mesh(lightning_module: object, mesh: object) -> None:
     lightning_module._device_mesh = mesh  # type: ignore[attr-defined]
 
 
+@contextmanager
+def inside_fabric_backward() -> Iterator[None]:
+    """Within the block, Fabric's hooks on the outputs of a set-up module let a backward pass through: a pipelined step
+    runs its backward inside ``model.step`` (the schedule), not inside ``fabric.backward``, which Fabric checks through
+    the private flag ``lightning.fabric.wrappers._in_fabric_backward``. Public replacement: none in Lightning 2.6."""
+    from lightning.fabric import wrappers
+
+    before = wrappers._in_fabric_backward
+    wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        wrappers._in_fabric_backward = before
+
+
+def set_backward_sync_control(strategy: object, control: object) -> None:
+    """Make ``control`` what ``fabric.no_backward_sync`` uses (Fabric reads the private
+    ``Strategy._backward_sync_control``; Fabric's own strategies set it in ``__init__``). Public replacement: none."""
+    strategy._backward_sync_control = control  # type: ignore[attr-defined]
+
+
 __all__ = [
+    "inside_fabric_backward",
+    "set_backward_sync_control",
     "LauncherHook",
     "SubprocessScriptLauncher",
     "TunerExitException",

@@ -27,8 +27,14 @@ def _huggingface(network: nn.Module) -> ModelKind | None:
     return HuggingFaceKind(network)
 
 
+def _litgpt(network: nn.Module) -> ModelKind | None:
+    from lightning_pipe.models.litgpt import LitGPTKind, is_litgpt_gpt
+
+    return LitGPTKind() if is_litgpt_gpt(network) else None
+
+
 #: Each kind's claim on a network, most specific first: its :class:`ModelKind`, or ``None`` when it is not one.
-KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_huggingface,)
+KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_huggingface, _litgpt)
 
 
 def kind_of(network: nn.Module) -> ModelKind:
@@ -42,7 +48,8 @@ def kind_of(network: nn.Module) -> ModelKind:
 
 def restore_buffers(module: nn.Module) -> bool:
     """Set the tensors a submodule's constructor computed and the meta device lost, as the kind it belongs to does
-    (a transformers rotary embedding inside any network); ``True`` if one did."""
+    (a transformers rotary embedding inside any network, litgpt's rope cache); ``True`` if one did."""
     from lightning_pipe.models.huggingface.plan import restore_rotary_buffers
+    from lightning_pipe.models.litgpt import restore_rope_cache
 
-    return restore_rotary_buffers(module)
+    return restore_rotary_buffers(module) or restore_rope_cache(module)

@@ -346,10 +346,11 @@ class StageGradients:
         """Around a schedule step: its gradients are held, not added to ``.grad`` yet."""
         return self.stash.capture(self.parameters())
 
-    def clip(self, optimizer: Any, max_norm: float) -> None:
-        """Lightning's ``clip_grad_by_norm`` with the norm of every stage's gradients."""
+    def clip(self, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """Lightning's ``clip_grad_by_norm`` with the norm of every stage's gradients; returns that norm (before
+        clipping)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_across(params, max_norm, self.norm_group, not_counted=self._copies, counted=self.counted)
+        return clip_grad_norm_across(params, max_norm, self.norm_group, not_counted=self._copies, counted=self.counted)
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:

@@ -1,4 +1,5 @@
-"""What one Trainer entry runs its steps with: this rank's stages, the step protocol and its two executors."""
+"""What one Trainer entry (or Fabric setup) runs its steps with: this rank's stages, the step protocol and its two
+executors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lightning_pipe.parallel.tensor_parallel import loss_parallel_context
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import Split
 from lightning_pipe.step.executors import ForwardOnlyExecutor, ScheduleExecutor
+from lightning_pipe.step.frontend import UserStep
 from lightning_pipe.step.interception import CallInterceptor
 from lightning_pipe.step.metrics import MetricMirror
 from lightning_pipe.step.protocol import Outcome, StepProtocol
@@ -24,42 +26,39 @@ if TYPE_CHECKING:
 
 
 class StepEngine:
-    """Built once per Trainer entry from the split (:mod:`lightning_pipe.split`); :meth:`close` removes everything
-    it installed on the LightningModule (the network's call interceptor, the metrics' hooks)."""
+    """Built once per Trainer entry (or Fabric ``setup_module``) from the split (:mod:`lightning_pipe.split`);
+    :meth:`close` removes everything it installed on ``owner`` (the LightningModule, or the module a Fabric loop set
+    up): the network's call interceptor, the metrics' hooks. ``outside``: the message for a network call outside any
+    step (default: the Trainer's)."""
 
     def __init__(
         self,
-        lightning_module: Any,
+        owner: Any,
         split: Split,
         settings: PipelineSettings,
         pipeline_group: Any,
         device: torch.device,
         rng: RngStreams,
         mesh: DeviceMesh,
+        outside: str = "",
     ) -> None:
         self.runtime = PipelineRuntime(
             stage_modules(split), split.num_stages, split.stage_ranks, pipeline_group, device, submesh_lookup(mesh)
         )
-        self.protocol = StepProtocol(
-            lightning_module,
-            self.runtime,
-            CallInterceptor(split.network),
-            MetricMirror(lightning_module),
-            rng,
-        )
+        self.protocol = StepProtocol(self.runtime, CallInterceptor(split.network, outside), MetricMirror(owner), rng)
         self.training = ScheduleExecutor(self.runtime, settings)
         self.evaluation = ForwardOnlyExecutor(self.runtime, settings, split.static_microbatch_size)
         self.loss_parallel = settings.loss_parallel and settings.tensor_parallel_size > 1
 
-    def train(self, batch: Any, extra_args: tuple[Any, ...], accumulate: int) -> Outcome:
+    def train(self, user_step: UserStep, batch: Any, accumulate: int = 1) -> Outcome:
         """One training step: a schedule step over the batch's microbatches."""
         with loss_parallel_context(self.loss_parallel):
-            return self.protocol.run("training_step", batch, extra_args, self.training, accumulate)
+            return self.protocol.run(user_step, batch, self.training, accumulate)
 
-    def evaluate(self, hook: str, batch: Any, extra_args: tuple[Any, ...]) -> Outcome:
+    def evaluate(self, user_step: UserStep, batch: Any) -> Outcome:
         """One validation, test or predict step: a forward-only pass."""
         with loss_parallel_context(self.loss_parallel):
-            return self.protocol.run(hook, batch, extra_args, self.evaluation)
+            return self.protocol.run(user_step, batch, self.evaluation)
 
     @contextmanager
     def unsynchronized(self) -> Iterator[None]:

@@ -50,9 +50,16 @@ class _InputsCaptured(BaseException):
 class CallInterceptor:
     """Stands in for the pipelined network's ``forward`` while the strategy runs a step."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, outside: str = "") -> None:
         self.module = module
-        self.hook = "training_step"
+        #: how messages name the step running now
+        self.step_name = "training_step"
+        #: what a call outside any step is told (default: the Trainer's steps)
+        self.outside = outside or (
+            f"The pipelined network ({type(module).__name__}) was called outside a training, validation, test"
+            " or predict step. Under PipelineParallelStrategy each rank holds only its stages, so the network can"
+            " only run through the strategy's steps."
+        )
         self._mode = "off"
         self._output: Any = None
         self._used = False
@@ -82,7 +89,7 @@ class CallInterceptor:
         if self._mode == "respond":
             if self._used:
                 raise PipelineUsageError(
-                    f"`{self.hook}` called the pipelined network more than once. A pipeline runs one forward pass"
+                    f"`{self.step_name}` called the pipelined network more than once. A pipeline runs one forward pass"
                     " per microbatch: call the network once per step and derive everything from that output."
                 )
             self._used = True
@@ -91,11 +98,7 @@ class CallInterceptor:
             # Lightning's ModelSummary runs `example_input_array` through the model on rank 0 only; no rank holds the
             # whole network, so the summary goes without input/output sizes instead of failing.
             return None
-        raise PipelineUsageError(
-            f"The pipelined network ({type(self.module).__name__}) was called outside a training, validation, test"
-            " or predict step. Under PipelineParallelStrategy each rank holds only its stages, so the network can"
-            " only run through the strategy's steps."
-        )
+        raise PipelineUsageError(self.outside)
 
     def capture(self, step: Callable[[], Any]) -> Call:
         """Run ``step`` until it calls the network and return that call."""
@@ -108,7 +111,7 @@ class CallInterceptor:
             self._mode = "off"
         if self._captured is None:
             raise PipelineUsageError(
-                f"`{self.hook}` returned without calling the pipelined network, so the pipeline has no input."
+                f"`{self.step_name}` returned without calling the pipelined network, so the pipeline has no input."
                 " Call the network (e.g. `self(x)` or `self.model(x)`) exactly once in each step."
             )
         return self._captured
@@ -123,8 +126,8 @@ class CallInterceptor:
             return run(args, kwargs)
         if self._mode == "respond":
             raise PipelineUsageError(
-                f"`{self.hook}` called `generate` after calling the pipelined network. A step that generates runs on"
-                " every stage, which the strategy learns from the step's first use of the network: call"
+                f"`{self.step_name}` called `generate` after calling the pipelined network. A step that generates runs"
+                " on every stage, which the strategy learns from the step's first use of the network: call"
                 " `generate(...)` before any other call of the network in the step."
             )
         raise PipelineUsageError(
@@ -157,7 +160,7 @@ class CallInterceptor:
             self._mode, self._output = "off", None
         if not self._used:
             raise PipelineUsageError(
-                f"`{self.hook}` did not call the pipelined network for this microbatch. Call the network"
+                f"`{self.step_name}` did not call the pipelined network for this microbatch. Call the network"
                 " (e.g. `self(x)`) exactly once in each step."
             )
 

@@ -14,7 +14,8 @@
 5. **replay** (every rank): metric state mirrored, the step's logs logged, so loggers, the progress bar and callbacks
    see the same values on every rank.
 
-Training and evaluation differ only in the executor they plug in.
+Training and evaluation differ only in the executor they plug in; the Trainer and a Fabric loop only in the front end
+that says what the user's step is (:mod:`lightning_pipe.step.frontend`: a LightningModule hook, or a function).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from lightning_pipe.errors import MicrobatchError, PipelineUsageError
 from lightning_pipe.microbatch import batch_size, signature, split_batch
 from lightning_pipe.step.executors.base import Executor
 from lightning_pipe.step.executors.forward_only import ForwardOnlyExecutor
+from lightning_pipe.step.frontend import TRAINING, UserStep
 from lightning_pipe.step.generation import Lockstep, decoding_of
-from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue, recording_logs
+from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue
 from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
 from lightning_pipe.step.metrics import MetricMirror, MetricUpdate, StepMetrics
 from lightning_pipe.step.rng import RngStreams
@@ -43,7 +45,6 @@ from lightning_pipe.step.sharing import OutcomeChannel
 from lightning_pipe.step.stage import StepContext
 from lightning_pipe.structures import map_structure, map_tensors
 
-TRAINING = "training_step"
 NUM_ITEMS = "num_items"
 DIFFERENT_BATCHES = (
     "The ranks of one pipeline received batches of different shapes. Every stage must see the same batch: use"
@@ -86,17 +87,16 @@ def _checksum(key: tuple) -> int:
 
 
 class StepProtocol:
-    """Runs one LightningModule hook on one batch through the pipeline (see the module docstring)."""
+    """Runs the user's step (:class:`~lightning_pipe.step.frontend.UserStep`) on one batch through the pipeline (see
+    the module docstring)."""
 
     def __init__(
         self,
-        lightning_module: Any,
         runtime: PipelineRuntime,
         interceptor: CallInterceptor,
         mirror: MetricMirror,
         rng: RngStreams,
     ) -> None:
-        self.lightning_module = lightning_module
         self.runtime = runtime
         self.interceptor = interceptor
         self.mirror = mirror
@@ -105,46 +105,45 @@ class StepProtocol:
         self._agreed: set[int] = set()
 
     def close(self) -> None:
-        """Take off what this protocol installed on the LightningModule (the network's call interceptor, the metrics'
+        """Take off what this protocol installed on the user's objects (the network's call interceptor, the metrics'
         hooks) and wait for its last sends."""
         self.interceptor.remove()
         self.mirror.close()
         self.channel.close()
 
-    def run(
-        self, hook: str, batch: Any, extra_args: tuple[Any, ...], executor: Executor, accumulate: int = 1
-    ) -> Outcome:
-        """Run ``hook`` on ``batch``; on the last stage each training microbatch's loss is scaled for
+    def run(self, user_step: UserStep, batch: Any, executor: Executor, accumulate: int = 1) -> Outcome:
+        """Run ``user_step`` on ``batch``; on the last stage each training microbatch's loss is scaled for
         ``accumulate`` accumulated batches (Lightning's own division happens before the schedule's backward)."""
         runtime = self.runtime
+        hook = user_step.hook
         self.channel.expect()
         size = batch_size(batch)
         sizes = executor.plan(size)
         n = len(sizes)
         microbatches = split_batch(batch, n, sizes, size=size)
-        self.interceptor.hook = hook
+        self.interceptor.step_name = user_step.name
         with self.rng.compute():
-            calls = self._capture(hook, microbatches, extra_args)
+            calls = self._capture(user_step, microbatches)
             key = (hook == TRAINING, n, signature([(c.args, c.kwargs) for c in calls]))
             self._check_agreement(key)
             step = StepContext(calls, sizes)
             local = None
             if any(c.generate for c in calls):
-                local = self._generating(hook, batch, extra_args, executor, _checksum(key))
+                local = self._generating(user_step, batch, executor, _checksum(key))
             elif runtime.has_last:
                 record = _Record()
                 scale = 1.0 / (n * accumulate)
                 with self.mirror.step(record_step_values=n > 1) as metrics:
 
                     def on_output(m: int, output: Any) -> Any:
-                        return self._microbatch(hook, microbatches[m], extra_args, output, m, record, scale, accumulate)
+                        return self._microbatch(user_step, microbatches[m], output, m, record, scale, accumulate)
 
                     step.on_output = on_output
                     executor.run(key, step)
                     # Settled and sent after the schedule, not as soon as the last microbatch's loss is known: work
                     # there delays the last backwards, which the other stages wait for (measured: +1.2 ms a step on
                     # the small benchmark network). The other ranks' receive was posted when the step started.
-                    local = self._settle(hook, record, sizes, metrics, _checksum(key))
+                    local = self._settle(user_step, record, sizes, metrics, _checksum(key))
             else:
                 executor.run(key, step)
         shared = self.channel.share(self._portable(local) if local is not None else None)
@@ -153,17 +152,16 @@ class StepProtocol:
         outcome = local if local is not None else shared
         if local is None:
             self.mirror.apply(shared.metric_updates, runtime.device)
-        self._replay(outcome.logs)
+        self._replay(user_step, outcome.logs)
         return outcome
 
     # ------------------------------------------------------------------------------------------------ capture
-    def _capture(self, hook: str, microbatches: list[Any], extra_args: tuple[Any, ...]) -> list[Call]:
-        step = getattr(self.lightning_module, hook)
+    def _capture(self, user_step: UserStep, microbatches: list[Any]) -> list[Call]:
         calls = []
         # Logs of these partial runs are dropped: the full runs on the last stage log.
-        with recording_logs(self.lightning_module, []):
+        with user_step.recording_logs([]):
             for mb in microbatches:
-                calls.append(self.interceptor.capture(lambda mb=mb: step(mb, *extra_args)))
+                calls.append(self.interceptor.capture(lambda mb=mb: user_step(mb)))
         return calls
 
     def _check_agreement(self, key: tuple) -> None:
@@ -179,13 +177,11 @@ class StepProtocol:
         self._agreed.add(checksum)
 
     # ------------------------------------------------------------------------------------------------ generating
-    def _generating(
-        self, hook: str, batch: Any, extra_args: tuple, executor: Executor, checksum: int
-    ) -> Outcome | None:
+    def _generating(self, user_step: UserStep, batch: Any, executor: Executor, checksum: int) -> Outcome | None:
         """A step that generates: every rank runs it on the whole batch in lockstep
         (:mod:`lightning_pipe.step.generation`); the last stage settles it as a one-microbatch step."""
         network = self.interceptor.module
-        decoding = decoding_of(network, self.runtime, hook)
+        decoding = decoding_of(network, self.runtime, user_step.hook)
         assert isinstance(executor, ForwardOnlyExecutor)
         # Sampling draws from the compute stream: the same numbers on every rank, so every rank picks the same tokens.
         self.rng.agree(self.runtime.group, self.runtime.last_stage_global_rank)
@@ -193,46 +189,46 @@ class StepProtocol:
         driver = Lockstep(self.runtime, executor, network, decoding)
         logs: list[LoggedValue] = []
         if not self.runtime.has_last:
-            with self.interceptor.lockstep(driver.answer, driver.generate), recording_logs(self.lightning_module, logs):
-                getattr(self.lightning_module, hook)(batch, *extra_args)
+            with self.interceptor.lockstep(driver.answer, driver.generate), user_step.recording_logs(logs):
+                user_step(batch)
             return None
         record = _Record()
         with self.mirror.step(record_step_values=False) as metrics:
-            with self.interceptor.lockstep(driver.answer, driver.generate), recording_logs(self.lightning_module, logs):
-                result = getattr(self.lightning_module, hook)(batch, *extra_args)
+            with self.interceptor.lockstep(driver.answer, driver.generate), user_step.recording_logs(logs):
+                result = user_step(batch)
             record.logs[0] = [LoggedValue(e.name, _whole(e.value), e.kwargs) for e in logs]
             record.results[0] = result = _whole(result)
             items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
             record.items[0] = None if items is None else torch.as_tensor(items).detach()
-            return self._settle(hook, record, [batch_size(batch)], metrics, checksum)
+            return self._settle(user_step, record, [batch_size(batch)], metrics, checksum)
 
     # ------------------------------------------------------------------------------------------------ last stage
-    def run_user_step(self, hook: str, microbatch: Any, extra_args: tuple, output: Any) -> tuple[Any, list]:
-        """Run the user's ``hook`` on one microbatch with the network's call answered by ``output``; record its logs."""
+    def run_user_step(self, user_step: UserStep, microbatch: Any, output: Any) -> tuple[Any, list]:
+        """Run the user's step on one microbatch with the network's call answered by ``output``; record its logs."""
         logs: list[LoggedValue] = []
-        with self.interceptor.responding(output), recording_logs(self.lightning_module, logs):
-            result = getattr(self.lightning_module, hook)(microbatch, *extra_args)
+        with self.interceptor.responding(output), user_step.recording_logs(logs):
+            result = user_step(microbatch)
         return result, [LoggedValue(e.name, _whole(e.value), e.kwargs) for e in logs]
 
     def _microbatch(
         self,
-        hook: str,
+        user_step: UserStep,
         microbatch: Any,
-        extra_args: tuple,
         output: Any,
         m: int,
         record: _Record,
         scale: float,
         accumulate: int,
     ) -> Any:
-        result, logs = self.run_user_step(hook, microbatch, extra_args, output)
+        result, logs = self.run_user_step(user_step, microbatch, output)
         record.logs[m] = logs
+        hook = user_step.hook
         if hook != TRAINING:
             record.results[m] = result = _whole(result)
             items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
             record.items[m] = None if items is None else torch.as_tensor(items).detach()
             return None
-        loss, items = _loss_and_items(hook, result)
+        loss, items = _loss_and_items(user_step.name, result)
         # The loss keeps its graph (a DTensor under loss parallelism) for backward; everything recorded is whole.
         record.losses[m], record.items[m] = full(loss).detach(), items
         record.results[m] = {**_whole(result), "loss": record.losses[m]} if isinstance(result, Mapping) else loss
@@ -242,10 +238,12 @@ class StepProtocol:
         # num_items once it is known (Outcome.grad_scale), which gives the batch's item mean as on one device.
         return loss * items.to(loss.dtype) / accumulate
 
-    def _settle(self, hook: str, record: _Record, sizes: list[int], metrics: StepMetrics, checksum: int) -> Outcome:
-        n = len(sizes)
+    def _settle(
+        self, user_step: UserStep, record: _Record, sizes: list[int], metrics: StepMetrics, checksum: int
+    ) -> Outcome:
+        hook, n = user_step.hook, len(sizes)
         items = [record.items.get(m) for m in range(n)]
-        weighted = _check_items(hook, items)
+        weighted = _check_items(user_step.name, items)
         weights = [float(i) for i in items] if weighted else [float(s) for s in sizes]
         metrics.settle()
         logs = merge_microbatch_logs(
@@ -281,14 +279,14 @@ class StepProtocol:
         )
 
     # ------------------------------------------------------------------------------------------------ replay
-    def _replay(self, logs: list[LoggedValue]) -> None:
+    def _replay(self, user_step: UserStep, logs: list[LoggedValue]) -> None:
         """Log, on this rank, the values the last stage's step logged."""
         device = self.runtime.device
         for entry in logs:
             value = self.mirror.resolve(entry.value, entry.name)
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
-            self.lightning_module.log(entry.name, value, **entry.kwargs)
+            user_step.log(entry, value)
 
 
 def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -310,11 +308,11 @@ def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
-def _loss_and_items(hook: str, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _loss_and_items(name: str, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     loss = result.get("loss") if isinstance(result, Mapping) else result
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise PipelineUsageError(
-            f"`{hook}` must return a scalar loss tensor (or a dict with a 'loss' tensor) under"
+            f"`{name}` must return a scalar loss tensor (or a dict with a 'loss' tensor) under"
             f" PipelineParallelStrategy, got {type(loss).__name__}."
         )
     items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
@@ -323,23 +321,23 @@ def _loss_and_items(hook: str, result: Any) -> tuple[torch.Tensor, torch.Tensor 
     items = torch.as_tensor(items, device=loss.device).detach()
     if items.numel() != 1 or items.is_floating_point() and bool(items != items.round()):
         raise PipelineUsageError(
-            f"`{hook}` returned `num_items={items.tolist()}`; it must be the number of items (e.g. tokens) the loss"
+            f"`{name}` returned `num_items={items.tolist()}`; it must be the number of items (e.g. tokens) the loss"
             " averages over: one non-negative integer, e.g. `(labels != -100).sum()`."
         )
     return loss, items.reshape(())
 
 
-def _check_items(hook: str, items: list[torch.Tensor | None]) -> bool:
+def _check_items(name: str, items: list[torch.Tensor | None]) -> bool:
     """Whether the step weighted its microbatches by ``num_items`` (all of them, or none)."""
     given = [i is not None for i in items]
     if any(given) and not all(given):
         raise PipelineUsageError(
-            f"`{hook}` returned `num_items` for some microbatches of a batch but not for others. Return it from every"
+            f"`{name}` returned `num_items` for some microbatches of a batch but not for others. Return it from every"
             " step (or from none)."
         )
     if all(given) and items and float(sum(float(i) for i in items)) <= 0:  # type: ignore[arg-type]
         raise PipelineUsageError(
-            f"`{hook}` returned `num_items` that sum to 0 over the batch, so its item mean is undefined. Batches"
+            f"`{name}` returned `num_items` that sum to 0 over the batch, so its item mean is undefined. Batches"
             " need at least one counted item (e.g. one label that is not -100)."
         )
     return bool(items) and all(given)

@@ -21,8 +21,8 @@ from lightning_pipe.compat import transformers as hf_compat
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface import router_logits
-from lightning_pipe.models.huggingface.heads import new_weights
 from lightning_pipe.models.huggingface.generation import HuggingFaceDecoding
+from lightning_pipe.models.huggingface.heads import new_weights
 from lightning_pipe.models.huggingface.plan import (
     base_prefix,
     hf_layout,

@@ -1,0 +1,124 @@
+"""The Fabric loop of the Fabric tests, written once: the same loop runs under ``Fabric(devices=1)`` (the reference,
+in the test's process) and under ``Fabric(strategy="pipeline")`` (``tests/scripts/fabric_parity.py``).
+
+The only difference between the two is the line the docs show as the change: ``loss = model.step(forward_and_loss,
+batch)`` instead of ``loss = forward_and_loss(batch)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.gpt2 import GPT2
+
+VOCAB, BLOCK, BATCH = 64, 16, 8
+
+
+def dataset(steps: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randint(0, VOCAB, (steps * BATCH, BLOCK), generator=g)
+    return TensorDataset(x[:, :-1], x[:, 1:])
+
+
+def build_gpt(fabric: Any, meta: bool = False, n_layer: int = 4) -> torch.nn.Module:
+    with fabric.init_module(empty_init=meta):
+        return GPT2(vocab=VOCAB, block_size=BLOCK, n_layer=n_layer, n_head=2, n_embd=32)
+
+
+def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, torch.Tensor], list]:
+    """Per-step losses (as ``fabric.all_reduce`` gives them), this rank's final weights and the clip norms."""
+    fabric.seed_everything(0)
+    accumulate, steps = cfg.get("accumulate", 1), cfg.get("steps", 4)
+    model = fabric.setup_module(build_gpt(fabric, cfg.get("meta", False), cfg.get("n_layer", 4)))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    # `batch`: the global batch (its samples are shared out over data-parallel replicas by the sampler).
+    batch, replicas = cfg.get("batch", BATCH), cfg.get("replicas", 1)
+    data = dataset(steps * accumulate * batch // BATCH)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch // replicas))
+
+    def forward_and_loss(batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    # litgpt's scripts keep the loop's position in the state they save (`fabric.save(path, state)`).
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0}
+    if cfg.get("resume_from"):
+        fabric.load(cfg["resume_from"], state)
+    losses, norms = [], []
+    for i, batch in enumerate(loader):
+        if i < state["iter_num"]:
+            continue
+        accumulating = (i + 1) % accumulate != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = model.step(forward_and_loss, batch) if pipelined else forward_and_loss(batch)
+            fabric.backward(loss / accumulate)
+        if not accumulating:
+            if cfg.get("clip"):
+                norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=cfg["clip"])))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach())))
+        state["iter_num"] = i + 1
+        if cfg.get("save_at") == i + 1:
+            fabric.save(cfg["save_to"], state)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, weights, norms
+
+
+def build_litgpt(fabric: Any, meta: bool = False) -> torch.nn.Module:
+    from litgpt import GPT, Config
+
+    config = Config(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
+    with fabric.init_module(empty_init=meta):
+        return GPT(config)
+
+
+def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, Any], list]:
+    """litgpt's full fine-tune loop (``litgpt/finetune/full.py``'s ``fit``), with its chunked cross-entropy and,
+    when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``."""
+    from litgpt.utils import chunked_cross_entropy
+
+    fabric.seed_everything(0)
+    accumulate, steps, chunk = cfg.get("accumulate", 1), cfg.get("steps", 4), cfg.get("chunk", 0)
+    model = fabric.setup_module(build_litgpt(fabric, cfg.get("meta", False)))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    data = dataset(steps * accumulate)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH))
+
+    def forward_and_loss(batch: Any) -> torch.Tensor:
+        input_ids, targets = batch
+        if chunk:
+            logits = model(input_ids, lm_head_chunk_size=chunk)
+            logits[-1] = logits[-1][..., :-1, :]
+            return chunked_cross_entropy(logits, targets[..., 1:])
+        logits = model(input_ids)
+        return chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
+
+    # litgpt's scripts keep the loop's position in the state they save (`fabric.save(path, state)`).
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0}
+    if cfg.get("resume_from"):
+        fabric.load(cfg["resume_from"], state)
+    losses, norms = [], []
+    for i, batch in enumerate(loader):
+        if i < state["iter_num"]:
+            continue
+        accumulating = (i + 1) % accumulate != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = model.step(forward_and_loss, batch) if pipelined else forward_and_loss(batch)
+            fabric.backward(loss / accumulate)
+        if not accumulating:
+            if cfg.get("clip"):
+                norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=cfg["clip"])))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach())))
+        state["iter_num"] = i + 1
+        if cfg.get("save_at") == i + 1:
+            fabric.save(cfg["save_to"], state)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, weights, norms

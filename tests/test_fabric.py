@@ -1,0 +1,294 @@
+"""``Fabric(strategy="pipeline")``: a Fabric loop (``tests/fabric_loop.py``) against ``Fabric(devices=1)``, and the
+errors a Fabric loop gets for what cannot run under a pipeline."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+import lightning_pipe
+from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
+from tests.fabric_loop import VOCAB, build_gpt, build_litgpt, dataset, train, train_litgpt
+from tests.gpt2 import GPT2
+from tests.launch import run_script
+
+CLIP = 0.5
+LITGPT = {"model": "litgpt", "frontend": "dataflow", "devices": 2, "accumulate": 2, "clip": CLIP}
+CONFIGS = [
+    {"name": "1F1B-acc2-clip", "schedule": "1F1B", "devices": 2, "accumulate": 2, "clip": CLIP},
+    {"name": "ZBV-acc2-clip", "schedule": "ZBVZeroBubble", "devices": 2, "accumulate": 2, "clip": CLIP},
+    # By the registry's name, with every default, the model built on the meta device.
+    {"name": "by-name-meta", "by_name": True, "devices": 2, "meta": True},
+    # litgpt's GPT in litgpt's fine-tune loop: its chunked cross-entropy, `lm_head_chunk_size`, its rope cache.
+    {**LITGPT, "name": "litgpt-1F1B-acc2-clip", "schedule": "1F1B"},
+    {**LITGPT, "name": "litgpt-ZBV-acc2-clip-chunks", "schedule": "ZBVZeroBubble", "chunk": 4},
+    {**LITGPT, "name": "litgpt-meta", "schedule": "1F1B", "meta": True},
+]
+
+
+#: save after step 2 of 4, then continue from it in a fresh model and optimizer (the same launch)
+SAVED = {"name": "ckpt-full", "schedule": "1F1B", "devices": 2, "save_at": 2}
+RESUMED = {"name": "ckpt-resumed", "schedule": "1F1B", "devices": 2, "resume": "ckpt-full"}
+
+
+@functools.cache
+def _reference(model: str, accumulate: int, clip: float | None, meta: bool, chunk: int) -> tuple:
+    """The loop under ``Fabric(devices=1)``; with ``meta``, under a one-process pipeline (a model built with
+    ``empty_init=True`` is initialised per unit there, the same whatever the layout)."""
+    cfg = {"accumulate": accumulate, "clip": clip, "meta": meta, "chunk": chunk}
+    loop = train_litgpt if model == "litgpt" else train
+    if meta:
+        frontend = "dataflow" if model == "litgpt" else "auto"
+        fabric = Fabric(strategy=lightning_pipe.PipelineFabricStrategy(frontend=frontend), accelerator="cpu", devices=1)
+        fabric.launch()
+        return loop(fabric, cfg, pipelined=True)
+    return loop(Fabric(accelerator="cpu", devices=1), cfg, pipelined=False)
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric2")
+    run_script("fabric_parity.py", str(out), json.dumps([*CONFIGS, SAVED, RESUMED]), nprocs=2, launcher="lightning")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
+def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
+    ranks = [torch.load(two_procs / f"{cfg['name']}.rank{r}.pt") for r in range(2)]
+    losses, weights, norms = _reference(
+        cfg.get("model", "gpt"), cfg.get("accumulate", 1), cfg.get("clip"), cfg.get("meta", False), cfg.get("chunk", 0)
+    )
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        # Every rank gets the step's loss (and the clip's global norm).
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+        assert not merged.keys() & r["weights"].keys(), "each rank holds only its own stages"
+        merged.update(r["weights"])
+    assert merged.keys() == weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+    assert sorted(s for r in ranks for s in r["stages"]) == list(
+        range(4 if cfg.get("schedule") == "ZBVZeroBubble" else 2)
+    )
+    if cfg.get("clip"):
+        assert max(norms) > CLIP, "the clip is active in the reference"
+
+
+def test_litgpt_under_the_default_frontend_is_refused_by_name():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`"):
+        fabric.setup_module(build_litgpt(fabric))
+
+
+#: 2 pipelines of 2 stages; the global batch of 16 shared out by the sampler, as one device's batch of 16
+DATA_PARALLEL = [
+    {"name": f"dp2-pp2-{mode}", "schedule": "1F1B", "devices": 4, "pipeline_size": 2, "data_parallel": mode}
+    | {"accumulate": 2, "clip": CLIP, "batch": 16, "replicas": 2}
+    for mode in ("ddp", "fsdp")
+] + [
+    # one pipeline of 4 processes, 2 stages each
+    {"name": "pp4-interleaved", "schedule": "Interleaved1F1B", "devices": 4, "n_layer": 8, "data_parallel": "ddp"}
+    | {"accumulate": 2, "clip": CLIP}
+]
+
+
+@pytest.fixture(scope="module")
+def four_procs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric4")
+    run_script("fabric_parity.py", str(out), json.dumps(DATA_PARALLEL), nprocs=4, launcher="lightning")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("cfg", DATA_PARALLEL, ids=lambda c: c["name"])
+def test_four_processes_match_one_device_on_the_global_batch(four_procs, cfg):
+    ranks = [torch.load(four_procs / f"{cfg['name']}.rank{r}.pt") for r in range(4)]
+    fabric = Fabric(accelerator="cpu", devices=1)
+    reference = {"accumulate": 2, "clip": CLIP, "batch": cfg.get("batch", 8), "n_layer": cfg.get("n_layer", 4)}
+    losses, weights, norms = train(fabric, reference, pipelined=False)
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+    if cfg["data_parallel"] == "fsdp":
+        return  # FSDP's weights are shards (DTensors): losses and clip norms compared above
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for key, value in r["weights"].items():
+            # The replicas of a stage hold bitwise equal weights.
+            assert key not in merged or torch.equal(merged[key], value), key
+            merged[key] = value
+    assert merged.keys() == weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _ranks(out, name: str) -> list[dict]:
+    return [torch.load(out / f"{name}.rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+def test_fabric_checkpoint_continues_bitwise(two_procs):
+    for full, resumed in zip(_ranks(two_procs, "ckpt-full"), _ranks(two_procs, "ckpt-resumed")):
+        assert resumed["losses"] == full["losses"][2:]
+        assert resumed["weights"].keys() == full["weights"].keys()
+        assert all(torch.equal(resumed["weights"][k], v) for k, v in full["weights"].items())
+    assert (two_procs / "ckpt-full-ckpt" / "lightning_pipe.json").is_file()  # the Trainer strategy's format
+
+
+@pytest.mark.slow
+def test_fabric_checkpoint_loads_into_another_layout(two_procs):
+    """The 2-process checkpoint continues in a one-process pipeline (every stage on one rank)."""
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    losses, weights, _ = train(fabric, {"steps": 4, "resume_from": str(two_procs / "ckpt-full-ckpt")}, pipelined=True)
+    full = _ranks(two_procs, "ckpt-full")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=1e-7)
+    merged = {**full[0]["weights"], **full[1]["weights"]}
+    for key, value in merged.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_registered_in_fabric_registry():
+    assert STRATEGY_REGISTRY["pipeline"]["strategy"] is lightning_pipe.PipelineFabricStrategy
+
+
+# ---------------------------------------------------------------------------------------------- errors, one process
+@pytest.fixture(scope="module")
+def fabric():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    return fabric
+
+
+@pytest.fixture(scope="module")
+def set_up(fabric):
+    model = fabric.setup_module(build_gpt(fabric))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = dataset(1).tensors
+
+    def forward_and_loss(batch):
+        logits = model(batch[0])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), batch[1].reshape(-1))
+
+    return model, optimizer, (x, y), forward_and_loss
+
+
+def test_loss_backward_outside_fabric_backward_is_refused(fabric, set_up):
+    model, _, batch, fn = set_up
+    loss = model.step(fn, batch)
+    with pytest.raises(PipelineUsageError, match=r"`loss.backward\(\)`.*call `fabric.backward\(loss\)`"):
+        loss.backward()
+    fabric.backward(loss)  # the step's gradients are still handed over
+
+
+def test_backward_once_per_step(fabric, set_up):
+    model, optimizer, batch, fn = set_up
+    loss = model.step(fn, batch)
+    fabric.backward(loss / 2)
+    with pytest.raises(PipelineUsageError, match=r"once per step.*`loss = model.step\(fn, batch\)`"):
+        fabric.backward(loss / 2)
+    optimizer.zero_grad()
+
+
+def test_second_step_before_backward_is_refused(fabric, set_up):
+    model, optimizer, batch, fn = set_up
+    loss = model.step(fn, batch)
+    with pytest.raises(PipelineUsageError, match=r"called again before `fabric.backward\(loss\)`"):
+        model.step(fn, batch)
+    fabric.backward(loss * 0)
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters() if p.grad is not None)
+    optimizer.zero_grad()
+
+
+def test_backward_of_a_tensor_without_the_loss_is_refused(fabric, set_up):
+    model, optimizer, batch, fn = set_up
+    model.step(fn, batch)
+    other = torch.ones((), requires_grad=True) * 2
+    with pytest.raises(PipelineUsageError, match="does not depend on the loss that `model.step"):
+        fabric.backward(other)
+    optimizer.zero_grad()
+
+
+def test_model_call_outside_the_step_is_refused(set_up):
+    model, _, batch, _ = set_up
+    with pytest.raises(PipelineUsageError, match=r"\(GPT2\) was called outside `model.step\(fn, batch\)`"):
+        model(batch[0])
+
+
+def test_evaluate_runs_forward_only(fabric, set_up):
+    model, _, batch, fn = set_up
+    value = model.evaluate(fn, batch)
+    assert value.dim() == 0 and not value.requires_grad
+
+
+def test_save_of_another_module_is_refused(fabric, set_up, tmp_path):
+    model, optimizer, _, _ = set_up
+    with pytest.raises(PipelineUsageError, match=r"the one model set up.*modules are \['model', 'other'\]"):
+        fabric.save(tmp_path / "ckpt", {"model": model, "other": torch.nn.Linear(2, 2), "optimizer": optimizer})
+    with pytest.raises(PipelineUsageError, match=r"`fabric.save\(..., filter=...\)`.*Remove them"):
+        fabric.save(tmp_path / "ckpt", {"model": model}, filter={"model": lambda k, v: True})
+
+
+def test_load_of_a_missing_value_is_refused(fabric, set_up, tmp_path):
+    model, optimizer, _, _ = set_up
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 3})
+    state = {"model": model, "optimizer": optimizer, "step": 0, "epoch": 1}
+    with pytest.raises(PipelineCheckpointError, match=r"has no \['epoch'\].*strict=False"):
+        fabric.load(tmp_path / "ckpt", state)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    assert fabric.load(tmp_path / "ckpt", state) == {} and state["step"] == 3
+
+
+def test_clip_by_another_norm_is_refused(fabric, set_up):
+    model, optimizer, _, _ = set_up
+    with pytest.raises(PipelineConfigError, match=r"norm_type=1.0.*Use `norm_type=2`"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, norm_type=1.0)
+
+
+def test_optimizer_set_up_with_the_model_is_refused():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    model = build_gpt(fabric)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PipelineUsageError, match=r"`fabric.setup\(model, optimizer\)` cannot be used.*setup_module"):
+        fabric.setup(model, optimizer)
+    with pytest.raises(PipelineUsageError, match=r"optimizer was set up before the model.*fabric.setup_module"):
+        fabric.setup_optimizers(optimizer)
+
+
+def test_optimizer_made_before_the_split_is_refused():
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+    fabric.launch()
+    model = build_gpt(fabric)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = fabric.setup_module(model)
+    # A one-stage pipeline keeps every parameter: the check is by identity, here against a copy's parameters.
+    other = torch.optim.SGD(build_gpt(fabric).parameters(), lr=0.1)
+    with pytest.raises(PipelineUsageError, match=r"holds \d+ parameters that are not this rank's stages'"):
+        fabric.setup_optimizers(other)
+    fabric.setup_optimizers(stale)  # the same parameter objects: accepted
+    fabric.strategy.teardown()
+
+
+def test_init_weights_loads_each_rank_stages(tmp_path):
+    torch.manual_seed(7)
+    source = GPT2(vocab=VOCAB, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    torch.save(source.state_dict(), tmp_path / "weights.pt")
+    strategy = lightning_pipe.PipelineFabricStrategy(init_weights=tmp_path / "weights.pt")
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    model = fabric.setup_module(build_gpt(fabric, meta=True))
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    fabric.strategy.teardown()
+    assert "step" not in vars(model), "teardown takes model.step off the model"
