@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.settings import PipelineSettings
@@ -84,6 +84,11 @@ class Split:
     #: entries: a model's own plan is applied once
     tensor_parallel: Any = None
 
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        # A pickled or deep-copied LightningModule (`torch.save(model)`, EMA/SWA callbacks) keeps only which stages
+        # it holds: the stages, process groups and stage calls belong to this rank's run.
+        return CopiedSplit, (self.described, self.units_per_stage, self.stage_ranks)
+
     @property
     def block_names(self) -> tuple[str, ...]:
         """Every block of the network's block stack, relative to the network."""
@@ -93,6 +98,24 @@ class Split:
     def prefix(self) -> str:
         """The network's attribute as a name prefix (``"model."``; ``""`` for the LightningModule itself)."""
         return f"{self.network_attr}." if self.network_attr else ""
+
+
+@dataclass(frozen=True)
+class CopiedSplit:
+    """What a pickled or deep-copied split LightningModule records: it holds one rank's units, and cannot be split
+    again."""
+
+    described: str
+    units_per_stage: list[tuple[str, ...]]
+    stage_ranks: list[int]
+
+    def refuse(self) -> None:
+        raise PipelineUsageError(
+            "This LightningModule is a copy (pickled, `copy.deepcopy` or `torch.save`) of one pipeline rank's stages"
+            f" ({self.described}): its network holds only that rank's units, so it"
+            " cannot be split again. Give the Trainer the original LightningModule, or a new instance with the"
+            " checkpoint's weights loaded (`python -m lightning_pipe.checkpoint consolidate` makes one file)."
+        )
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -251,6 +274,8 @@ def split_module(
     """
     key = (*settings.split_key(), pipeline_rank)
     existing = lightning_module.__dict__.get(SPLIT_ATTR)
+    if isinstance(existing, CopiedSplit):
+        existing.refuse()
     if existing is not None:
         check_same_split(existing, key, settings.describe_split())
         return existing
@@ -371,7 +396,10 @@ def is_split(lightning_module: Any) -> bool:
 
 def existing_split(lightning_module: Any) -> Split | None:
     """The split made by an earlier Trainer entry, if any."""
-    return lightning_module.__dict__.get(SPLIT_ATTR)
+    existing = lightning_module.__dict__.get(SPLIT_ATTR)
+    if isinstance(existing, CopiedSplit):
+        existing.refuse()
+    return existing
 
 
 def _retie_traced(bodies: dict[int, nn.Module], ties: list[Tie]) -> None:

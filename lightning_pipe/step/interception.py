@@ -54,6 +54,11 @@ class CallInterceptor:
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
 
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        # A pickled or deep-copied network (kept in `save_hyperparameters()`, copied by an EMA/SWA callback) gets its
+        # class's forward back: the copy is not run by the strategy, and the interceptor's state is one step's.
+        return _class_forward, (self.module,)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "capture":
             self._captured = Call(args, kwargs)
@@ -105,6 +110,11 @@ class CallInterceptor:
                 f"`{self.hook}` did not call the pipelined network for this microbatch. Call the network"
                 " (e.g. `self(x)`) exactly once in each step."
             )
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s own forward, bound (what an intercepted network's copy calls)."""
+    return type(module).forward.__get__(module)
 
 
 @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
@@ -90,3 +91,50 @@ def check_supported(lightning_module: Any, precision_plugin: Any) -> None:
             " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
             " 'bf16-true')."
         )
+
+
+#: Layers whose training output depends on the other samples of the batch (public classes; SyncBatchNorm included)
+BATCH_DEPENDENT = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+)
+
+
+def batch_dependent_modules(network: nn.Module, prefix: str = "") -> list[str]:
+    """Names (with ``prefix``) of the modules of ``network`` whose training output depends on the whole batch."""
+    return [f"{prefix}{name}" for name, m in network.named_modules() if isinstance(m, BATCH_DEPENDENT)]
+
+
+def warn_batch_dependent(trainer: Any, settings: PipelineSettings, split: Split, pipeline_group: Any) -> None:
+    """At fit start: name the batch-dependent layers (BatchNorm) that will see microbatches instead of the batch, why
+    results then differ from one device, and the exact alternatives. Collective over the pipeline group."""
+    mine = batch_dependent_modules(split.network, split.prefix)
+    names = sorted({name for rank in collectives.all_gather_object(mine, pipeline_group) for name in rank})
+    loader = trainer.train_dataloader
+    if isinstance(loader, PassLoader):
+        loader = loader.loader
+    sizes = epoch_batch_sizes(loader) or []
+    size = sizes[0][1] if sizes else None
+    if size is not None:
+        n = resolve_microbatches(
+            settings.microbatches, settings.microbatch_size, size, settings.num_stages, "microbatches"
+        )
+    else:
+        n = settings.microbatches if settings.microbatches != "auto" else settings.num_stages
+    if not names or n == 1:
+        return
+    shown = ", ".join(f"`{name}`" for name in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    per = f"{size // n}-sample microbatches of each {size}-sample batch" if size else f"{n} microbatches of each batch"
+    rank_zero_warn(
+        f"lightning-pipe: {shown} normalise over the batch in training (BatchNorm), and a pipeline runs them once per"
+        f" microbatch: their statistics (and the running mean/variance they track) come from the {per}, so results"
+        f" differ from one device with the same batch (the pipeline equals one device given batches of"
+        f" {f'{size // n} samples' if size else 'one microbatch'} and `accumulate_grad_batches` multiplied by {n})."
+        " For one device's results, run one microbatch per batch: `PipelineParallelStrategy(schedule='GPipe',"
+        " microbatches=1)` (the stages then take turns), or normalise per sample (LayerNorm, GroupNorm)."
+    )

@@ -92,9 +92,10 @@ class ScheduleExecutor:
             else:
                 schedule = cls(stages, n, loss_fn=self._loss, scale_grads=False)
         except ValueError as err:
+            gpipe = " or use `schedule='GPipe'`, which runs any number of microbatches" if name != "GPipe" else ""
             raise PipelineConfigError(
                 f"torch's {name} schedule rejects {n} microbatches for {runtime.num_stages}"
-                f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it."
+                f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it{gpipe}."
             ) from err
         self._schedules[key] = (schedule, step_options(schedule))
         if len(self._schedules) > _MAX_CACHED_SCHEDULES:
