@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_pipe.models.units import Layout, find_layout  # noqa: E402
 from lightning_pipe.split.balance import (  # noqa: E402
     CostModel,
     auto_balance,
@@ -42,7 +43,7 @@ from lightning_pipe.split.balance import (  # noqa: E402
     profile_units,
     split_table,
 )
-from lightning_pipe.split.partition import Layout, all_splits, find_layout  # noqa: E402
+from lightning_pipe.split.partition import all_splits  # noqa: E402
 from lightning_pipe.split.surgery import stage_view  # noqa: E402
 from tests.gpt2 import GPT2  # noqa: E402
 

@@ -23,11 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pipe.measure.memory import format_bytes, saved_bytes  # noqa: E402
+from lightning_pipe.models.units import find_layout  # noqa: E402
 from lightning_pipe.parallel.activation_checkpointing import (  # noqa: E402
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from lightning_pipe.split.partition import find_layout, stage_units  # noqa: E402
+from lightning_pipe.split.partition import stage_units  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.gpt2 import GPT2  # noqa: E402
 

@@ -131,8 +131,8 @@ def unsplit(model_type: str) -> tuple[torch.nn.Module, Any]:
 def split_error(model_type: str, stage_counts: tuple[int, ...] = (2, 4)) -> float:
     """The largest difference between the unsplit model and its split into each number of stages (chained in one
     process as the pipeline chains them), over the logits and every parameter's gradient."""
-    from lightning_pipe.split.hf import hf_layout, hf_placeholder
-    from lightning_pipe.split.hf_stage import hf_stage_call
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.stage import hf_stage_call
     from lightning_pipe.split.partition import balance_blocks, stage_units
     from lightning_pipe.split.surgery import prune
 

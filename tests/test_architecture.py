@@ -59,19 +59,25 @@ RANKS = {
     "settings": 1,
     "microbatch": 1,
     "measure": 1,
-    "comm": 2,
-    "split": 2,
-    "reliability": 2,
-    "parallel": 3,
-    "checkpoint": 3,
-    "step": 4,
-    "callbacks": 5,
-    "tune": 5,
-    "strategy": 6,
-    "": 7,  # the package's __init__
+    "models": 2,
+    "comm": 3,
+    "split": 3,
+    "reliability": 3,
+    "parallel": 4,
+    "checkpoint": 4,
+    "step": 5,
+    "callbacks": 6,
+    "tune": 6,
+    "strategy": 7,
+    "": 8,  # the package's __init__
 }
 #: Modules that plan (pure functions of names, counts and settings): they must not reach anything that communicates.
-PLANNING = ("lightning_pipe.settings", "lightning_pipe.microbatch", "lightning_pipe.split.partition")
+PLANNING = (
+    "lightning_pipe.settings",
+    "lightning_pipe.microbatch",
+    "lightning_pipe.split.partition",
+    "lightning_pipe.models",
+)
 COMMUNICATING = ("lightning_pipe.comm.collectives", "lightning_pipe.comm.transport", "lightning_pipe.step")
 MAX_LINES = 600
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.models.units import find_layout
 from lightning_pipe.split.balance import (
     CostModel,
     UnitProfile,
@@ -20,14 +21,7 @@ from lightning_pipe.split.balance import (
     profile_units,
     split_table,
 )
-from lightning_pipe.split.partition import (
-    UnitCosts,
-    all_splits,
-    balance_by_cost,
-    balance_step_time,
-    find_layout,
-    unit_params,
-)
+from lightning_pipe.split.partition import UnitCosts, all_splits, balance_by_cost, balance_step_time, unit_params
 from tests.gpt2 import GPT2
 
 CPU = torch.device("cpu")
@@ -178,7 +172,7 @@ def test_profiler_on_a_real_network_leaves_it_untouched():
     before = {n: p.clone() for n, p in model.named_parameters()}
     layout = find_layout(model)
     x = torch.randint(0, 256, (2, 16))
-    profiles = profile_units(model, layout, (x,), {}, CPU, repeats=1, warmup=0)
+    profiles = profile_units(model, layout, (x,), {}, CPU, repeats=1)
     assert [p.name for p in profiles] == list(layout.units)
     assert [p.measured for p in profiles] == [True, True, True, False, False, True, True]
     by = {p.name: p for p in profiles}

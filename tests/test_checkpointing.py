@@ -10,13 +10,14 @@ import torch
 
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.measure.memory import saved_bytes
+from lightning_pipe.models.units import find_layout
 from lightning_pipe.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpointed_blocks,
     remove_activation_checkpointing,
 )
 from lightning_pipe.settings import resolve_every
-from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.partition import stage_units
 from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2
 

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
+from lightning_pipe.models.units import Layout, find_stacks, find_stacks_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import split_module
-from lightning_pipe.split.partition import Layout, find_stacks, find_stacks_layout, stage_units, unit_params
+from lightning_pipe.split.partition import stage_units, unit_params
 from lightning_pipe.split.surgery import find_block
 from tests.crossing_models import DemoTransformer, LitSeq2Seq, LitUNet, UNet
 from tests.stage_sim import run_stages, split_all, whole_network_grads

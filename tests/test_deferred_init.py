@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineModelError
+from lightning_pipe.models.units import find_layout
 from lightning_pipe.split.deferred_init import record_init
 from lightning_pipe.split.initialization import initialize
-from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.partition import stage_units
 from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2Body, gpt2_init
 
@@ -187,7 +188,7 @@ def test_a_hugging_face_model_s_own_init_is_replayed():
     with torch.device("meta"), record_init() as recording:
         net = transformers.LlamaForCausalLM(config)
     layout_counts = [2, 2]
-    from lightning_pipe.split.hf import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
 
     layout = hf_layout(net)
     prune(net, stage_units(layout, layout_counts)[1], layout.units, hf_placeholder(net))

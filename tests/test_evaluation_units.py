@@ -16,9 +16,9 @@ from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.comm.transport import pack, send_object, unpack
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.microbatch import split_batch
+from lightning_pipe.models.plain import call_with_activation
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import check_same_split
-from lightning_pipe.split.calls import call_with_activation
 from lightning_pipe.split.partition import stage_to_rank
 from lightning_pipe.step.executors import ForwardOnlyExecutor
 from lightning_pipe.step.executors.forward_only import (

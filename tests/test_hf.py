@@ -12,9 +12,16 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError  # noqa: E402
-from lightning_pipe.split import hf  # noqa: E402
-from lightning_pipe.split.hf import AbsentInput, AbsentOutput, PassThrough, hf_layout, hf_placeholder, is_hf_model  # noqa: E402
-from lightning_pipe.split.hf_stage import hf_stage_call  # noqa: E402
+from lightning_pipe.models.huggingface import plan as hf  # noqa: E402
+from lightning_pipe.models.huggingface.plan import (  # noqa: E402
+    AbsentInput,
+    AbsentOutput,
+    PassThrough,
+    hf_layout,
+    hf_placeholder,
+    is_hf_model,
+)
+from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
 from lightning_pipe.split.partition import balance_blocks, stage_units  # noqa: E402
 from lightning_pipe.split.surgery import prune, stage_view  # noqa: E402
 from lightning_pipe.split.tied import tied_groups  # noqa: E402

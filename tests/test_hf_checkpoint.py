@@ -21,7 +21,8 @@ from lightning_pipe import PipelineCheckpointError  # noqa: E402
 from lightning_pipe.checkpoint import hf_export, io, save  # noqa: E402
 from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
 from lightning_pipe.checkpoint.__main__ import main as cli  # noqa: E402
-from lightning_pipe.split.hf import hf_layout, hf_placeholder  # noqa: E402
+from lightning_pipe.models import kind_of  # noqa: E402
+from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.hf_models import build  # noqa: E402
 from tests.hf_pretrained import probe_logits, save_pretrained  # noqa: E402
@@ -144,6 +145,16 @@ def test_pieces_cut_large_tensors_into_rows():
     assert list(hf.pieces([("one-row", 1, 900)], 500)) == [[("one-row", None)]]
 
 
+def _base_variants(base: str):
+    """A transformers task model's disk names for a base model under ``base`` (the kind's rule, without a model)."""
+
+    def names(name: str):
+        yield name
+        yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
+
+    return names
+
+
 def test_resolve_names_strips_the_attribute_ties_and_base_prefix():
     stored = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     groups = [["model.model.embed_tokens.weight", "model.lm_head.weight"]]
@@ -152,7 +163,7 @@ def test_resolve_names_strips_the_attribute_ties_and_base_prefix():
         stored,
         network_prefix="model.",
         groups=groups,
-        base_prefix="model",
+        disk_names=_base_variants("model"),
     )
     assert found == {
         "model.model.embed_tokens.weight": "model.embed_tokens.weight",
@@ -162,7 +173,7 @@ def test_resolve_names_strips_the_attribute_ties_and_base_prefix():
     assert unread == {"lm_head.weight"}
     # a base model's directory (no "model." inside) into the task model
     found, _ = hf.resolve_names(
-        ["model.model.norm.weight"], {"norm.weight"}, network_prefix="model.", base_prefix="model"
+        ["model.model.norm.weight"], {"norm.weight"}, network_prefix="model.", disk_names=_base_variants("model")
     )
     assert found == {"model.model.norm.weight": "norm.weight"}
 
@@ -259,7 +270,7 @@ def _checkpoint(path: Path, holder: Holder, aliases=None, record: bool = True) -
     """A checkpoint directory as the strategy saves it, written by one process."""
     topo = io.Topology(0, 1, 0, 1, 0, 1, 1, "1F1B", aliases=aliases or {})
     state = {"state_dict": io.model_state(holder, topo.aliases), "global_step": 3}
-    network_record = hf.network_record(holder.model, "model") if record else None
+    network_record = kind_of(holder.model).record(holder.model, "model") if record else None
     writer = save.CheckpointWriter(lambda: topo)
     writer.save(state, path, "0", "tests.Holder", None, resume_point={}, network_record=network_record)
     return path

@@ -17,7 +17,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe.errors import PipelineModelError  # noqa: E402
-from lightning_pipe.split.hf import UNSUPPORTED  # noqa: E402
+from lightning_pipe.models.huggingface.plan import UNSUPPORTED  # noqa: E402
 from tests.hf_families import MATRIX, registry, split_error, unsplit  # noqa: E402
 from tests.hf_models import run_hf  # noqa: E402
 from tests.launch import run_script  # noqa: E402

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineModelError
+from lightning_pipe.models.units import find_layout
 from lightning_pipe.split.initialization import (
     WHOLE_MODEL_WARN_BYTES,
     init_hook,
@@ -17,7 +18,7 @@ from lightning_pipe.split.initialization import (
     unit_seed,
     warn_whole_model,
 )
-from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.partition import stage_units
 from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2
 from tests.models import TinyLM

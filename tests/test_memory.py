@@ -15,8 +15,9 @@ from lightning_pipe.measure.memory import (
     saved_bytes,
     state_bytes,
 )
+from lightning_pipe.models.units import find_layout
 from lightning_pipe.split.initialization import initialize
-from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.partition import stage_units
 from lightning_pipe.split.surgery import prune
 from tests.gpt2 import GPT2
 

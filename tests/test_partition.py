@@ -8,14 +8,12 @@ from torch import nn
 
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineModelError
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, signature, split_batch
+from lightning_pipe.models.units import Layout, find_block_stack, find_layout
 from lightning_pipe.settings import canonical_schedule, resolve_pipeline_size, resolve_schedule
 from lightning_pipe.split.partition import (
-    Layout,
     balance_blocks,
     check_balance,
     counts_from_split_points,
-    find_block_stack,
-    find_layout,
     stage_to_rank,
     stage_units,
 )

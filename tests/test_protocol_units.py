@@ -10,7 +10,7 @@ from torch import nn
 from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.comm.mesh import MeshLayout
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
-from lightning_pipe.split.calls import call_with_activation
+from lightning_pipe.models.plain import call_with_activation
 from lightning_pipe.step.interception import Call, LoggedValue
 from lightning_pipe.step.metrics import MetricRef, MetricUpdate
 from lightning_pipe.step.protocol import Outcome, _check_items, _loss_and_items

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.models.units import find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import resolve_module, split_module
-from lightning_pipe.split.partition import find_layout, stage_units
+from lightning_pipe.split.partition import stage_units
 from lightning_pipe.split.surgery import check_ownership, merge, prune, stage_view, trace_stages
 from tests.models import LitLM, TinyLM
 

@@ -28,11 +28,11 @@ from lightning_pipe.comm import transport
 from lightning_pipe.comm.dtensor import Layout, assign_whole_, place_like, sharded_axes
 from lightning_pipe.comm.mesh import MeshLayout
 from lightning_pipe.measure.memory import MemoryReport, StateBytes
+from lightning_pipe.models.huggingface.tensor_parallel import full_plan, hf_tensor_parallel_plan
 from lightning_pipe.parallel.grads import GradientStash, counted_once
 from lightning_pipe.parallel.tensor_parallel import _differ, retie
 from lightning_pipe.settings import PipelineSettings, resolve_pipeline_size
 from lightning_pipe.split.builder import check_whole_before_split
-from lightning_pipe.split.hf_tp import full_plan, hf_tensor_parallel_plan
 from tests.launch import run_script
 from tests.reference import load_ranks
 

@@ -15,8 +15,9 @@ import lightning_pipe
 from lightning_pipe import PipelineConfigError, PipelineParallelStrategy, PipelineUsageError
 from lightning_pipe.measure.simulate import StageTimes, schedule_orders, simulate
 from lightning_pipe.measure.timeline import theoretical_bubble
+from lightning_pipe.models.units import Layout
 from lightning_pipe.settings import PipelineSettings
-from lightning_pipe.split.partition import Layout, stage_to_rank
+from lightning_pipe.split.partition import stage_to_rank
 from lightning_pipe.tune import prune, record
 from lightning_pipe.tune.cost import (
     BalanceRule,

@@ -22,6 +22,7 @@ from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import io, optim, resume, save
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.measure.memory import PeakMemory
+from lightning_pipe.models import kind_of
 from lightning_pipe.reliability import failures
 
 
@@ -151,7 +152,7 @@ class CheckpointHooks:
             session = resume.CheckpointSession(module.trainer, self.checkpoint_topology, self._streams, device)
             session.training_over = True
         attribute, network = self.checkpoint_network()
-        record = hf.network_record(network, attribute) if network is not None else None  # for export-hf
+        record = kind_of(network).record(network, attribute) if network is not None else None  # for export-hf
         session.save(checkpoint, path, token, f"{cls.__module__}.{cls.__qualname__}", groups, record)
 
     @override

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,8 @@ from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.comm.dtensor import assign_whole_, is_dtensor, local
-from lightning_pipe.compat import transformers as hf_compat
 from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.models import kind_of
 from lightning_pipe.split.tied import tied_groups
 
 SAFETENSORS = "model.safetensors"
@@ -177,25 +177,26 @@ def resolve_names(
     *,
     network_prefix: str,
     groups: Iterable[Sequence[str]] = (),
-    base_prefix: str = "",
+    disk_names: Callable[[str], Iterable[str]] = lambda name: (name,),
 ) -> tuple[dict[str, str], set[str]]:
     """Map each of this rank's state-dict keys (LightningModule names) to the stored name holding its value; also
     return the stored names that tied parameters leave unread.
 
-    A key is looked up without ``network_prefix`` (the LightningModule's attribute, ``"model."``), also with
-    ``base_prefix`` (the task model's base model, ``"model"``) removed or added: a base model's directory loads into
-    its task model and the other way round, as with transformers. A tied parameter (``groups``: the names of one
-    parameter, the first the one transformers keeps) takes the value stored under the first of its group's names
-    that the directory holds, whichever name it has on this rank (``lm_head.weight`` is stored as
-    ``model.embed_tokens.weight``): every copy of it on every rank starts equal, and the group's other stored names
-    are left unread, as transformers ties them too. Keys found under no name are left out (the caller reports them).
+    A key is looked up without ``network_prefix`` (the LightningModule's attribute, ``"model."``), under each name
+    ``disk_names`` gives for it (the model kind's: a transformers task model's key also with its base model's prefix
+    removed or added, so a base model's directory loads into its task model and the other way round). A tied
+    parameter (``groups``: the names of one parameter, the first the one transformers keeps) takes the value stored
+    under the first of its group's names that the directory holds, whichever name it has on this rank
+    (``lm_head.weight`` is stored as ``model.embed_tokens.weight``): every copy of it on every rank starts equal, and
+    the group's other stored names are left unread, as transformers ties them too. Keys found under no name are left
+    out (the caller reports them).
     """
     stored = set(stored)
     group_of = {name: tuple(group) for group in groups for name in group}
     found: dict[str, str] = {}
     unread: set[str] = set()
     for key in local:
-        present = [n for alias in group_of.get(key, (key,)) for n in _variants(alias, network_prefix, base_prefix)]
+        present = [n for alias in group_of.get(key, (key,)) for n in disk_names(_relative(alias, network_prefix))]
         present = list(dict.fromkeys(n for n in present if n in stored))
         if present:
             found[key] = present[0]
@@ -203,11 +204,8 @@ def resolve_names(
     return found, unread - set(found.values())
 
 
-def _variants(key: str, prefix: str, base: str) -> Iterator[str]:
-    name = key[len(prefix) :] if prefix and key.startswith(prefix) else key
-    yield name
-    if base:
-        yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
+def _relative(key: str, prefix: str) -> str:
+    return key[len(prefix) :] if prefix and key.startswith(prefix) else key
 
 
 def matching(names: Iterable[str], patterns: Sequence[str]) -> set[str]:
@@ -240,7 +238,8 @@ def plan_load(
     """
     directory = read_directory(path)
     network = module.get_submodule(network_prefix[:-1]) if network_prefix else module
-    _check_model_type(directory, network)
+    kind = kind_of(network)
+    _check_model_type(directory, network, kind.directory_type(network))
     local = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     across: dict[str, list[str]] = {}
     for name, first in aliases.items():
@@ -250,9 +249,9 @@ def plan_load(
         directory.files,
         network_prefix=network_prefix,
         groups=[*tied_groups(module), *across.values()],
-        base_prefix=base_model_prefix(network),
+        disk_names=lambda name: kind.disk_names(network, name),
     )
-    skip_missing, skip_unexpected = hf_compat.keys_to_ignore(network)
+    skip_missing, skip_unexpected = kind.ignored_on_load(network)
     relative = {k: k[len(network_prefix) :] if k.startswith(network_prefix) else k for k in local}
     missing = sorted(k for k in local if k not in names and not matching([relative[k]], skip_missing))
     _check_shapes(directory, {k: tuple(local[k].shape) for k in names}, names)
@@ -268,16 +267,8 @@ def _storage(t: torch.Tensor) -> int:
     return local(t).data_ptr()  # a DTensor has no storage of its own: its shard's
 
 
-def base_model_prefix(network: nn.Module) -> str:
-    """A transformers task model's ``base_model_prefix`` (public) when its base model is a submodule, else ``""``."""
-    prefix = getattr(network, "base_model_prefix", "") or ""
-    base = getattr(network, prefix, None) if prefix else None
-    return prefix if isinstance(base, nn.Module) and base is not network else ""
-
-
-def _check_model_type(directory: Directory, network: nn.Module) -> None:
-    model_type = getattr(getattr(network, "config", None), "model_type", None)
-    if directory.model_type and isinstance(model_type, str) and directory.model_type != model_type:
+def _check_model_type(directory: Directory, network: nn.Module, model_type: str | None) -> None:
+    if directory.model_type and model_type is not None and directory.model_type != model_type:
         raise PipelineCheckpointError(
             f"it holds a {directory.model_type!r} model (its config.json) but the network is a"
             f" {type(network).__name__} ({model_type!r}). Build the network from the directory's config in"
@@ -432,25 +423,5 @@ def _copy_bin(file: Path, names: Sequence[str], targets: Mapping[str, Sequence[t
 
 
 # ---------------------------------------------------------------------------------------------------- saving
-#: Manifest key of a checkpoint of a transformers network: what ``export-hf`` needs (see :func:`network_record`).
+#: Manifest key of a checkpoint of a transformers network: what ``export-hf`` needs (the model kind's ``record``).
 RECORD = fmt.NETWORK_RECORD
-
-
-def network_record(network: nn.Module, attribute: str) -> dict[str, Any] | None:
-    """What a checkpoint needs to be exported for ``from_pretrained`` (the manifest's ``"huggingface"`` entry): the
-    network's class, its config and generation config as ``save_pretrained`` writes them, and the LightningModule's
-    attribute holding it. ``None`` for a network that is not a transformers model."""
-    config = getattr(network, "config", None)
-    if not callable(getattr(config, "to_json_string", None)) or not callable(getattr(network, "can_generate", None)):
-        return None
-    import copy
-
-    config = copy.deepcopy(config)
-    config.architectures = [type(network).__name__]  # as save_pretrained does
-    generation = getattr(network, "generation_config", None) if network.can_generate() else None
-    return {
-        "attribute": attribute,
-        "class": type(network).__name__,
-        "config": json.loads(config.to_json_string(use_diff=True)),
-        "generation_config": None if generation is None else json.loads(generation.to_json_string(use_diff=True)),
-    }

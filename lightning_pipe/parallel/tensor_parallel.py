@@ -3,7 +3,8 @@ across them with DTensor (``torch.distributed.tensor.parallel``).
 
 Whose plan: the user's, applied in ``configure_model`` with ``parallelize_module`` and ``self.device_mesh["tp"]`` to
 the units this rank holds (the strategy cuts the network first, as torchtitan does), or, for a Hugging Face model
-without one, the model's own (``config.base_model_tp_plan``, read by :mod:`lightning_pipe.split.hf_tp`), applied here.
+without one, the model kind's own (a transformers model's ``config.base_model_tp_plan``, read by
+:mod:`lightning_pipe.models.huggingface.tensor_parallel`), applied here.
 Either way this module then makes the result exact:
 
 - ``parallelize_module`` replaces a module's parameters, which unties a parameter that two units share (an input
@@ -30,10 +31,10 @@ from torch import nn
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import axis_names, is_dtensor, local, sharded_axes
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.models import kind_of
+from lightning_pipe.models.huggingface.tensor_parallel import describe
 from lightning_pipe.settings import TP
 from lightning_pipe.split.builder import Split
-from lightning_pipe.split.hf import is_hf_model
-from lightning_pipe.split.hf_tp import describe, hf_tensor_parallel_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -44,7 +45,7 @@ WHOLE_GRADIENT_RTOL = 1e-5
 
 
 def style(name: str) -> Any:
-    """torch's ``ParallelStyle`` for a style name of :data:`lightning_pipe.split.hf_tp.STYLES`."""
+    """torch's ``ParallelStyle`` for a style name of :mod:`lightning_pipe.models.huggingface.tensor_parallel`."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -97,7 +98,8 @@ class TensorParallel:
         done = self.previous or TensorParallelDone()
         mine = torch.tensor([1 if tensor_parallel_parameters(self.network) else 0])
         if not int(collectives.all_reduce_(mine, collectives.world_group()).item()):
-            if not is_hf_model(self.network):
+            chosen = kind_of(self.network).tensor_parallel_plan(self.network, self.mesh[TP].size(), self.shared)
+            if chosen is None:
                 size = self.mesh[TP].size()
                 raise PipelineConfigError(
                     f"`tensor_parallel={size}` but no parameter of {type(self.network).__name__} is split over the"
@@ -106,17 +108,16 @@ class TensorParallel:
                     " rank holds; build the network in `__init__` so that the strategy cuts it first), or set"
                     " `tensor_parallel=1`."
                 )
-            done = self._apply_model_plan()
+            done = self._apply_model_plan(chosen)
         with agreed(collectives.world_group()):
             retie(self.network, self.shared)
             check_meshes(self.network, self.mesh)
         return done
 
-    def _apply_model_plan(self) -> TensorParallelDone:
+    def _apply_model_plan(self, chosen: dict[str, str]) -> TensorParallelDone:
         from torch.distributed.tensor.parallel import parallelize_module
 
         tp_mesh = self.mesh[TP]
-        chosen = hf_tensor_parallel_plan(self.network, tp_mesh.size(), self.shared)
         done = TensorParallelDone(planned=chosen)
         for name, style_name in chosen.items():
             module = self.network.get_submodule(name)

@@ -5,7 +5,8 @@ microbatch's pass through all stages and the first stage's optimizer step, so ``
 (pre-units, each block, post-units) forward+backward time and parameters and splits the blocks to minimise that
 (:func:`lightning_pipe.split.partition.balance_step_time`). The time comes from a short profiling pass: each unit alone,
 on the process's own device, forward and backward on its input from one example microbatch, a few times after a
-warm-up (median). Parameters add the optimizer step's time per parameter; parameter bytes and activation bytes per
+warm-up, the fastest of each (the one unit profiler, :func:`lightning_pipe.measure.profile.time_unit`, which the
+tuner uses too). Parameters add the optimizer step's time per parameter; parameter bytes and activation bytes per
 microbatch give each stage's memory, which the split can be held under (``memory_limit``) and which the split table
 reports.
 
@@ -29,16 +30,17 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.measure.memory import SavedTensorBytes, format_bytes
+from lightning_pipe.measure.memory import format_bytes
+from lightning_pipe.measure.profile import sync, time_unit
+from lightning_pipe.models.units import Layout
 from lightning_pipe.split.partition import (
-    Layout,
     UnitCosts,
     balance_blocks,
     balance_by_cost,
     balance_step_time,
     unit_params,
 )
-from lightning_pipe.structures import map_tensors, tensors_in
+from lightning_pipe.structures import map_tensors
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class UnitProfile:
     activation_bytes: int
     """Bytes saved for backward by one forward on one microbatch."""
     time_s: float
-    """Forward plus backward of one microbatch, seconds (median of the repetitions)."""
+    """Forward plus backward of one microbatch, seconds (each the fastest of the repetitions)."""
     measured: bool
     """False when ``time_s`` was estimated from a representative block."""
 
@@ -126,11 +128,6 @@ def capture_unit_inputs(
     return found
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def unit_copy(unit: nn.Module, device: torch.device) -> nn.Module:
     """A copy of ``unit`` on ``device``; a meta unit gets random weights (the values only need to be finite)."""
     clone = copy.deepcopy(unit)
@@ -144,44 +141,6 @@ def unit_copy(unit: nn.Module, device: torch.device) -> nn.Module:
                     t.zero_()
         return clone
     return clone.to(device)
-
-
-def time_forward_backward(
-    unit: nn.Module,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> tuple[float, int]:
-    """Median seconds of ``unit``'s forward plus backward (gradients of its parameters and floating inputs), and
-    the bytes its forward saves for backward. ``clock``: wall time by default; ``time.thread_time`` measures CPU
-    time instead, which other processes on a shared CPU disturb far less (with one torch thread)."""
-    inputs = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    for t in inputs:
-        t.requires_grad_(True)
-    wrt = [p for p in unit.parameters() if p.requires_grad] + inputs
-    own = [*unit.parameters(), *unit.buffers()]
-    times, saved = [], 0
-    for i in range(warmup + repeats):
-        sync(device)
-        start = clock()
-        if i == 0:
-            # Counting saved tensors adds Python calls: done in the first (warm-up) run only.
-            with torch.enable_grad(), SavedTensorBytes(exclude=own) as meter:
-                out = unit(*args, **kwargs)
-            saved = meter.bytes
-        else:
-            with torch.enable_grad():
-                out = unit(*args, **kwargs)
-        outs = [o for o in tensors_in(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if outs and wrt:
-            torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
-        sync(device)
-        times.append(clock() - start)
-        del out, outs
-    return statistics.median(times[warmup:] or times), saved
 
 
 def _params(module: nn.Module) -> tuple[int, int]:
@@ -278,11 +237,11 @@ def profile_units(
     device: torch.device,
     *,
     repeats: int = 5,
-    warmup: int = 1,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[UnitProfile]:
     """Profile the units of ``layout`` on ``device`` with one microbatch ``network(*args, **kwargs)``: forward plus
-    backward time and saved bytes of each (see :func:`unit_calls`)."""
+    full backward time and saved bytes of each, from the one unit profiler (:func:`lightning_pipe.measure.profile.
+    time_unit`; see :func:`unit_calls`)."""
     profiles: dict[str, UnitProfile] = {}
     for call in unit_calls(network, layout, args, kwargs, device):
         if not call.calls:
@@ -291,9 +250,9 @@ def profile_units(
             profiles[call.name] = dataclasses.replace(profiles[call.same_as], name=call.name, measured=False)
         else:
             unit = call.copy(device)
-            seconds, saved = time_forward_backward(unit, call.args, call.kwargs, device, repeats, warmup, clock)
+            times = time_unit(unit, call.args, call.kwargs, device, repeats, clock).times(call.calls)
             profiles[call.name] = UnitProfile(
-                call.name, call.params, call.param_bytes, saved * call.calls, seconds * call.calls, True
+                call.name, call.params, call.param_bytes, times.saved_bytes, times.forward + times.backward, True
             )
             del unit
     return [profiles[name] for name in layout.units]

@@ -18,17 +18,17 @@ from torch import nn
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
+from lightning_pipe.models import kind_of
+from lightning_pipe.models.base import Placeholder, StageCall
+from lightning_pipe.models.units import Layout, find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
-from lightning_pipe.split.calls import StageCall, call_traced, call_with_activation
+from lightning_pipe.split.calls import call_traced
 from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.deferred_init import InitRecording
-from lightning_pipe.split.hf import hf_layout, hf_placeholder, is_hf_model
-from lightning_pipe.split.hf_stage import hf_stage_call
 from lightning_pipe.split.initialization import initialize, warn_whole_model
-from lightning_pipe.split.partition import Layout, counts_from_split_points, find_layout, stage_to_rank, stage_units
+from lightning_pipe.split.partition import counts_from_split_points, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
-    Placeholder,
     check_ownership,
     has_meta_tensors,
     merge,
@@ -198,9 +198,9 @@ def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
     """The units of ``network`` as its frontend sees them (no stand-ins, no stage call: nothing is built)."""
     if settings.frontend == "dataflow":
         return dataflow_layout(network, settings.blocks)
-    if settings.frontend != "trace" and is_hf_model(network):
-        return hf_layout(network)  # Hugging Face models carry their own pipeline plan
-    return find_layout(network, settings.blocks)
+    if settings.frontend == "trace":
+        return find_layout(network, settings.blocks)  # the tracer cuts at blocks, whatever the model's kind
+    return kind_of(network).layout(network, settings.blocks)
 
 
 def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.device) -> _Frontend:
@@ -211,10 +211,8 @@ def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.devi
         # Every stage runs the whole forward; what stands in for absent units and the routes need the whole network.
         placeholder, stage_call = dataflow_frontend(network, layout, device)
         return _Frontend(layout, placeholder, stage_call)
-    if is_hf_model(network):
-        # Hugging Face models need their own stage call.
-        return _Frontend(layout, hf_placeholder(network), hf_stage_call)
-    return _Frontend(layout, None, call_with_activation)
+    kind = kind_of(network)
+    return _Frontend(layout, kind.placeholder(network), kind.stage_call)
 
 
 def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:

@@ -31,14 +31,12 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_pipe.compat import torch as torch_compat
-from lightning_pipe.compat.transformers import head_pp_plan
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
-from lightning_pipe.split import router_logits
-from lightning_pipe.split.hf import is_hf_model, plan_order
-from lightning_pipe.split.hf_stage import prepare_call
-from lightning_pipe.split.partition import CONTAINERS, Layout, find_stacks, find_stacks_layout, ordered_layout
+from lightning_pipe.models import kind_of
+from lightning_pipe.models.base import Placeholder
+from lightning_pipe.models.units import CONTAINERS, Layout, find_stacks, find_stacks_layout, ordered_layout
 from lightning_pipe.split.routing import DOCS, OUTPUT, Key, RoutePlan, leaf_map, plan_routes
-from lightning_pipe.split.surgery import STANDS_IN, Placeholder
+from lightning_pipe.split.surgery import STANDS_IN
 from lightning_pipe.structures import map_structure, tensors_in
 
 #: route plans kept per stage call (one per call signature and mode, like the schedules the executor keeps)
@@ -153,7 +151,7 @@ def _plan_key(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
 
 
 class DataflowCall:
-    """The stage call of ``frontend="dataflow"`` (a :data:`~lightning_pipe.split.calls.StageCall`).
+    """The stage call of ``frontend="dataflow"`` (a :data:`~lightning_pipe.models.base.StageCall`).
 
     Made with the skeleton before the network is cut; :meth:`bind` gives it the stages once they exist. It keeps one
     route plan per call signature and training mode.
@@ -351,8 +349,8 @@ class _Run:
 # ------------------------------------------------------------------------------------------------ the frontend
 def dataflow_layout(network: nn.Module, blocks: str | Sequence[str]) -> Layout:
     """The units of a network for the dataflow frontend: every block stack (:func:`find_stacks`) in one layout; a
-    transformers model's from its pipeline plan where it has one, in the plan's order (the order its forward runs)."""
-    order = _hf_plan_order(network) if is_hf_model(network) and blocks == "auto" else None
+    model kind's order where it knows one (a transformers model's pipeline plan: the order its forward runs)."""
+    order = kind_of(network).dataflow_order(network) if blocks == "auto" else None
     if order:
         stacks = {name for name in order if isinstance(network.get_submodule(name), CONTAINERS)}
         units = [n for n in order if n in stacks or any(True for _ in network.get_submodule(n).parameters())]
@@ -360,52 +358,9 @@ def dataflow_layout(network: nn.Module, blocks: str | Sequence[str]) -> Layout:
     return find_stacks_layout(network, find_stacks(network, blocks))
 
 
-def _hf_plan_order(network: nn.Module) -> list[str] | None:
-    """A transformers model's pipeline plan in execution order: its own, or (an encoder-decoder whose plans are on
-    its encoder's and decoder's configs, T5Gemma in transformers 5) its sub-models' in definition order, then its
-    heads; ``None`` without any."""
-    if getattr(network.config, "base_model_pp_plan", None):
-        return plan_order(network)
-    parts: list[tuple[str, nn.Module]] = []
-    for name, sub in network.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer, _ in parts)
-        if name and not inside and is_hf_model(sub) and getattr(sub.config, "base_model_pp_plan", None):
-            parts.append((name, sub))
-    if not parts:
-        return None
-    # The task model's own entries (its heads); in transformers 5 its instance plan also lists the sub-models'.
-    heads = [
-        name
-        for name in head_pp_plan(network)
-        if _has_submodule(network, name) and not any(name.startswith(f"{part}.") for part, _ in parts)
-    ]
-    return [f"{name}.{entry}" for name, sub in parts for entry in plan_order(sub)] + heads
-
-
-def _has_submodule(network: nn.Module, name: str) -> bool:
-    try:
-        network.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
-
-
-def prepare_hf_call(view: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A transformers model's call on the dataflow frontend: by name, ``use_cache=False``, and no outputs that its
-    hooks collect from every layer (each stage runs only its own layers)."""
-    call = prepare_call(view, args, kwargs)
-    if router_logits.requested(view, call):
-        raise PipelineUsageError(
-            f"{type(view).__name__} was called with `output_router_logits=True` on `frontend='dataflow'`, where each"
-            " stage records only its own layers' router logits. Pass `output_router_logits=False`, or pipeline this"
-            " model with the default frontend, which carries them to the last stage."
-        )
-    return (), call
-
-
 def dataflow_frontend(network: nn.Module, layout: Layout, device: torch.device) -> tuple[Placeholder, DataflowCall]:
     """What stands in for absent units, and the stage call; made from the whole network, before it is cut."""
-    prepare = prepare_hf_call if is_hf_model(network) else None
+    prepare = kind_of(network).prepare_dataflow_call
     mode = torch_compat.fake_tensor_mode()
     skeleton = skeleton_of(network, mode, device)
     first_name: dict[int, str] = {}

@@ -42,7 +42,7 @@ from torch import nn
 
 from lightning_pipe.compat.transformers import INIT_WEIGHTS, init_weights_hook
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.split.hf import restore_rotary_buffers
+from lightning_pipe.models import restore_buffers
 from lightning_pipe.split.surgery import find_block, stage_view
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def _reset_unset(network: nn.Module, seed: int) -> list[str]:
         if not unset:
             continue
         reset = getattr(module, "reset_parameters", None)
-        if restore_rotary_buffers(module):
+        if restore_buffers(module):
             unset = {n for n, t in dict(_own_tensors(module)).items() if _unset(t)}
         elif callable(reset):
             kept = {n: t.clone() for n, t in own.items() if n not in unset}

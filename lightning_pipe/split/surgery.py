@@ -14,7 +14,7 @@ Three frontends build the stage modules:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.split.partition import CONTAINERS
+from lightning_pipe.models.base import Placeholder
+from lightning_pipe.models.units import CONTAINERS
 
 
 def _ancestors(names: Iterable[str]) -> set[str]:
@@ -33,8 +34,6 @@ def _ancestors(names: Iterable[str]) -> set[str]:
     return out
 
 
-Placeholder = Callable[[str], "nn.Module | None"]
-"""Given a unit's name, the module that stands in for it on stages that do not hold it; ``None``: remove it."""
 #: Set on the class of a placeholder that takes a unit's place but is not a block of this stage (wrappers skip it)
 STANDS_IN = "_lightning_pipe_stands_in"
 

@@ -4,9 +4,9 @@ Every rank captures the network call of every microbatch (:class:`~lightning_pip
 A :class:`StageModule` is what torch's ``PipelineStage`` drives: it receives only the activation of the previous stage
 (nothing on the first stage), takes every other argument of the call (masks, position ids, a rope cache, ``None``,
 numbers, a ``BlockMask``) from the step's :class:`StepContext` for the microbatch being run, and calls the stage
-through the split's *stage call* (:mod:`lightning_pipe.split.calls`), which knows how the network takes an activation in
-place of its input. Only the activation crosses ranks; side inputs never enter backward, so the split-backward
-(zero-bubble) schedules work.
+through the split's *stage call* (:data:`lightning_pipe.models.base.StageCall`), which knows how the network takes an
+activation in place of its input. Only the activation crosses ranks; side inputs never enter backward, so the
+split-backward (zero-bubble) schedules work.
 
 Per-step state is an argument, never an attribute: torch passes the keyword arguments of ``schedule.step(**kwargs)``
 to every stage's forward, so the step's :class:`StepContext` arrives as ``step=`` and the microbatch index as
@@ -29,7 +29,8 @@ from torch import nn
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.transport import pack, unpack
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.split.calls import StageCall, activation_argument
+from lightning_pipe.models.base import StageCall
+from lightning_pipe.models.plain import activation_argument
 from lightning_pipe.step.interception import Call
 
 DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"

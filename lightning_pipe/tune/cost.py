@@ -23,11 +23,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_pipe.measure.profile import UnitTimes
 from lightning_pipe.measure.simulate import StageTimes, schedule_orders, simulate
+from lightning_pipe.models.units import Layout
 from lightning_pipe.parallel.activation_checkpointing import checkpointed_blocks
 from lightning_pipe.settings import V_SHAPED
 from lightning_pipe.split.partition import (
-    Layout,
     UnitCosts,
     balance_blocks,
     balance_by_cost,
@@ -38,23 +39,6 @@ from lightning_pipe.split.partition import (
     stage_units,
 )
 from lightning_pipe.tune.space import Candidate
-
-
-@dataclass(frozen=True)
-class UnitTimes:
-    """One unit on one microbatch."""
-
-    forward: float
-    #: input and weight gradients in one backward
-    backward: float
-    #: input gradients only (the ``I`` half of a split backward); ``backward - backward_input`` is the ``W`` half
-    backward_input: float
-    #: bytes its forward saves for backward
-    saved_bytes: int
-    #: bytes of its floating-point inputs (all that a checkpointed block keeps)
-    input_bytes: int
-    #: bytes of its floating-point outputs (what crosses a stage boundary after it)
-    output_bytes: int
 
 
 @dataclass(frozen=True)

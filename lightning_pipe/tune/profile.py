@@ -3,8 +3,9 @@
 On one process (the tuner runs it on global rank 0 and sends the result to the others), for every microbatch size
 the candidates use: the network's call is taken from the user's own ``training_step`` on a slice of the first real
 batch (the step stops as the network is called), each unit's input is found by running the network once (on the meta
-device when it was built there), and each unit alone, copied to the device, is timed: forward, full backward (input
-and weight gradients), input-gradient backward; the bytes its forward saves for backward, takes in and passes on.
+device when it was built there), and each unit alone, copied to the device, is timed by the one unit profiler
+(:func:`lightning_pipe.measure.profile.time_unit`): forward, full backward, input-gradient backward; the bytes its
+forward saves for backward, takes in and passes on.
 Blocks of one kind are timed once (:func:`lightning_pipe.split.balance.unit_calls`).
 
 Needs no process group. The user's model is not touched: the caller passes a copy.
@@ -12,21 +13,19 @@ Needs no process group. The user's model is not touched: the caller passes a cop
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.measure.memory import SavedTensorBytes
+from lightning_pipe.measure.profile import UnitTimes, time_unit
 from lightning_pipe.microbatch import batch_size, split_batch
 from lightning_pipe.settings import PipelineSettings
-from lightning_pipe.split.balance import sync, unit_calls
+from lightning_pipe.split.balance import unit_calls
 from lightning_pipe.split.builder import network_layout
-from lightning_pipe.structures import map_tensors, tensors_in
-from lightning_pipe.tune.cost import Profile, UnitTimes
+from lightning_pipe.tune.cost import Profile
 
 
 class _Called(Exception):
@@ -70,67 +69,6 @@ def network_call(lightning_module: Any, network: nn.Module, microbatch: Any) -> 
     )
 
 
-def time_unit(
-    unit: nn.Module,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    device: torch.device,
-    repeats: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> UnitTimes:
-    """Forward, full backward and input-gradient backward seconds of ``unit`` on one call, each the fastest of
-    ``repeats`` after one untimed warm-up (other processes on the machine only ever add time), and its saved, input
-    and output bytes."""
-    # Own copies: a slice of the batch would count the whole batch's storage as saved for backward.
-    args, kwargs = map_tensors(tuple(args), _own), map_tensors(dict(kwargs), _own)
-    inputs = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
-    for t in inputs:
-        t.requires_grad_(True)
-    params = [p for p in unit.parameters() if p.requires_grad]
-    own = [*unit.parameters(), *unit.buffers()]
-
-    def forward() -> tuple[list[torch.Tensor], float]:
-        sync(device)
-        start = clock()
-        with torch.enable_grad():
-            out = [o for o in tensors_in(unit(*args, **kwargs)) if o.requires_grad]
-        sync(device)
-        return out, clock() - start
-
-    def backward(out: list[torch.Tensor], wrt: list[torch.Tensor]) -> float:
-        if not out or not wrt:
-            return 0.0
-        sync(device)
-        start = clock()
-        torch.autograd.grad(out, wrt, grad_outputs=[torch.ones_like(o) for o in out], allow_unused=True)
-        sync(device)
-        return clock() - start
-
-    with torch.enable_grad(), SavedTensorBytes(exclude=own) as meter:
-        out = [o for o in tensors_in(unit(*args, **kwargs)) if o.requires_grad]
-    output_bytes = sum(o.numel() * o.element_size() for o in out if o.is_floating_point())
-    backward(out, params + inputs)
-    fwd, full, partial = [], [], []
-    for _ in range(repeats):
-        out, seconds = forward()
-        fwd.append(seconds)
-        full.append(backward(out, params + inputs))
-        out, _ = forward()
-        partial.append(backward(out, inputs))
-    return UnitTimes(
-        forward=min(fwd),
-        backward=min(full),
-        backward_input=min(min(partial), min(full)),
-        saved_bytes=meter.bytes,
-        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
-        output_bytes=output_bytes,
-    )
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
-
-
 def profile_network(
     lightning_module: Any,
     settings: PipelineSettings,
@@ -160,21 +98,7 @@ def profile_network(
             else:
                 unit = call.copy(device)
                 one = time_unit(unit, call.args, call.kwargs, device, repeats)
-                measured[call.name] = _times(one, call.calls)
+                measured[call.name] = one.times(call.calls)
                 del unit
         times[size] = measured
     return Profile(layout, params, param_bytes, times, total)
-
-
-def _times(one: UnitTimes, calls: int) -> UnitTimes:
-    """A unit the network calls ``calls`` times per forward costs that many times one call."""
-    if calls == 1:
-        return one
-    return UnitTimes(
-        one.forward * calls,
-        one.backward * calls,
-        one.backward_input * calls,
-        one.saved_bytes * calls,
-        one.input_bytes,
-        one.output_bytes,
-    )

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_pipe.compat.transformers import head_tp_plan
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.models.huggingface.plan import base_prefix
 
 #: The plan's style names lightning-pipe applies, and what each means (transformers 4.54-4.57 and 5.x spellings).
 STYLES: dict[str, str] = {
@@ -34,13 +35,6 @@ STYLES: dict[str, str] = {
 }
 #: Attention head counts each tensor-parallel rank must hold whole.
 HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
-
-
-def base_prefix(network: nn.Module) -> str:
-    """The name of the base model inside a task model (``"model"``), ``""`` for a base model."""
-    prefix = getattr(network, "base_model_prefix", "")
-    base = getattr(network, prefix, None) if prefix else None
-    return prefix if isinstance(base, nn.Module) and base is not network else ""
 
 
 def full_plan(network: nn.Module) -> dict[str, str]:

@@ -2,7 +2,7 @@
 at the next stage's first block.
 
 Every stage calls the whole task model with the microbatch's own call (``use_cache=False``), on a module whose units
-of other stages are stand-ins (:func:`lightning_pipe.split.hf.hf_placeholder`):
+of other stages are stand-ins (:func:`lightning_pipe.models.huggingface.plan.hf_placeholder`):
 
 - **entry** (stages after the first): the embedding's stand-in returns zeros shaped like the received hidden states,
   so the forward builds its masks and position embeddings as on the first stage; the blocks before the stage's
@@ -35,8 +35,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
-from lightning_pipe.split import router_logits
-from lightning_pipe.split.hf import AbsentInput, PassThrough, block_stack
+from lightning_pipe.models.huggingface import router_logits
+from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, block_stack
 
 #: On a stage view, how its blocks return their output: "tensor" or "tuple" (transformers 4.x families whose forward
 #: unpacks ``layer_outputs[0]``). A stage view is lightning-pipe's own shallow copy of the network.

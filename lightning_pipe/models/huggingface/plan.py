@@ -4,7 +4,7 @@ transformers gives each model family a pipeline plan: ``config.base_model_pp_pla
 (``embed_tokens``, ``layers``, ``norm``) and ``_pp_plan`` on the task model (``lm_head``). Its units
 (:func:`hf_layout`) are the plan's modules with parameters; a stage holds some of them, and stand-ins take the place
 of the others (:func:`hf_placeholder`), so the model's own forward runs on every stage: how a stage enters and leaves
-it is :mod:`lightning_pipe.split.hf_stage`.
+it is :mod:`lightning_pipe.models.huggingface.stage`.
 
 Some families cannot be cut at block boundaries; they are refused by name, with the reason (:data:`UNSUPPORTED`).
 
@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.compat.transformers import head_pp_plan
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.split.partition import CONTAINERS, Layout
-from lightning_pipe.split.surgery import Placeholder
+from lightning_pipe.models.base import Placeholder
+from lightning_pipe.models.units import CONTAINERS, Layout
 
 MIN_TRANSFORMERS = "4.54"
 """The oldest transformers CI tests the families with (``.ci/run``)."""
@@ -51,10 +51,10 @@ def is_hf_model(network: nn.Module) -> bool:
 class PassThrough(nn.Module):
     """Stands in for a block another stage holds: returns its input ``name`` (or its first positional argument).
 
-    The forward calls every block; the stage call (:mod:`lightning_pipe.split.hf_stage`) hooks these stand-ins to
-    enter the stage at its first block and leave it before the next stage's. ``attributes`` are the replaced block's
-    plain attributes: some forwards read one from every block (transformers 4.x Qwen2 picks each block's mask by
-    ``decoder_layer.attention_type``).
+    The forward calls every block; the stage call (:mod:`lightning_pipe.models.huggingface.stage`) hooks these
+    stand-ins to enter the stage at its first block and leave it before the next stage's. ``attributes`` are the
+    replaced block's plain attributes: some forwards read one from every block (transformers 4.x Qwen2 picks each
+    block's mask by ``decoder_layer.attention_type``).
     """
 
     def __init__(self, name: str, attributes: dict[str, Any] | None = None) -> None:
@@ -129,12 +129,19 @@ def _plain_attributes(module: nn.Module, depth: int = 2) -> dict[str, Any]:
     return plain
 
 
-def _base_prefix(network: nn.Module, base_plan: dict[str, Any]) -> str:
-    """The attribute holding the base model: ``base_model_prefix`` when it names one, else the child that holds the
-    plan's modules (4.54's Gemma3ForCausalLM says ``language_model`` but keeps it in ``model``)."""
-    prefix = getattr(network, "base_model_prefix", "")
+def base_prefix(network: nn.Module) -> str:
+    """The attribute holding a task model's base model (``"model"``), ``""`` for a base model: the one answer the
+    pipeline plan, the tensor-parallel plan and the weight names all use.
+
+    ``base_model_prefix`` when it names a submodule that holds the base plan's modules; else, for a model with a
+    pipeline plan, the child that holds them (4.54's Gemma3ForCausalLM says ``language_model`` but keeps it in
+    ``model``).
+    """
+    base_plan = getattr(getattr(network, "config", None), "base_model_pp_plan", None) or {}
+    prefix = getattr(network, "base_model_prefix", "") or ""
     candidates = [prefix] if prefix else []
-    candidates += [name for name, _ in network.named_children() if name != prefix]
+    if base_plan:
+        candidates += [name for name, _ in network.named_children() if name != prefix]
     for name in candidates:
         base = _find(network, name)
         if base is not None and base is not network and all(_has_slot(base, entry) for entry in base_plan):
@@ -149,7 +156,7 @@ def _plan(network: nn.Module) -> _Plan:
     the other order (``LlamaForCausalLM.pp_plan`` starts with ``lm_head``).
     """
     base_plan = dict(getattr(network.config, "base_model_pp_plan", None) or {})
-    prefix = _base_prefix(network, base_plan)
+    prefix = base_prefix(network)
     plan: _Plan = {(f"{prefix}.{name}" if prefix else name): spec for name, spec in base_plan.items()}
     for name, spec in head_pp_plan(network).items():
         if not (prefix and name.startswith(prefix + ".")) and _find(network, name) is not None:

@@ -1,0 +1,48 @@
+"""What the strategy knows about model families, behind one protocol (:class:`~lightning_pipe.models.base.ModelKind`).
+
+``kind_of(network)`` names the network's kind: the first of :data:`KINDS` that claims it, else a plain module.
+Adding a kind means a module here with its class and a line in :data:`KINDS`; the split, checkpoints and tensor
+parallelism only call the protocol.
+
+Layer: below ``split/`` and ``checkpoint/``, above ``compat/``; no process group, no step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from lightning_pipe.models.base import ModelKind
+from lightning_pipe.models.plain import PlainKind
+
+
+def _huggingface(network: nn.Module) -> ModelKind | None:
+    from lightning_pipe.models.huggingface.plan import is_hf_model
+
+    if not is_hf_model(network):
+        return None
+    from lightning_pipe.models.huggingface.kind import HuggingFaceKind
+
+    return HuggingFaceKind(network)
+
+
+#: Each kind's claim on a network, most specific first: its :class:`ModelKind`, or ``None`` when it is not one.
+KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_huggingface,)
+
+
+def kind_of(network: nn.Module) -> ModelKind:
+    """The kind of ``network`` (whole or cut to a rank's stages)."""
+    for claim in KINDS:
+        kind = claim(network)
+        if kind is not None:
+            return kind
+    return PlainKind()
+
+
+def restore_buffers(module: nn.Module) -> bool:
+    """Set the tensors a submodule's constructor computed and the meta device lost, as the kind it belongs to does
+    (a transformers rotary embedding inside any network); ``True`` if one did."""
+    from lightning_pipe.models.huggingface.plan import restore_rotary_buffers
+
+    return restore_rotary_buffers(module)

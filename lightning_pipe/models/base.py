@@ -1,0 +1,95 @@
+"""The protocol a model kind implements: what the strategy needs to know about one kind of network.
+
+A *model kind* (a plain ``nn.Module``, a transformers model, ...) answers, for one network:
+
+- which units a stage may hold (:meth:`ModelKind.layout`), and in which order its forward runs them when values may
+  cross stages (:meth:`ModelKind.dataflow_order`);
+- what stands in for another stage's unit (:meth:`ModelKind.placeholder`) and how one stage runs one microbatch:
+  where it enters the forward and where it leaves it (:attr:`ModelKind.stage_call`);
+- its own tensor-parallel plan, if it has one (:meth:`ModelKind.tensor_parallel_plan`);
+- the names its weights have on disk, relative to the network's own (:meth:`ModelKind.disk_names`), and what a
+  checkpoint records to write it back in the family's format (:meth:`ModelKind.record`);
+- the tensors its own initialisation leaves unset on the meta device and how to set them (:meth:`ModelKind.
+  restore_buffers`).
+
+The split, the checkpoint code and tensor parallelism ask :func:`lightning_pipe.models.kind_of` for the network's kind
+and call these; they hold no family's knowledge themselves. Pure: no process group, no step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, Union
+
+from torch import nn
+
+from lightning_pipe.models.units import Layout
+
+#: ``stage_call(body, args, kwargs, received, is_first, is_last) -> output``: runs a stage body on one microbatch.
+#: ``args``/``kwargs`` are the microbatch's own network call (every rank captured it), ``received`` the activation
+#: tensors the previous stage sent (``None`` on the first stage). A stage call may also tell the step layer that a
+#: stage must run whole backward passes in the split-backward schedules (``full_backward(stage) -> bool``).
+StageCall = Callable[[nn.Module, tuple, dict, Union[tuple, None], bool, bool], Any]
+
+Placeholder = Callable[[str], "nn.Module | None"]
+"""Given a unit's name, the module that stands in for it on stages that do not hold it; ``None``: remove it."""
+
+#: ``(args, kwargs) -> (args, kwargs)``: a network call as the dataflow frontend runs it on every stage
+PrepareCall = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict]"]
+
+
+class ModelKind(Protocol):
+    """What the strategy knows about one kind of network (see the module docstring). Instances are made per network
+    by :func:`lightning_pipe.models.kind_of`; every method takes the network (whole, or cut to a rank's stages)."""
+
+    #: the kind's name, for messages and the split table ("plain module", "transformers LlamaForCausalLM", ...)
+    name: str
+    #: how one stage runs one microbatch under the default frontend
+    stage_call: StageCall
+    #: the network call as the dataflow frontend runs it (``None``: the call as made)
+    prepare_dataflow_call: PrepareCall | None
+
+    def layout(self, network: nn.Module, blocks: str = "auto") -> Layout:
+        """The network's units under the default frontend; ``blocks`` is the strategy's argument (``"auto"`` or the
+        name of the block stack)."""
+        ...
+
+    def dataflow_order(self, network: nn.Module) -> list[str] | None:
+        """The units and block stacks in the order the forward runs them, for ``frontend="dataflow"``; ``None``: found
+        from the module tree."""
+        ...
+
+    def placeholder(self, network: nn.Module) -> Placeholder | None:
+        """What stands in for another stage's unit under the default frontend (``None``: units are removed). Called on
+        the whole network, before it is cut."""
+        ...
+
+    def tensor_parallel_plan(
+        self, network: nn.Module, tensor_parallel: int, shared: Sequence[tuple[str, ...]] = ()
+    ) -> dict[str, str] | None:
+        """``{module name: style name}`` of the kind's own tensor-parallel plan for the modules ``network`` (cut to a
+        rank's stages) holds, ``shared`` naming parameters tied before the cut; ``None``: the kind has no plan (the
+        user applies one)."""
+        ...
+
+    def disk_names(self, network: nn.Module, name: str) -> Iterator[str]:
+        """The names under which the tensor ``name`` (relative to ``network``) may be stored in the family's model
+        directory, most likely first."""
+        ...
+
+    def ignored_on_load(self, network: nn.Module) -> tuple[list[str], list[str]]:
+        """Regular expressions of the network's names a model directory may lack, and of the stored names the
+        network may lack, without either being reported (the family's own loader ignores them)."""
+        ...
+
+    def directory_type(self, network: nn.Module) -> str | None:
+        """The model type a directory of this network's weights names in its config (``None``: not checked)."""
+        ...
+
+    def record(self, network: nn.Module, attribute: str) -> dict[str, Any] | None:
+        """What a checkpoint records to export the network in its family's format (``None``: nothing to export)."""
+        ...
+
+    def restore_buffers(self, module: nn.Module) -> bool:
+        """Set a submodule's tensors that its constructor computed and the meta device lost; ``True`` if it did."""
+        ...
