@@ -11,10 +11,11 @@ from torch import nn
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
-from lightning_pipe.microbatch import epoch_batch_sizes, resolve_microbatches
+from lightning_pipe.microbatch import epoch_batch_sizes
 from lightning_pipe.reliability.loaders import PassLoader
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import Split
+from lightning_pipe.step.executors.schedule import microbatch_count
 
 
 def _count(n: int) -> str:
@@ -49,22 +50,19 @@ def announce_parameters(trainer: Any, module: Any, pipeline_group: Any, split: S
 
 
 def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank: int) -> None:
-    """Refuse, before the first step, a training loader with a batch (usually the last, short one) that cannot be
-    split into the configured microbatches. Rank 0 raises with the whole explanation, the others with a pointer to it.
+    """Before the first step: say (rank 0) which training batches run as another number of microbatches than the
+    configured one (a short last batch: :func:`~lightning_pipe.step.executors.schedule.microbatch_count`), and refuse
+    a batch that no number of equal microbatches can run. Rank 0 raises with the whole explanation, the others with
+    a pointer to it.
 
-    Only plain ``DataLoader``s whose size is known are checked; others fail at the batch itself, as before.
+    Only plain ``DataLoader``s whose size is known are checked; others are planned at the batch itself.
     """
-    loader = trainer.train_dataloader
-    if isinstance(loader, PassLoader):  # the resume wrapper around the user's loader (reliability/loaders.py)
-        loader = loader.loader
-    sizes = epoch_batch_sizes(loader)
+    sizes = _batch_sizes(trainer)
     if sizes is None:
         return
     for which, size in sizes:
         try:
-            resolve_microbatches(
-                settings.microbatches, settings.microbatch_size, size, settings.num_stages, "microbatches"
-            )
+            n = microbatch_count(settings, size)
         except MicrobatchError as err:
             if global_rank != 0:
                 raise MicrobatchError(
@@ -73,6 +71,27 @@ def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank
             raise MicrobatchError(
                 f"The training DataLoader's {which} has {size} samples: {err} (Checked before the first step.)"
             ) from None
+        if n != _configured(settings, size):
+            rank_zero_info(
+                f"lightning-pipe: the training DataLoader's {which} has {size} samples, which the configured"
+                f" microbatches do not split equally: it runs as {n} microbatches of {size // n} (losses and"
+                " gradients as on one device)."
+            )
+
+
+def _configured(settings: PipelineSettings, size: int) -> int:
+    """The microbatch count the settings name for a batch of ``size`` (``size`` itself where it does not divide)."""
+    if settings.microbatch_size is not None:
+        return size // settings.microbatch_size if size % settings.microbatch_size == 0 else -1
+    n = settings.num_stages if settings.microbatches == "auto" else int(settings.microbatches)
+    return min(n, size) if settings.microbatches == "auto" else n
+
+
+def _batch_sizes(trainer: Any) -> list[tuple[str, int]] | None:
+    loader = trainer.train_dataloader
+    if isinstance(loader, PassLoader):  # the resume wrapper around the user's loader (reliability/loaders.py)
+        loader = loader.loader
+    return epoch_batch_sizes(loader)
 
 
 def check_supported(lightning_module: Any, precision_plugin: Any) -> None:
@@ -115,15 +134,10 @@ def warn_batch_dependent(trainer: Any, settings: PipelineSettings, split: Split,
     results then differ from one device, and the exact alternatives. Collective over the pipeline group."""
     mine = batch_dependent_modules(split.network, split.prefix)
     names = sorted({name for rank in collectives.all_gather_object(mine, pipeline_group) for name in rank})
-    loader = trainer.train_dataloader
-    if isinstance(loader, PassLoader):
-        loader = loader.loader
-    sizes = epoch_batch_sizes(loader) or []
+    sizes = _batch_sizes(trainer) or []
     size = sizes[0][1] if sizes else None
     if size is not None:
-        n = resolve_microbatches(
-            settings.microbatches, settings.microbatch_size, size, settings.num_stages, "microbatches"
-        )
+        n = microbatch_count(settings, size)
     else:
         n = settings.microbatches if settings.microbatches != "auto" else settings.num_stages
     if not names or n == 1:
