@@ -3,7 +3,8 @@ several per launch; each rank saves what it saw per scenario.
 
 Usage: data_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "data_parallel", "schedule",
 "accumulate", "clip", "inner_axis", "num_nodes", "activation_checkpointing", "bucket_bytes", "max_steps", "precision",
-"model": "lm"|"scheduled"|"eval"|"weighted", "samples" (training set size), "save": dir name, "resume": dir name, "validate": bool}.
+"model": "lm"|"scheduled"|"eval"|"weighted", "samples" (training set size), "save": dir name, "resume": dir name,
+"validate": bool}.
 
 Per rank: losses, the full parameters and optimizer state (DTensor shards gathered), the gradient collectives over the
 data-parallel group per optimizer step, optimizer-state bytes, the mesh groups.
