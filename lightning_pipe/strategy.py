@@ -96,7 +96,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             robin, or a V for ``ZBVZeroBubble``/``DualPipeV``).
         module: Attribute holding the network. ``"auto"``: the only child with parameters, else the LightningModule.
         frontend: ``"modules"`` (the forward skips units set to ``None``), ``"dataflow"`` (an unmodified forward on
-            every stage, values routed to the stages that read them) or ``"trace"``. ``"auto"``: ``"modules"``.
+            every stage, values routed to the stages that read them) or ``"trace"``. ``"auto"``, per network:
+            ``"modules"`` for an ``nn.Sequential``, a transformers model or a forward that tests its units against
+            ``None``; ``"dataflow"`` otherwise (and for several block stacks); said once on rank 0.
         blocks: The container(s) of repeated blocks. ``"auto"``: the largest by parameters (``"dataflow"``: all).
         split_points: Names of the blocks that begin stages 1..N-1. Default ``None``: use ``balance``.
         balance: ``"params"`` (fewest parameters on the largest stage), ``"blocks"`` (even split) or blocks per stage

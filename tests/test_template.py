@@ -102,8 +102,8 @@ def test_a_schedule_that_rejects_the_microbatch_count_points_to_gpipe(monkeypatc
 
 # --------------------------------------------------------------------------------------------- multi-process
 CONFIGS = [
-    {"name": "gpipe-one-microbatch", "schedule": "GPipe", "microbatches": 1, "frontend": "dataflow"},
-    {"name": "1F1B-two-microbatches", "frontend": "dataflow"},
+    {"name": "gpipe-one-microbatch", "schedule": "GPipe", "microbatches": 1},
+    {"name": "1F1B-two-microbatches"},  # the defaults: frontend "auto" (dataflow here), 1F1B, 2 microbatches
 ]
 
 

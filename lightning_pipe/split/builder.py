@@ -26,6 +26,7 @@ from lightning_pipe.split.balance import CostModel, measure_update_time, resolve
 from lightning_pipe.split.calls import call_traced
 from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.deferred_init import InitRecording
+from lightning_pipe.split.frontend import choose_frontend
 from lightning_pipe.split.initialization import initialize, warn_whole_model
 from lightning_pipe.split.partition import counts_from_split_points, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
@@ -203,6 +204,17 @@ def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
     return kind_of(network).layout(network, settings.blocks)
 
 
+def _with_frontend(network: nn.Module, settings: PipelineSettings, announce: Callable[[str], None]) -> PipelineSettings:
+    """``settings`` with ``frontend="auto"`` resolved for ``network`` (:mod:`lightning_pipe.split.frontend`), said
+    once on rank 0."""
+    if settings.frontend != "auto":
+        return settings
+    several = not isinstance(settings.blocks, str)
+    chosen, why = choose_frontend(network, settings.frontend, settings.tensor_parallel_size, several)
+    announce(f"lightning-pipe: `frontend='auto'` chose {chosen!r}: {why}.")
+    return settings.with_frontend(chosen)
+
+
 def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.device) -> _Frontend:
     layout = _layout(network, settings)
     if settings.frontend == "trace":
@@ -218,7 +230,7 @@ def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.devi
 def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
     """The network the strategy would split and its units, without splitting it."""
     _, network = resolve_module(lightning_module, settings.module)
-    return network, _layout(network, settings)
+    return network, _layout(network, _with_frontend(network, settings, lambda text: None))
 
 
 def _counts(
@@ -279,6 +291,7 @@ def split_module(
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
     check_whole_before_split(network)
+    settings = _with_frontend(network, settings, announce)
     shared = [tuple(group) for group in tied_groups(network)]
     prefix = f"{attr}." if attr else ""
     num_stages = settings.num_stages
