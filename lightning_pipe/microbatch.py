@@ -3,7 +3,7 @@ all pipeline ranks compare. Pure: no process group."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -50,6 +50,44 @@ def resolve_microbatches(
             " or pass `drop_last=True` to the DataLoader if only the last batch is short."
         )
     return n
+
+
+def training_microbatches(
+    size: int,
+    microbatches: Union[int, str],
+    microbatch_size: Union[int, None],
+    num_stages: int,
+    accepts: Callable[[int], bool],
+    schedule: str,
+) -> int:
+    """The number of equal microbatches a training batch of ``size`` samples runs as.
+
+    The configured count where it divides the batch. Otherwise (a short last batch, a batch size the count does not
+    divide) the fewest equal microbatches, no larger than the configured ones, that torch's schedule accepts
+    (``accepts(count)``), else the most below that: a 9-sample batch under ``microbatches=2`` runs as 3 of 3. Equal
+    microbatches keep the step exact (each microbatch's loss weighs 1/count, its share of the batch). A batch that no
+    count can run raises :class:`MicrobatchError`.
+    """
+    if microbatch_size is not None:
+        if size % microbatch_size == 0:
+            return size // microbatch_size
+        target, configured = -(-size // microbatch_size), f"microbatches of `microbatch_size={microbatch_size}`"
+    else:
+        n = num_stages if microbatches == "auto" else int(microbatches)
+        n = min(n, size) if microbatches == "auto" else n
+        if size % n == 0:
+            return n
+        target, configured = n, f"`microbatches={n}` equal microbatches"
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    for d in [d for d in divisors if d >= target] + [d for d in reversed(divisors) if d < target]:
+        if accepts(d):
+            return d
+    raise MicrobatchError(
+        f"A batch of {size} samples does not split into {configured}, and torch's {schedule} schedule with"
+        f" {num_stages} stages accepts no count of equal microbatches that divides it"
+        f" ({', '.join(map(str, divisors))}). Use `schedule='GPipe'` (it runs any count), another batch size, or"
+        " `drop_last=True` in the DataLoader if only the last batch is short."
+    )
 
 
 def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None, *, size: int | None = None) -> list[Any]:

@@ -202,10 +202,10 @@ def check_blocks(blocks: Union[str, Sequence[str]], frontend: str) -> None:
         raise PipelineConfigError(
             f"`blocks` must be 'auto', the name of a container of blocks, or a list of such names, got {blocks!r}."
         )
-    if frontend != "dataflow":
+    if frontend not in ("dataflow", "auto"):
         raise PipelineConfigError(
             f"`blocks={list(blocks)}` names several block stacks, which only `frontend='dataflow'` pipelines (the"
-            f" {frontend if frontend != 'auto' else 'modules'} frontend passes one activation through one stack)."
+            f" {frontend} frontend passes one activation through one stack)."
             " Pass `frontend='dataflow'`, or name one container."
         )
 
@@ -291,9 +291,9 @@ def check_async_checkpoint(async_checkpoint: object) -> None:
 class PipelineSettings:
     """Every argument of ``PipelineParallelStrategy`` (documented there), validated once, when it is made.
 
-    Values are normalised: ``schedule`` to its canonical spelling, ``frontend="auto"`` to ``"modules"``, lists to
-    tuples, ``activation_checkpointing`` to the block interval. ``world_size`` is ``None`` until :meth:`resolve`
-    decides the ``"auto"`` values that depend on it.
+    Values are normalised: ``schedule`` to its canonical spelling, lists to tuples, ``activation_checkpointing`` to
+    the block interval (``frontend="auto"`` is resolved per network at the cut). ``world_size`` is ``None`` until
+    :meth:`resolve` decides the ``"auto"`` values that depend on it.
     """
 
     pipeline_size: Union[Literal["auto"], int] = "auto"
@@ -349,7 +349,7 @@ class PipelineSettings:
         check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": canonical_schedule(self.schedule),
-            "frontend": "modules" if self.frontend == "auto" else self.frontend,
+            "frontend": self.frontend,
             "split_points": None if self.split_points is None else tuple(self.split_points),
             "blocks": self.blocks if isinstance(self.blocks, str) else tuple(self.blocks),
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
@@ -367,6 +367,10 @@ class PipelineSettings:
                 "The strategy's settings are fixed once its Trainer has started; tune before `trainer.fit`."
             )
         return dataclasses.replace(self, **changes)
+
+    def with_frontend(self, frontend: str) -> PipelineSettings:
+        """A copy with ``frontend`` (``"auto"`` resolved for the network at the cut)."""
+        return dataclasses.replace(self, frontend=frontend)
 
     def resolve(self, world_size: int) -> PipelineSettings:
         """A copy with ``pipeline_size``, ``schedule``, ``stages_per_rank`` and ``tensor_parallel`` decided for

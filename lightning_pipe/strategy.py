@@ -60,7 +60,12 @@ from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.frontend import HookStep
 from lightning_pipe.step.metrics import bind_metrics
-from lightning_pipe.step.report import announce_parameters, check_supported, check_training_batches
+from lightning_pipe.step.report import (
+    announce_parameters,
+    check_supported,
+    check_training_batches,
+    warn_batch_dependent,
+)
 from lightning_pipe.step.rng import RngStreams
 from lightning_pipe.step.runtime import PipelineRuntime
 
@@ -92,7 +97,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             robin, or a V for ``ZBVZeroBubble``/``DualPipeV``).
         module: Attribute holding the network. ``"auto"``: the only child with parameters, else the LightningModule.
         frontend: ``"modules"`` (the forward skips units set to ``None``), ``"dataflow"`` (an unmodified forward on
-            every stage, values routed to the stages that read them) or ``"trace"``. ``"auto"``: ``"modules"``.
+            every stage, values routed to the stages that read them) or ``"trace"``. ``"auto"``, per network:
+            ``"modules"`` for an ``nn.Sequential``, a transformers model or a forward that tests its units against
+            ``None``; ``"dataflow"`` otherwise (and for several block stacks); said once on rank 0.
         blocks: The container(s) of repeated blocks. ``"auto"``: the largest by parameters (``"dataflow"``: all).
         split_points: Names of the blocks that begin stages 1..N-1. Default ``None``: use ``balance``.
         balance: ``"params"`` (fewest parameters on the largest stage), ``"blocks"`` (even split) or blocks per stage
@@ -321,6 +328,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         )
         self._run.callback(self._close_engine)
         self._run.callback(bind_metrics(module, self.data_parallel_group))
+        self._run.enter_context(collectives.picklable_groups())  # the metrics' group pickles and deep-copies
         if fitting and not self._saved:
             self._saved = {s: SavedBytesRecorder(m) for s, m in self.runtime.stages.items()}
         failures.describe(self.global_rank, list(self.runtime.stages))
@@ -401,7 +409,10 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     def on_train_start(self) -> None:
         """Before the first batch: a loader whose batches cannot be split into equal microbatches fails now, with one
         message, instead of at the end of the first epoch."""
-        check_training_batches(self.lightning_module.trainer, self._settings, self.global_rank)
+        trainer = self.lightning_module.trainer
+        check_training_batches(trainer, self._settings, self.global_rank)
+        assert self._split is not None
+        warn_batch_dependent(trainer, self._settings, self._split, self.pipeline_group)
 
     # ------------------------------------------------------------------ steps
     @override

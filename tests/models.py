@@ -239,6 +239,7 @@ def build_model(name: str) -> L.LightningModule:
         "lm-meta": lambda: LitLM(meta_init=True),
         "lm5": lambda: LitLM(n_layers=5),
         "lm-short-last": lambda: LitLM(samples=60),  # 7 batches of 8, then one of 4
+        "lm-odd-last": lambda: LitLM(samples=61),  # 7 batches of 8, then one of 5
         "lm-metric": lambda: LitLMWithMetric(),
         "mlp": lambda: LitMLP(),
         "flat": lambda: FlatLM(),

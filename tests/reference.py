@@ -91,7 +91,7 @@ class ReplicaBatches:
 
 @functools.cache
 def single_device_data_parallel_run(
-    replicas: int, accumulate: int = 1, clip: float | None = None, max_steps: int = 6
+    replicas: int, accumulate: int = 1, clip: float | None = None, max_steps: int = 6, samples: int = 64
 ) -> tuple[list[float], dict]:
     """LitLM on one device, fed the concatenation of what each data-parallel replica would see."""
     from torch.utils.data import DataLoader
@@ -99,7 +99,7 @@ def single_device_data_parallel_run(
     from tests.models import token_dataset
 
     L.seed_everything(0)
-    model = LitLM()
+    model = LitLM(samples=samples)
     dataset = token_dataset(model.hparams.samples)
     batches = ReplicaBatches(len(dataset), replicas, model.hparams.batch_size)
     model.train_dataloader = lambda: DataLoader(dataset, batch_sampler=batches)

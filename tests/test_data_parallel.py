@@ -184,6 +184,8 @@ def _configs_four() -> list[dict]:
         },
         # An expected error ends the process group's usefulness: last.
         {**dp, "name": "fsdp-weighted-acc2", "model": "weighted", "data_parallel": "fsdp", "accumulate": 2},
+        # 61 samples: each replica's shard is 31 (padded), its last batch 7, run as 7 microbatches of 1
+        {**dp, "name": "ddp-odd-last-weighted", "model": "weighted", "samples": 61, "max_steps": 5, "clip": CLIP},
     ]
 
 
@@ -343,6 +345,13 @@ def test_fsdp_evaluation_and_metrics_equal_ddp(four):
         assert a["validated"].keys() == b["validated"].keys() >= {"val_loss", "val_acc", "val_ppl"}
         for key, value in a["validated"].items():
             assert b["validated"][key] == pytest.approx(value, rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_a_short_last_batch_trains_exactly_token_weighted_under_data_parallelism(four):
+    ranks = load_ranks(four, "ddp-odd-last-weighted")
+    assert len(ranks[0]["losses"]) == 5  # 3 batches of 8 per replica, one of 7, the next epoch's first
+    assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, clip=CLIP, max_steps=5, samples=61))
 
 
 @pytest.mark.slow

@@ -91,7 +91,8 @@ def test_blocks_may_name_the_stacks():
 
 def test_several_stacks_need_the_dataflow_frontend():
     with pytest.raises(PipelineConfigError, match=r"names several block stacks, which only `frontend='dataflow'`"):
-        PipelineSettings(blocks=["down", "up"])
+        PipelineSettings(frontend="modules", blocks=["down", "up"])
+    assert PipelineSettings(blocks=["down", "up"]).frontend == "auto"  # "auto" chooses dataflow at the cut
     with pytest.raises(PipelineConfigError, match=r"`blocks` must be 'auto', the name of a container of blocks, or a"):
         PipelineSettings(frontend="dataflow", blocks=["down", 3])
     assert PipelineSettings(frontend="dataflow", blocks=["down", "up"]).blocks == ("down", "up")

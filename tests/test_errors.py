@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lightning_pipe
-from lightning_pipe import MicrobatchError, PipelineConfigError, PipelineParallelStrategy, PipelineUsageError
+from lightning_pipe import PipelineConfigError, PipelineParallelStrategy, PipelineUsageError
 from tests.models import VOCAB, LitLM
 
 
@@ -103,9 +103,10 @@ def test_fp16_mixed_with_grad_scaler_is_refused():
         _fit(LitLM(), trainer_kwargs={"plugins": [plugin]})
 
 
-def test_batch_not_divisible_by_microbatches():
-    with pytest.raises(MicrobatchError, match=r"A batch of 8 samples does not split into `microbatches=3` equal"):
-        _fit(LitLM(), microbatches=3)
+def test_batch_not_divisible_by_microbatches_runs_as_a_count_that_divides_it():
+    model = LitLM()
+    _fit(model, microbatches=3)  # batches of 8 run as 4 microbatches of 2
+    assert len(model.step_losses) == 2
 
 
 class _CallsTwice(LitLM):

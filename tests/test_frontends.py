@@ -28,6 +28,16 @@ TWO_PROC_CONFIGS = [
     {"name": "microbatch-size", "model": "lm", "devices": 2, "microbatch_size": 2},
     {"name": "train-metric", "model": "lm-metric", "devices": 2, "schedule": "ZBVZeroBubble", "max_steps": 12},
     {"name": "short-last-batch", "model": "lm-short-last", "devices": 2, "schedule": "ZBVZeroBubble", "max_steps": 10},
+    # the last batch of 5 samples: 5 microbatches of 1 under 1F1B (2 do not divide it), 1 of 5 under Interleaved1F1B
+    # (4 do not divide it, 5 are not whole rounds of 2)
+    {"name": "odd-last-1F1B", "model": "lm-odd-last", "devices": 2, "microbatches": 2, "max_steps": 9},
+    {
+        "name": "odd-last-interleaved",
+        "model": "lm-odd-last",
+        "devices": 2,
+        "schedule": "Interleaved1F1B",
+        "max_steps": 9,
+    },
     {"name": "bf16-mixed", "model": "lm", "devices": 2, "precision": "bf16-mixed"},
     {"name": "bf16-true", "model": "lm", "devices": 2, "precision": "bf16-true"},
     {"name": "tied-modules", "model": "tied", "devices": 2},
@@ -79,6 +89,13 @@ def test_short_last_batch_gets_its_own_schedule(two_procs):
     ranks = load_ranks(two_procs, "short-last-batch")
     assert len(ranks[0]["losses"]) == 10
     assert_parity(ranks, *single_device_model_run("lm-short-last", max_steps=10))
+
+
+@pytest.mark.parametrize("name", ["odd-last-1F1B", "odd-last-interleaved"])
+def test_a_last_batch_the_microbatches_do_not_divide_trains_exactly(two_procs, name):
+    ranks = load_ranks(two_procs, name)
+    assert len(ranks[0]["losses"]) == 9  # 7 batches of 8, one of 5, then the next epoch's first
+    assert_parity(ranks, *single_device_model_run("lm-odd-last", max_steps=9))
 
 
 def test_training_metric_objects_reach_every_rank(two_procs):

@@ -180,3 +180,18 @@ def test_measuring_saved_bytes_keeps_no_graph_alive():
     gc.collect()
     assert gone() is None
     assert meter.bytes == 2 * (2 * 4 * 4)  # the linear's input and the ReLU's output
+
+
+def test_fake_tensors_are_not_counted_nor_read():
+    import warnings
+
+    from lightning_pipe.compat import torch as torch_compat
+    from lightning_pipe.measure.memory import _CPUTensorTracker
+
+    tracker = _CPUTensorTracker()
+    with torch_compat.fake_tensor_mode():
+        fake = torch.empty(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a fake tensor's data pointer is read
+        tracker.track(fake, ())
+    assert tracker.live == tracker.peak == 0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineModelError
-from lightning_pipe.microbatch import batch_size, resolve_microbatches, signature, split_batch
+from lightning_pipe.microbatch import batch_size, resolve_microbatches, signature, split_batch, training_microbatches
 from lightning_pipe.models.units import Layout, find_block_stack, find_layout
 from lightning_pipe.settings import canonical_schedule, resolve_pipeline_size, resolve_schedule
 from lightning_pipe.split.partition import (
@@ -176,3 +178,36 @@ def test_split_batch_structures():
     assert signature((x, y)) == (((4, 2), "torch.int64"), ((4,), "torch.int64"))
     with pytest.raises(MicrobatchError, match="holds no tensor with a batch dimension"):
         batch_size({"a": "text"})
+
+
+def _count(size, microbatches=2, microbatch_size=None, schedule="1F1B", pipeline_size=2, stages_per_rank=1):
+    from lightning_pipe.step.executors.schedule import schedule_accepts
+
+    accepts = functools.partial(schedule_accepts, schedule, pipeline_size, stages_per_rank)
+    stages = pipeline_size * stages_per_rank
+    return training_microbatches(size, microbatches, microbatch_size, stages, accepts, schedule)
+
+
+def test_a_batch_the_count_divides_runs_as_configured():
+    assert _count(8) == 2 and _count(8, microbatches=4) == 4 and _count(8, "auto") == 2
+    assert _count(8, microbatch_size=2) == 4
+    # the configured count is kept even where the schedule refuses it: torch's error then names it (and GPipe)
+    assert _count(8, microbatches=1) == 1
+
+
+def test_a_batch_the_count_does_not_divide_runs_as_the_fewest_accepted_equal_microbatches_no_larger():
+    assert _count(9) == 3  # 3 of 3: no larger than 2 microbatches of a 9-sample batch would be
+    assert _count(7) == 7 and _count(5, microbatches=4) == 5
+    assert _count(4, microbatches=8) == 4  # fewer samples than microbatches: one sample each
+    assert _count(10, microbatch_size=4) == 5  # microbatches of 2, no larger than 4
+    assert _count(9, schedule="GPipe") == 3
+    # Interleaved1F1B needs whole rounds: 9 microbatches on 2 ranks are refused, 3 are not
+    assert _count(9, microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2) == 3
+    assert _count(8, microbatches=3, schedule="DualPipeV", stages_per_rank=2) == 4  # DualPipeV: at least 4 here
+
+
+def test_a_batch_no_count_can_run_is_refused_naming_the_schedule_and_the_fix():
+    with pytest.raises(MicrobatchError, match=r"batch of 1 samples.*1F1B schedule with 2 stages.*\(1\).*'GPipe'"):
+        _count(1)
+    with pytest.raises(MicrobatchError, match=r"batch of 3 samples.*DualPipeV schedule with 4 stages.*\(1, 3\)"):
+        _count(3, schedule="DualPipeV", stages_per_rank=2)

@@ -60,8 +60,9 @@ def test_other_stages_are_refused_and_nothing_trains(second_trainer):
 def test_an_unsplittable_last_batch_fails_when_fit_starts(second_trainer):
     ranks, _ = second_trainer
     by_rank = {r["pipeline_rank"]: r for r in ranks}
-    assert by_rank[0]["short_batch"].startswith("The training DataLoader's last batch of each epoch (60 samples")
-    assert "has 4 samples: A batch of 4 samples does not split into `microbatches=8`" in by_rank[0]["short_batch"]
+    assert by_rank[0]["short_batch"].startswith("The training DataLoader's last batch of each epoch (57 samples")
+    assert "has 1 samples: A batch of 1 samples does not split into `microbatches=8`" in by_rank[0]["short_batch"]
+    assert "1F1B schedule with 2 stages accepts no count" in by_rank[0]["short_batch"]
     assert by_rank[1]["short_batch"] == (
         "The training DataLoader yields a batch that cannot be split into microbatches; rank 0 says why."
     )

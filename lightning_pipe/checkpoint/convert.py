@@ -25,6 +25,7 @@ import torch
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.checkpoint.huggingface import RECORD
+from lightning_pipe.checkpoint.io import load_trainer_state
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.reliability.loaders import LOADER_STATE
@@ -191,7 +192,8 @@ def consolidate(
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give a file path such as 'model.ckpt'.")
     optimizer_state = load_optimizer_states(src, progress, weights_only) if with_optimizer else {}
     weights = load_model_weights(src, progress=progress)
-    trainer_state = torch.load(src / fmt.TRAINER_STATE, map_location="cpu", weights_only=weights_only)
+    fix = "add `--trust-pickle` to the command (`weights_only=False` in Python)"
+    trainer_state = load_trainer_state(src, weights_only, fix)
     if not isinstance(trainer_state, Mapping):
         raise PipelineCheckpointError(f"{str(src / fmt.TRAINER_STATE)!r} is not a Lightning checkpoint dict.")
     checkpoint = {**trainer_state, "state_dict": weights, **optimizer_state}

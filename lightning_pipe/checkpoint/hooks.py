@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import io, optim, resume, save
+from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.models import kind_of
 from lightning_pipe.reliability import failures
@@ -160,6 +161,7 @@ class CheckpointHooks:
         when fitting); returns Lightning's remaining checkpoint state."""
         from lightning.pytorch.trainer.states import TrainerFn
 
+        weights_only = requested_weights_only(weights_only)
         module, path = self.lightning_module, Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         model, optimizers, topology = self.model, self.optimizers, self.checkpoint_topology()  # type: ignore[attr-defined]
         strict = module.strict_loading

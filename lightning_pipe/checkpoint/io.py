@@ -6,6 +6,7 @@ ranks only are agreed on (``_agree``) before any collective that would otherwise
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -244,8 +245,24 @@ def _validate(
     schedulers = (
         _schedulers(path, manifest, topo, weights_only) if optimizers and manifest["lr_scheduler_files"] else None
     )
-    rest = torch.load(path / fmt.TRAINER_STATE, map_location="cpu", weights_only=weights_only)
-    return manifest, stored, schedulers, rest
+    fix = "pass `weights_only=False` to `trainer.fit`/`validate`/`test`/`predict` with this `ckpt_path`"
+    return manifest, stored, schedulers, load_trainer_state(path, weights_only, fix)
+
+
+def load_trainer_state(path: Path, weights_only: bool | None, fix: str) -> Any:
+    """The directory's ``trainer.pt``; where torch's weights-only unpickler refuses an object in it, the error says
+    which and names ``fix`` (how the caller loads a trusted file)."""
+    file = path / fmt.TRAINER_STATE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        found = [line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line]
+        raise PipelineCheckpointError(
+            f"{str(file)!r} holds pickled objects that torch's weights-only loader refuses"
+            f" ({found[0] if found else type(err).__name__}); a network kept by `save_hyperparameters()` is the usual"
+            f" one. If you trust the checkpoint, {fix}; or keep the object out of the hyperparameters"
+            " (`self.save_hyperparameters(ignore=['net'])`)."
+        ) from err
 
 
 def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights_only: bool | None) -> list[Any]:

@@ -10,9 +10,13 @@ device the group serves and hands results back on the caller's device, so no oth
 from __future__ import annotations
 
 import atexit
+import copyreg
 import gc
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -232,3 +236,38 @@ def recv_(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
 def wait(pending: list[tuple[Any, torch.Tensor]]) -> None:
     for work, _buffer in pending:
         work.wait()
+
+
+#: groups given out as a pickle reference during a run, by token (see :func:`picklable_groups`)
+_BY_TOKEN: dict[str, Group] = {}
+
+
+def _group_token(group: Group) -> tuple[Any, tuple[str]]:
+    token = next((t for t, g in _BY_TOKEN.items() if g is group), None) or uuid.uuid4().hex
+    _BY_TOKEN[token] = group
+    return _group_by_token, (token,)
+
+
+def _group_by_token(token: str) -> Group | None:
+    """The group a reference was made from, in the process and run that made it; ``None`` elsewhere (what a metric
+    without a group of its own holds)."""
+    return _BY_TOKEN.get(token)
+
+
+@contextmanager
+def picklable_groups() -> Iterator[None]:
+    """Within the block, a process group the strategy put on a user's object (a metric's ``process_group``) pickles
+    and deep-copies as a reference: ``copy.deepcopy`` and a pickle loaded in this process and run get the same group,
+    a pickle loaded elsewhere gets ``None``. torch's groups refuse to pickle, which broke ``torch.save(model)`` and
+    EMA/SWA callbacks' copies of a module whose metrics the strategy bound to the data-parallel group."""
+    cls = dist.ProcessGroup
+    before = copyreg.dispatch_table.get(cls)
+    copyreg.pickle(cls, _group_token)
+    try:
+        yield
+    finally:
+        if before is None:
+            copyreg.dispatch_table.pop(cls, None)
+        else:
+            copyreg.dispatch_table[cls] = before
+        _BY_TOKEN.clear()

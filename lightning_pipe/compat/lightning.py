@@ -134,3 +134,21 @@ __all__ = [
     "start_children",
     "sync_ddp_if_available",
 ]
+
+
+def requested_weights_only(given: bool | None, depth: int = 12) -> bool | None:
+    """The ``weights_only`` the user passed to ``trainer.fit``/``validate``/``test``/``predict``, where Lightning did
+    not pass it on: a strategy that restores after setup (``restore_checkpoint_after_setup``, as FSDP and model
+    parallelism do) gets ``None`` from Lightning 2.6's ``Trainer._run``, which keeps the argument for the restore
+    before setup only. Read from that private frame; public replacement: none (fixed when Lightning passes it on).
+    """
+    if given is not None:
+        return given
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_run" and "weights_only" in frame.f_locals and "ckpt_path" in frame.f_locals:
+            return frame.f_locals["weights_only"]
+        frame = frame.f_back
+    return None

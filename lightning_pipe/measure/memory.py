@@ -254,7 +254,7 @@ def _rss_now() -> int | None:
 def _cpu_storage(t: torch.Tensor) -> Any:
     """The storage of ``t`` on the CPU (a DTensor's: its shard's), or None (on another device, or without storage)."""
     part = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-    if part.device.type != "cpu":
+    if part.device.type != "cpu" or torch_compat.is_fake(part):  # a fake tensor (dataflow's route plans) has no data
         return None
     try:
         storage = part.untyped_storage()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.models import kind_of
@@ -26,6 +26,7 @@ from lightning_pipe.split.balance import CostModel, measure_update_time, resolve
 from lightning_pipe.split.calls import call_traced
 from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.deferred_init import InitRecording
+from lightning_pipe.split.frontend import choose_frontend
 from lightning_pipe.split.initialization import initialize, warn_whole_model
 from lightning_pipe.split.partition import counts_from_split_points, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
@@ -84,6 +85,11 @@ class Split:
     #: entries: a model's own plan is applied once
     tensor_parallel: Any = None
 
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        # A pickled or deep-copied LightningModule (`torch.save(model)`, EMA/SWA callbacks) keeps only which stages
+        # it holds: the stages, process groups and stage calls belong to this rank's run.
+        return CopiedSplit, (self.described, self.units_per_stage, self.stage_ranks)
+
     @property
     def block_names(self) -> tuple[str, ...]:
         """Every block of the network's block stack, relative to the network."""
@@ -93,6 +99,24 @@ class Split:
     def prefix(self) -> str:
         """The network's attribute as a name prefix (``"model."``; ``""`` for the LightningModule itself)."""
         return f"{self.network_attr}." if self.network_attr else ""
+
+
+@dataclass(frozen=True)
+class CopiedSplit:
+    """What a pickled or deep-copied split LightningModule records: it holds one rank's units, and cannot be split
+    again."""
+
+    described: str
+    units_per_stage: list[tuple[str, ...]]
+    stage_ranks: list[int]
+
+    def refuse(self) -> None:
+        raise PipelineUsageError(
+            "This LightningModule is a copy (pickled, `copy.deepcopy` or `torch.save`) of one pipeline rank's stages"
+            f" ({self.described}): its network holds only that rank's units, so it"
+            " cannot be split again. Give the Trainer the original LightningModule, or a new instance with the"
+            " checkpoint's weights loaded (`python -m lightning_pipe.checkpoint consolidate` makes one file)."
+        )
 
 
 def resolve_module(lightning_module: nn.Module, module_name: str) -> tuple[str, nn.Module]:
@@ -180,6 +204,17 @@ def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
     return kind_of(network).layout(network, settings.blocks)
 
 
+def _with_frontend(network: nn.Module, settings: PipelineSettings, announce: Callable[[str], None]) -> PipelineSettings:
+    """``settings`` with ``frontend="auto"`` resolved for ``network`` (:mod:`lightning_pipe.split.frontend`), said
+    once on rank 0."""
+    if settings.frontend != "auto":
+        return settings
+    several = not isinstance(settings.blocks, str)
+    chosen, why = choose_frontend(network, settings.frontend, settings.tensor_parallel_size, several)
+    announce(f"lightning-pipe: `frontend='auto'` chose {chosen!r}: {why}.")
+    return settings.with_frontend(chosen)
+
+
 def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.device) -> _Frontend:
     layout = _layout(network, settings)
     if settings.frontend == "trace":
@@ -195,7 +230,7 @@ def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.devi
 def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
     """The network the strategy would split and its units, without splitting it."""
     _, network = resolve_module(lightning_module, settings.module)
-    return network, _layout(network, settings)
+    return network, _layout(network, _with_frontend(network, settings, lambda text: None))
 
 
 def _counts(
@@ -249,11 +284,14 @@ def split_module(
     """
     key = (*settings.split_key(), pipeline_rank)
     existing = lightning_module.__dict__.get(SPLIT_ATTR)
+    if isinstance(existing, CopiedSplit):
+        existing.refuse()
     if existing is not None:
         check_same_split(existing, key, settings.describe_split())
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
     check_whole_before_split(network)
+    settings = _with_frontend(network, settings, announce)
     shared = [tuple(group) for group in tied_groups(network)]
     prefix = f"{attr}." if attr else ""
     num_stages = settings.num_stages
@@ -369,7 +407,10 @@ def is_split(lightning_module: Any) -> bool:
 
 def existing_split(lightning_module: Any) -> Split | None:
     """The split made by an earlier Trainer entry, if any."""
-    return lightning_module.__dict__.get(SPLIT_ATTR)
+    existing = lightning_module.__dict__.get(SPLIT_ATTR)
+    if isinstance(existing, CopiedSplit):
+        existing.refuse()
+    return existing
 
 
 def _retie_traced(bodies: dict[int, nn.Module], ties: list[Tie]) -> None:

@@ -71,13 +71,27 @@ class StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if _ACTIVE.get() is None or name.startswith("__"):
+            if _ACTIVE.get() is None or name.startswith("__") or self.__dict__.get(_SKELETON) is None:
                 raise
         skeleton = self.__dict__[_SKELETON]
         value = getattr(skeleton, name)
         if isinstance(value, torch.Tensor) and not any(value is t for t in _own_tensors(skeleton)):
             raise _stashed_tensor(self.__dict__[_UNIT], name, _ACTIVE.get())
         return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (a network kept in `save_hyperparameters()`, `torch.save(model)`), a stand-in is an empty module:
+        # fake tensors do not pickle, and a copy runs no stage.
+        return {**self.__dict__, _SKELETON: None}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StandIn:
+        # A deep copy (EMA/SWA callbacks copy the LightningModule) shares the skeleton: fake tensors, never written.
+        copied = StandIn.__new__(StandIn)
+        memo[id(self)] = copied
+        state = {key: value for key, value in self.__dict__.items() if key != _SKELETON}
+        copied.__dict__.update(copy.deepcopy(state, memo))
+        copied.__dict__[_SKELETON] = self.__dict__[_SKELETON]
+        return copied
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run, unit = _ACTIVE.get(), self.__dict__[_UNIT]

@@ -79,6 +79,11 @@ class CallInterceptor:
         self.module.__dict__.pop("forward", None)
         self.module.__dict__.pop("generate", None)
 
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        # A pickled or deep-copied network (kept in `save_hyperparameters()`, copied by an EMA/SWA callback) gets its
+        # class's forward back: the copy is not run by the strategy, and the interceptor's state is one step's.
+        return _class_forward, (self.module,)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "capture":
             self._captured = Call(args, kwargs)
@@ -175,8 +180,22 @@ class GenerateInterceptor:
         self.run: Callable[[tuple, dict], Any] | None = None
         forward.module.generate = self  # type: ignore[method-assign]
 
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        # As the forward's interceptor: a pickled or copied network gets its class's generate back.
+        return _class_method, (self.forward.module, "generate")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward.generate_called(args, kwargs, self.run)
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s own forward, bound (what an intercepted network's copy calls)."""
+    return type(module).forward.__get__(module)
+
+
+def _class_method(module: nn.Module, name: str) -> Callable[..., Any]:
+    """``module``'s own method ``name``, bound (what an intercepted network's copy calls)."""
+    return getattr(type(module), name).__get__(module)
 
 
 @dataclass

@@ -129,20 +129,14 @@ class MetricMirror:
         self.metrics = find_metrics(lightning_module)
         self._names = {id(m): n for n, m in self.metrics.items()}
         self._shadows: dict[str, Any] = {}
-        self._recording = False
         #: per metric called during the step: ids of the leaves of its forward outputs -> (metric, key)
         self._outputs: dict[int, tuple[str, Any]] = {}
         self._keep: list[Any] = []  # forward outputs, alive while their ids are in use
         self._called: set[str] = set()
-        self._handles = [
-            metric.register_forward_hook(self._after_forward(name), with_kwargs=True)
-            for name, metric in self.metrics.items()
-        ]
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Nothing to undo: the forward hooks live only during a step that records step values (so that the user's
+        metrics pickle and deep-copy between steps: a checkpoint holding them, an EMA/SWA callback's copy)."""
 
     # ------------------------------------------------------------------------------------------------ step values
     def _shadow(self, name: str) -> Any:
@@ -158,8 +152,6 @@ class MetricMirror:
 
     def _after_forward(self, name: str) -> Any:
         def hook(metric: Any, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self._recording:
-                return
             self._shadow(name).update(*args, **kwargs)
             self._called.add(name)
             self._keep.append(output)
@@ -176,13 +168,17 @@ class MetricMirror:
         """The metrics during one step on the last-stage rank; ``record_step_values`` when it has several
         microbatches (with one, ``forward`` already returns the batch's value)."""
         before = {name: _before(m) for name, m in self.metrics.items()}
-        self._recording = record_step_values
         self._outputs, self._keep, self._called = {}, [], set()
         step = StepMetrics(self, before)
+        handles = [
+            metric.register_forward_hook(self._after_forward(name), with_kwargs=True)
+            for name, metric in (self.metrics.items() if record_step_values else ())
+        ]
         try:
             yield step
         finally:
-            self._recording = False
+            for handle in handles:
+                handle.remove()
 
     def settle_step_values(self) -> dict[str, Any]:
         """Step values of the metrics called this step; their forward values become them, shadows are reset."""

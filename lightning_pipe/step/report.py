@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
-from lightning_pipe.microbatch import epoch_batch_sizes, resolve_microbatches
+from lightning_pipe.microbatch import epoch_batch_sizes
 from lightning_pipe.reliability.loaders import PassLoader
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import Split
+from lightning_pipe.step.executors.schedule import microbatch_count
 
 
 def _count(n: int) -> str:
@@ -48,22 +50,19 @@ def announce_parameters(trainer: Any, module: Any, pipeline_group: Any, split: S
 
 
 def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank: int) -> None:
-    """Refuse, before the first step, a training loader with a batch (usually the last, short one) that cannot be
-    split into the configured microbatches. Rank 0 raises with the whole explanation, the others with a pointer to it.
+    """Before the first step: say (rank 0) which training batches run as another number of microbatches than the
+    configured one (a short last batch: :func:`~lightning_pipe.step.executors.schedule.microbatch_count`), and refuse
+    a batch that no number of equal microbatches can run. Rank 0 raises with the whole explanation, the others with
+    a pointer to it.
 
-    Only plain ``DataLoader``s whose size is known are checked; others fail at the batch itself, as before.
+    Only plain ``DataLoader``s whose size is known are checked; others are planned at the batch itself.
     """
-    loader = trainer.train_dataloader
-    if isinstance(loader, PassLoader):  # the resume wrapper around the user's loader (reliability/loaders.py)
-        loader = loader.loader
-    sizes = epoch_batch_sizes(loader)
+    sizes = _batch_sizes(trainer)
     if sizes is None:
         return
     for which, size in sizes:
         try:
-            resolve_microbatches(
-                settings.microbatches, settings.microbatch_size, size, settings.num_stages, "microbatches"
-            )
+            n = microbatch_count(settings, size)
         except MicrobatchError as err:
             if global_rank != 0:
                 raise MicrobatchError(
@@ -72,6 +71,27 @@ def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank
             raise MicrobatchError(
                 f"The training DataLoader's {which} has {size} samples: {err} (Checked before the first step.)"
             ) from None
+        if n != _configured(settings, size):
+            rank_zero_info(
+                f"lightning-pipe: the training DataLoader's {which} has {size} samples, which the configured"
+                f" microbatches do not split equally: it runs as {n} microbatches of {size // n} (losses and"
+                " gradients as on one device)."
+            )
+
+
+def _configured(settings: PipelineSettings, size: int) -> int:
+    """The microbatch count the settings name for a batch of ``size`` (``size`` itself where it does not divide)."""
+    if settings.microbatch_size is not None:
+        return size // settings.microbatch_size if size % settings.microbatch_size == 0 else -1
+    n = settings.num_stages if settings.microbatches == "auto" else int(settings.microbatches)
+    return min(n, size) if settings.microbatches == "auto" else n
+
+
+def _batch_sizes(trainer: Any) -> list[tuple[str, int]] | None:
+    loader = trainer.train_dataloader
+    if isinstance(loader, PassLoader):  # the resume wrapper around the user's loader (reliability/loaders.py)
+        loader = loader.loader
+    return epoch_batch_sizes(loader)
 
 
 def check_supported(lightning_module: Any, precision_plugin: Any) -> None:
@@ -90,3 +110,45 @@ def check_supported(lightning_module: Any, precision_plugin: Any) -> None:
             " have to agree across stages; it is not supported. Use `precision='bf16-mixed'` (or '32-true',"
             " 'bf16-true')."
         )
+
+
+#: Layers whose training output depends on the other samples of the batch (public classes; SyncBatchNorm included)
+BATCH_DEPENDENT = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+)
+
+
+def batch_dependent_modules(network: nn.Module, prefix: str = "") -> list[str]:
+    """Names (with ``prefix``) of the modules of ``network`` whose training output depends on the whole batch."""
+    return [f"{prefix}{name}" for name, m in network.named_modules() if isinstance(m, BATCH_DEPENDENT)]
+
+
+def warn_batch_dependent(trainer: Any, settings: PipelineSettings, split: Split, pipeline_group: Any) -> None:
+    """At fit start: name the batch-dependent layers (BatchNorm) that will see microbatches instead of the batch, why
+    results then differ from one device, and the exact alternatives. Collective over the pipeline group."""
+    mine = batch_dependent_modules(split.network, split.prefix)
+    names = sorted({name for rank in collectives.all_gather_object(mine, pipeline_group) for name in rank})
+    sizes = _batch_sizes(trainer) or []
+    size = sizes[0][1] if sizes else None
+    if size is not None:
+        n = microbatch_count(settings, size)
+    else:
+        n = settings.microbatches if settings.microbatches != "auto" else settings.num_stages
+    if not names or n == 1:
+        return
+    shown = ", ".join(f"`{name}`" for name in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    per = f"{size // n}-sample microbatches of each {size}-sample batch" if size else f"{n} microbatches of each batch"
+    rank_zero_warn(
+        f"lightning-pipe: {shown} normalise over the batch in training (BatchNorm), and a pipeline runs them once per"
+        f" microbatch: their statistics (and the running mean/variance they track) come from the {per}, so results"
+        f" differ from one device with the same batch (the pipeline equals one device given batches of"
+        f" {f'{size // n} samples' if size else 'one microbatch'} and `accumulate_grad_batches` multiplied by {n})."
+        " For one device's results, run one microbatch per batch: `PipelineParallelStrategy(schedule='GPipe',"
+        " microbatches=1)` (the stages then take turns), or normalise per sample (LayerNorm, GroupNorm)."
+    )

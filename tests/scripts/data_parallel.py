@@ -3,7 +3,8 @@ several per launch; each rank saves what it saw per scenario.
 
 Usage: data_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "data_parallel", "schedule",
 "accumulate", "clip", "inner_axis", "num_nodes", "activation_checkpointing", "bucket_bytes", "max_steps", "precision",
-"model": "lm"|"scheduled"|"eval"|"weighted", "save": dir name, "resume": dir name, "validate": bool}.
+"model": "lm"|"scheduled"|"eval"|"weighted", "samples" (training set size), "save": dir name, "resume": dir name,
+"validate": bool}.
 
 Per rank: losses, the full parameters and optimizer state (DTensor shards gathered), the gradient collectives over the
 data-parallel group per optimizer step, optimizer-state bytes, the mesh groups.
@@ -143,8 +144,8 @@ def build(cfg: dict) -> L.LightningModule:
     if kind == "eval":
         return LitEvalLM(sync_dist=True, val_samples=16)
     if kind == "weighted":
-        return WeightedLM()
-    return LitLM(optimizer=cfg.get("optimizer", "sgd"))
+        return WeightedLM(samples=cfg.get("samples", 64))
+    return LitLM(optimizer=cfg.get("optimizer", "sgd"), samples=cfg.get("samples", 64))
 
 
 def run(out: Path, cfg: dict) -> None:

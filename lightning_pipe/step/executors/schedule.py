@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from typing import Any
@@ -9,8 +10,9 @@ from typing import Any
 import torch
 
 from lightning_pipe.comm.dtensor import local
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.microbatch import resolve_microbatches
+from lightning_pipe.microbatch import training_microbatches
 from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
 from lightning_pipe.step.runtime import PipelineRuntime
 from lightning_pipe.step.stage import STEP, StepContext, chunk_aware_stage_class
@@ -36,6 +38,24 @@ def step_options(schedule: Any) -> dict[str, Any]:
     return {"return_outputs": False} if "return_outputs" in parameters else {}
 
 
+@functools.lru_cache(maxsize=512)
+def schedule_accepts(schedule: str, pipeline_size: int, stages_per_rank: int, microbatches: int) -> bool:
+    """Whether torch's ``schedule`` runs ``microbatches`` microbatches on these stages (its own checks, on mock
+    stages: 1F1B needs as many microbatches as stages, DualPipeV twice the ranks, Interleaved1F1B whole rounds)."""
+    try:
+        torch_compat.schedule_actions(schedule, pipeline_size, microbatches, stages_per_rank)
+    except ValueError:
+        return False
+    return True
+
+
+def microbatch_count(settings: PipelineSettings, size: int) -> int:
+    """How many equal microbatches a training batch of ``size`` samples runs as under ``settings`` (resolved)."""
+    s = settings
+    accepts = functools.partial(schedule_accepts, s.schedule, s.pipeline_size, s.stages_per_rank)
+    return training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, s.schedule)
+
+
 class ScheduleExecutor:
     """Runs a batch's microbatches through a torch schedule; gradients accumulate into the stages' ``.grad``.
 
@@ -49,9 +69,9 @@ class ScheduleExecutor:
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
 
     def plan(self, size: int) -> list[int]:
-        """Equal microbatch sizes for a batch of ``size`` samples (torch's schedules need equal shapes)."""
-        s = self.settings
-        n = resolve_microbatches(s.microbatches, s.microbatch_size, size, self.runtime.num_stages, "microbatches")
+        """Equal microbatch sizes for a batch of ``size`` samples (torch's schedules need equal shapes); a batch the
+        configured count does not divide runs as another count (:func:`microbatch_count`)."""
+        n = microbatch_count(self.settings, size)
         return [size // n] * n
 
     def run(self, key: tuple, step: StepContext) -> None:
@@ -92,9 +112,10 @@ class ScheduleExecutor:
             else:
                 schedule = cls(stages, n, loss_fn=self._loss, scale_grads=False)
         except ValueError as err:
+            gpipe = " or use `schedule='GPipe'`, which runs any number of microbatches" if name != "GPipe" else ""
             raise PipelineConfigError(
                 f"torch's {name} schedule rejects {n} microbatches for {runtime.num_stages}"
-                f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it."
+                f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it{gpipe}."
             ) from err
         self._schedules[key] = (schedule, step_options(schedule))
         if len(self._schedules) > _MAX_CACHED_SCHEDULES:

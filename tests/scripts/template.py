@@ -1,0 +1,52 @@
+"""The project-template LightningModule (network as an ``__init__`` argument, kept in ``save_hyperparameters()``)
+under the pipeline: fit with ModelCheckpoint, copies of the fitted module, resume from ``last.ckpt``, test. Each rank
+saves what it saw.
+
+Usage: template.py OUT_DIR CONFIGS_JSON (a list of {"name", strategy kwargs...}).
+"""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import lightning_pipe
+from tests.template_models import CopyDuringFit, copies, loaders, new_module, test_loader, trainer
+
+
+def main() -> None:
+    out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    for cfg in configs:
+        name = cfg.pop("name")
+        root = out / name
+        model = new_module()
+        first = trainer(root, lightning_pipe.PipelineParallelStrategy(**cfg), devices=2, max_epochs=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first.fit(model, **loaders())
+        records, tested = model.records, first.test(model, test_loader(), verbose=False)[0]
+        during = next(c for c in first.callbacks if isinstance(c, CopyDuringFit)).found
+        last = first.checkpoint_callback.last_model_path
+        resumed = new_module()
+        second = trainer(root, lightning_pipe.PipelineParallelStrategy(**cfg), devices=2, max_epochs=3)
+        # The checkpoint holds the pickled network (as on one device): loading it needs `weights_only=False`.
+        second.fit(resumed, ckpt_path=last, weights_only=False, **loaders())
+        torch.save(
+            {
+                "records": records,
+                "test": tested,
+                "resumed_records": resumed.records,
+                "resumed_test": second.test(resumed, test_loader(), verbose=False)[0],
+                "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
+                "best": first.checkpoint_callback.best_model_path,
+                "during_fit": during,
+                "after_fit": copies(model),
+            },
+            out / f"{name}.rank{first.global_rank}.pt",
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A LightningModule written like a popular project template (its network an ``__init__`` argument kept in
+``save_hyperparameters()``, Linear + BatchNorm1d + ReLU, a forward that reshapes its input, ModelCheckpoint) under
+the pipeline: what the strategy installs on the user's objects pickles and deep-copies; checkpoints save, resume and
+test; one microbatch under GPipe equals one device; two name the BatchNorm layers."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import json
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_pipe.checkpoint import convert
+from lightning_pipe.checkpoint.io import load_trainer_state
+from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
+from lightning_pipe.settings import PipelineSettings
+from lightning_pipe.split.builder import CopiedSplit, split_module
+from lightning_pipe.step.interception import CallInterceptor
+from lightning_pipe.step.report import batch_dependent_modules
+from tests.launch import run_script
+from tests.reference import load_ranks
+from tests.template_models import LitTemplate, SimpleDenseNet, loaders, new_module, test_loader, trainer
+
+TOL = 1e-5
+
+
+def _split_rank0(frontend: str) -> tuple[LitTemplate, CallInterceptor]:
+    module = new_module()
+    settings = PipelineSettings(frontend=frontend).resolve(2)
+    split = split_module(module, settings, pipeline_rank=0, device=torch.device("cpu"))
+    return module, CallInterceptor(split.network)
+
+
+@pytest.mark.parametrize("frontend", ["modules", "dataflow"])
+def test_a_split_module_pickles_deep_copies_and_saves_with_its_class_forward(frontend):
+    module, interceptor = _split_rank0(frontend)
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    copies = [
+        pickle.loads(pickle.dumps(module)),
+        copy.deepcopy(module),
+        torch.load(buffer, weights_only=False),
+    ]
+    state = module.state_dict()
+    for made in copies:
+        assert made.state_dict().keys() == state.keys()
+        assert all(torch.equal(made.state_dict()[k], v) for k, v in state.items())
+        forward = made.net.__dict__["forward"]
+        assert not isinstance(forward, CallInterceptor) and forward.__self__ is made.net
+        assert forward.__func__ is SimpleDenseNet.forward
+        assert isinstance(made.__dict__["_lightning_pipe_split"], CopiedSplit)
+    hparams = pickle.loads(pickle.dumps(dict(module.hparams)))
+    assert isinstance(hparams["net"], SimpleDenseNet)
+    assert module.net.__dict__["forward"] is interceptor  # the original keeps the interceptor
+
+
+def test_a_copy_of_a_split_module_is_refused_by_a_new_split():
+    module, _ = _split_rank0("dataflow")
+    copied = copy.deepcopy(module)
+    settings = PipelineSettings(frontend="dataflow").resolve(2)
+    with pytest.raises(PipelineUsageError, match=r"copy \(pickled.*pipeline_rank=0.*holds only that rank's units"):
+        split_module(copied, settings, pipeline_rank=0, device=torch.device("cpu"))
+
+
+def test_batch_dependent_modules_are_found_by_their_names():
+    assert batch_dependent_modules(SimpleDenseNet(), "net.") == ["net.model.1", "net.model.4"]
+    assert batch_dependent_modules(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))) == []
+
+
+def test_a_refused_pickle_in_trainer_state_names_the_fix(tmp_path):
+    torch.save({"hyper_parameters": {"net": SimpleDenseNet()}}, tmp_path / "trainer.pt")
+    with pytest.raises(
+        PipelineCheckpointError, match=r"SimpleDenseNet.*save_hyperparameters\(\).*FIX.*ignore=\['net'\]"
+    ):
+        load_trainer_state(tmp_path, None, "FIX")
+    assert isinstance(load_trainer_state(tmp_path, False, "FIX")["hyper_parameters"]["net"], SimpleDenseNet)
+
+
+def test_a_schedule_that_rejects_the_microbatch_count_points_to_gpipe(monkeypatch):
+    from lightning_pipe.step.executors import schedule as schedule_module
+
+    runtime = SimpleNamespace(stages={0: torch.nn.Linear(1, 1)}, num_stages=2, device="cpu", group=None)
+    settings = SimpleNamespace(schedule="1F1B")
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Number of microbatches (1) must be greater than or equal to the number of stages (2).")
+
+    monkeypatch.setattr(schedule_module, "chunk_aware_stage_class", lambda: lambda *a, **k: object())
+    monkeypatch.setattr("torch.distributed.pipelining.schedules.get_schedule_class", lambda name: refuse)
+    executor = schedule_module.ScheduleExecutor(runtime, settings)
+    with pytest.raises(
+        PipelineConfigError, match=r"1F1B schedule rejects 1 microbatches for 2 stages.*schedule='GPipe'"
+    ):
+        executor._schedule(("key",), 1)
+
+
+# --------------------------------------------------------------------------------------------- multi-process
+CONFIGS = [
+    {"name": "gpipe-one-microbatch", "schedule": "GPipe", "microbatches": 1},
+    {"name": "1F1B-two-microbatches"},  # the defaults: frontend "auto" (dataflow here), 1F1B, 2 microbatches
+]
+
+
+@functools.cache
+def _reference(root: str) -> dict:
+    from pathlib import Path
+
+    model = new_module()
+    first = trainer(Path(root), devices=1)
+    first.fit(model, **loaders())
+    tested = first.test(model, test_loader(), verbose=False)[0]
+    resumed = new_module()
+    second = trainer(Path(root), devices=1, max_epochs=3)
+    second.fit(resumed, ckpt_path=first.checkpoint_callback.last_model_path, weights_only=False, **loaders())
+    return {
+        "records": model.records,
+        "test": tested,
+        "resumed_records": resumed.records,
+        "resumed_test": second.test(resumed, test_loader(), verbose=False)[0],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("template")
+    run_script("template.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
+    return out
+
+
+def _same(got, want) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys(), step
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=TOL, abs=TOL), (step, key)
+
+
+@pytest.mark.slow
+def test_one_microbatch_under_gpipe_fits_checkpoints_resumes_and_tests_like_one_device(runs, tmp_path):
+    expected = _reference(str(tmp_path / "reference"))
+    for rank in load_ranks(runs, "gpipe-one-microbatch"):
+        _same(rank["records"], expected["records"])
+        _same([rank["test"]], [expected["test"]])
+        _same(rank["resumed_records"], expected["resumed_records"])
+        _same([rank["resumed_test"]], [expected["resumed_test"]])
+        assert rank["warnings"] == []
+        for when in ("during_fit", "after_fit"):
+            found = rank[when]
+            assert found["copies_equal"] and all(keys == found["state_keys"] for keys in found["copy_keys"])
+            assert found["copy_forwards"] == ["method"] * 3 and found["hparams_net"] == "SimpleDenseNet"
+
+
+@pytest.mark.slow
+def test_two_microbatches_warn_once_naming_the_batchnorm_layers_and_the_alternatives(runs):
+    ranks = load_ranks(runs, "1F1B-two-microbatches")
+    assert ranks[1]["warnings"] == []
+    (warning,) = ranks[0]["warnings"]
+    for part in (
+        "`net.model.1`, `net.model.4`",
+        "4-sample microbatches of each 8-sample batch",
+        "schedule='GPipe'",
+        "microbatches=1",
+        "`accumulate_grad_batches` multiplied by 2",
+    ):
+        assert part in warning
+    assert ranks[0]["resumed_test"] == ranks[1]["resumed_test"]
+
+
+@pytest.mark.slow
+def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_loads(runs, tmp_path):
+    source = runs / "gpipe-one-microbatch" / "ckpt" / "last.ckpt"
+    with pytest.raises(PipelineCheckpointError, match=r"SimpleDenseNet.*--trust-pickle"):
+        convert.consolidate(source, tmp_path / "refused.ckpt")
+    target = convert.consolidate(source, tmp_path / "model.ckpt", weights_only=False)
+    # The pickled network is rank 0's part: a full one is passed in, as `load_from_checkpoint` allows.
+    loaded = LitTemplate.load_from_checkpoint(target, net=SimpleDenseNet(), weights_only=False)
+    tested = trainer(tmp_path / "eval", devices=1).test(loaded, test_loader(), verbose=False)[0]
+    # last.ckpt is the resumed run's (third epoch)
+    _same([tested], [load_ranks(runs, "gpipe-one-microbatch")[0]["resumed_test"]])
