@@ -151,5 +151,5 @@ def new_module() -> LitTemplate:
     return LitTemplate(SimpleDenseNet())
 
 
-def test_loader(batch_size: int = 8) -> DataLoader:
+def held_out_loader(batch_size: int = 8) -> DataLoader:
     return DataLoader(dataset(32, 2), batch_size=batch_size)

@@ -82,8 +82,10 @@ def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
         assert max(norms) > CLIP, "the clip is active in the reference"
 
 
-def test_litgpt_under_the_default_frontend_is_refused_by_name():
-    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
+def test_litgpt_under_the_modules_frontend_is_refused_by_name():
+    # The default frontend ("auto") picks the dataflow frontend for litgpt's GPT; "modules" is refused by name.
+    strategy = lightning_pipe.PipelineFabricStrategy(frontend="modules")
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     fabric.launch()
     with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`"):
         fabric.setup_module(build_litgpt(fabric))

@@ -24,7 +24,7 @@ from lightning_pipe.step.interception import CallInterceptor
 from lightning_pipe.step.report import batch_dependent_modules
 from tests.launch import run_script
 from tests.reference import load_ranks
-from tests.template_models import LitTemplate, SimpleDenseNet, loaders, new_module, test_loader, trainer
+from tests.template_models import LitTemplate, SimpleDenseNet, loaders, new_module, held_out_loader, trainer
 
 TOL = 1e-5
 
@@ -114,7 +114,7 @@ def _reference(root: str) -> dict:
     model = new_module()
     first = trainer(Path(root), devices=1)
     first.fit(model, **loaders())
-    tested = first.test(model, test_loader(), verbose=False)[0]
+    tested = first.test(model, held_out_loader(), verbose=False)[0]
     resumed = new_module()
     second = trainer(Path(root), devices=1, max_epochs=3)
     second.fit(resumed, ckpt_path=first.checkpoint_callback.last_model_path, weights_only=False, **loaders())
@@ -122,7 +122,7 @@ def _reference(root: str) -> dict:
         "records": model.records,
         "test": tested,
         "resumed_records": resumed.records,
-        "resumed_test": second.test(resumed, test_loader(), verbose=False)[0],
+        "resumed_test": second.test(resumed, held_out_loader(), verbose=False)[0],
     }
 
 
@@ -180,6 +180,6 @@ def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_
     target = convert.consolidate(source, tmp_path / "model.ckpt", weights_only=False)
     # The pickled network is rank 0's part: a full one is passed in, as `load_from_checkpoint` allows.
     loaded = LitTemplate.load_from_checkpoint(target, net=SimpleDenseNet(), weights_only=False)
-    tested = trainer(tmp_path / "eval", devices=1).test(loaded, test_loader(), verbose=False)[0]
+    tested = trainer(tmp_path / "eval", devices=1).test(loaded, held_out_loader(), verbose=False)[0]
     # last.ckpt is the resumed run's (third epoch)
     _same([tested], [load_ranks(runs, "gpipe-one-microbatch")[0]["resumed_test"]])

@@ -82,7 +82,7 @@ class CallInterceptor:
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         # A pickled or deep-copied network (kept in `save_hyperparameters()`, copied by an EMA/SWA callback) gets its
         # class's forward back: the copy is not run by the strategy, and the interceptor's state is one step's.
-        return _class_forward, (self.module,)
+        return _class_method, (self.module, "forward")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "capture":
@@ -186,11 +186,6 @@ class GenerateInterceptor:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward.generate_called(args, kwargs, self.run)
-
-
-def _class_forward(module: nn.Module) -> Callable[..., Any]:
-    """``module``'s own forward, bound (what an intercepted network's copy calls)."""
-    return type(module).forward.__get__(module)
 
 
 def _class_method(module: nn.Module, name: str) -> Callable[..., Any]:

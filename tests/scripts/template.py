@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import lightning_pipe
-from tests.template_models import CopyDuringFit, copies, loaders, new_module, test_loader, trainer
+from tests.template_models import CopyDuringFit, copies, loaders, new_module, held_out_loader, trainer
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             first.fit(model, **loaders())
-        records, tested = model.records, first.test(model, test_loader(), verbose=False)[0]
+        records, tested = model.records, first.test(model, held_out_loader(), verbose=False)[0]
         during = next(c for c in first.callbacks if isinstance(c, CopyDuringFit)).found
         last = first.checkpoint_callback.last_model_path
         resumed = new_module()
@@ -38,7 +38,7 @@ def main() -> None:
                 "records": records,
                 "test": tested,
                 "resumed_records": resumed.records,
-                "resumed_test": second.test(resumed, test_loader(), verbose=False)[0],
+                "resumed_test": second.test(resumed, held_out_loader(), verbose=False)[0],
                 "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
                 "best": first.checkpoint_callback.best_model_path,
                 "during_fit": during,
