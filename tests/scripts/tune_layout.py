@@ -35,7 +35,9 @@ def main() -> None:
     L.seed_everything(0)
     model = LitLM(n_layers=4, batch_size=8)
     trainer = quiet_trainer(strategy="pipeline", devices=4, max_steps=2, default_root_dir=str(out))
-    first = lightning_pipe.tune(trainer, model, space=SPACE, steps=2, warmup_steps=1, max_trials=5, confirm=0)
+    first = lightning_pipe.tune(
+        trainer, model, space=SPACE, steps=2, warmup_steps=1, max_trials=5, confirm=0, margin=0.5
+    )
     trainer.fit(model)
     ran = (strategy_layout(trainer), model.hparams.batch_size, trainer.global_step)
 
