@@ -8,6 +8,7 @@ import os
 
 import lightning.pytorch as L
 import pytest
+import torch
 
 from lightning_pipe import PipelineConfigError, PipelineParallelStrategy
 from lightning_pipe.models.units import Layout
@@ -246,3 +247,33 @@ def test_tune_chooses_the_layout_at_four_processes(tmp_path):
     assert config.get("model") == ({"batch_size": size} if replicas > 1 else None)
     assert config["trainer"]["strategy"]["init_args"]["pipeline_size"] == choice.pipeline_size
     assert first["cli"] == first["ran"]
+
+
+class PlainNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+
+
+class Llama(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.hf_models import build
+
+        self.model = build("llama", True, 2)
+
+
+def test_tensor_parallel_sizes_the_model_has_no_plan_for_are_left_out():
+    from lightning_pipe.settings import PipelineSettings
+    from lightning_pipe.tune.tuner import planned_tensor_sizes
+
+    space = SearchSpace(pipeline_sizes="auto", tensor_parallel=(1, 2))
+    kept, notes = planned_tensor_sizes(PlainNet(), PipelineSettings(), space, 1)
+    assert kept.tensor_parallel == (1,)
+    assert notes == [
+        "tensor_parallel=2 left out: Sequential has no tensor-parallel plan of its own for that size and PlainNet"
+        " applies none in `configure_model` (docs/tensor-parallel.md)."
+    ]
+    pytest.importorskip("transformers")
+    kept, notes = planned_tensor_sizes(Llama(), PipelineSettings(), space, 1)
+    assert kept.tensor_parallel == (1, 2) and notes == []

@@ -41,7 +41,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_pipe.comm import collectives
-from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import device_memory, format_bytes
 from lightning_pipe.split.builder import is_split
 from lightning_pipe.tune import prune, record
@@ -196,7 +196,8 @@ def _search(
     # Rank 0's machine decides for all: every rank must take the same decisions.
     limit = memory_limit if memory_limit is not None else device_memory(device, setup.devices)
     limit = collectives.broadcast_object(limit, 0, collectives.world_group(), device)
-    search = _LayoutSearch.of(space, resolved, batch, knob) if space.searches_layout else None
+    search = _layout_search(model, settings, space, resolved, batch, knob) if space.searches_layout else None
+    space = search.space if search is not None else space
     if search is not None:
         baseline = search.own.carried_by(baseline)
     profile_start = time.perf_counter()
@@ -294,16 +295,20 @@ class _LayoutSearch:
     #: samples per replica in the first trial's first batch: the profile slices it, so no microbatch may be larger
     first_batch: int
     notes: tuple[str, ...]
+    #: the search space, without the tensor-parallel sizes the model does not allow
+    space: SearchSpace
 
     @classmethod
-    def of(cls, space: SearchSpace, resolved: Any, batch: int, knob: Optional[BatchKnob]) -> _LayoutSearch:
+    def of(
+        cls, space: SearchSpace, resolved: Any, batch: int, knob: Optional[BatchKnob], notes: list[str]
+    ) -> _LayoutSearch:
         own = ProcessLayout(
             int(resolved.pipeline_size),
             resolved.data_parallel_size,
             resolved.tensor_parallel_size,
             resolved.data_parallel,
         )
-        notes = []
+        notes = list(notes)
         if knob is not None and knob.value != batch:
             notes.append(
                 f"The `{BATCH_ATTRIBUTE}` of the {knob.section} ({knob.value}) is not the batch the DataLoader gave"
@@ -312,7 +317,7 @@ class _LayoutSearch:
             knob = None
         world = int(resolved.world_size)
         found, why = layouts(space, world, own, batch * own.data_parallel_size if knob is not None else None)
-        return cls(own, tuple(found), world, batch * own.data_parallel_size, batch, tuple(notes + why))
+        return cls(own, tuple(found), world, batch * own.data_parallel_size, batch, tuple(notes + why), space)
 
     def pipeline_batch(self, layout: ProcessLayout) -> int:
         return self.global_batch // layout.data_parallel_size
@@ -346,6 +351,46 @@ class _LayoutSearch:
 
     def changed_batch(self, choice: Candidate) -> Optional[int]:
         return self.replica_batch(choice) if choice.pipeline_size else None
+
+
+def _layout_search(
+    model: Any, settings: Any, space: SearchSpace, resolved: Any, batch: int, knob: Optional[BatchKnob]
+) -> _LayoutSearch:
+    space, refused = planned_tensor_sizes(model, settings, space, int(resolved.tensor_parallel_size))
+    return _LayoutSearch.of(space, resolved, batch, knob, refused)
+
+
+def planned_tensor_sizes(model: Any, settings: Any, space: SearchSpace, own: int) -> tuple[SearchSpace, list[str]]:
+    """``space`` without the tensor-parallel sizes above 1 the model does not allow: its kind has no plan for them
+    (or refuses the size) and its LightningModule applies none in ``configure_model``; a note names them."""
+    import lightning.pytorch as pl
+
+    from lightning_pipe.models import kind_of
+    from lightning_pipe.split.builder import network_layout
+
+    sizes = space.tensor_parallel or ()
+    if all(size == 1 for size in sizes) or type(model).configure_model is not pl.LightningModule.configure_model:
+        return space, []
+    network, _ = network_layout(model, settings)
+    refused = []
+    for size in sizes:
+        if size == 1:
+            continue
+        try:
+            plan = kind_of(network).tensor_parallel_plan(network, size)
+        except (PipelineConfigError, PipelineModelError):
+            plan = None
+        if plan is None:
+            refused.append(size)
+    if not refused:
+        return space, []
+    kept = tuple(size for size in sizes if size not in refused) or (own,)
+    note = (
+        f"tensor_parallel={', '.join(map(str, refused))} left out: {type(network).__name__} has no tensor-parallel"
+        f" plan of its own for that size and {type(model).__name__} applies none in `configure_model`"
+        " (docs/tensor-parallel.md)."
+    )
+    return dataclasses.replace(space, tensor_parallel=kept), [note]
 
 
 @contextmanager

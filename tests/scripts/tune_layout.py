@@ -1,6 +1,7 @@
 """``lightning_pipe.tune`` searching the layout at 4 processes: a small model whose copies fit, where plain data
 parallelism should win; the applied choice trains with the global batch kept; the record is reused without a trial;
-the LightningCLI config trains.
+the LightningCLI config trains. A margin of 0.5 gives every layout a trial (at the default 0.1, on a busy machine
+the model pruned them after the first).
 
 Usage: tune_layout.py OUT_DIR. Each rank saves what it saw to OUT_DIR/tune_layout.rank<r>.pt.
 """
