@@ -277,3 +277,16 @@ def test_tensor_parallel_sizes_the_model_has_no_plan_for_are_left_out():
     pytest.importorskip("transformers")
     kept, notes = planned_tensor_sizes(Llama(), PipelineSettings(), space, 1)
     assert kept.tensor_parallel == (1, 2) and notes == []
+
+
+def test_a_dataloader_that_ignores_the_batch_size_stops_the_layout_search():
+    from lightning_pipe.tune.layout import BatchKnob
+    from lightning_pipe.tune.trial import Measurement, TrialResult
+    from lightning_pipe.tune.tuner import _check_replica_batch
+
+    knob = BatchKnob(WithHparam(), "model", True, 8)
+    trial = TrialResult([Measurement(samples=8), Measurement(samples=8)], warmup=0)
+    _check_replica_batch(trial, None, knob)  # the strategy's own data-parallel size: nothing was set
+    with pytest.raises(PipelineConfigError, match=r"set `batch_size=2` on the model .* gave batches of \[8\] samples"):
+        _check_replica_batch(trial, 2, knob)
+    _check_replica_batch(TrialResult([Measurement(samples=2)] * 2, warmup=0), 2, knob)

@@ -101,8 +101,8 @@ def layouts(
             f"the global batch ({global_batch} samples) does not divide among their replicas"
             if global_batch is not None
             else f"the per-replica batch cannot be set: no `{BATCH_ATTRIBUTE}` attribute or hyperparameter on the"
-            " LightningModule or the DataModule (add one, as Lightning's batch-size finder expects, and build the"
-            " DataLoader from it)"
+            " LightningModule or the DataModule, or the training DataLoader was passed built (add one, as Lightning's"
+            " batch-size finder expects, and build the DataLoader from it in `train_dataloader`)"
         )
         notes.append(
             "Layouts with another data-parallel size keep the global batch by setting the per-replica batch, but"

@@ -55,6 +55,8 @@ class Measurement:
     settings: Any = None
     #: the first batch, on the CPU (global rank 0 of the first trial)
     batch: Any = None
+    #: samples in this rank's first batch
+    samples: int = 0
     #: ``(host, cores the process may run on)`` (first trial; no cores where the OS does not say)
     placement: tuple[str, frozenset[int]] | None = None
 
@@ -82,6 +84,8 @@ class Probe(pl.Callback):
         self._stamp(trainer)
         if self._recorder is not None:
             self._recorder.step = idx
+        if idx == 0:
+            self.mine.samples = batch_size(batch)
         if self.detail and idx == 0 and trainer.global_rank == 0:
             self.mine.batch = map_tensors(batch, lambda t: t.detach().cpu().clone())
 

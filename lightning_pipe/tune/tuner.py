@@ -139,7 +139,8 @@ def tune(
     space = space or SearchSpace()
     settings = strategy.settings
     target = Path(path) if path is not None else Path(trainer.default_root_dir) / "pipeline_tune"
-    knob = find_batch_knob(model, datamodule) if space.searches_layout else None
+    # A DataLoader passed built cannot take another batch size.
+    knob = find_batch_knob(model, datamodule) if space.searches_layout and train_dataloaders is None else None
     facts = _facts(trainer, model, datamodule, space, memory_limit, knob)
     expected = record.fingerprint(facts)
     if not retune:
@@ -222,8 +223,11 @@ def _search(
 
     def trial_of(candidate: Candidate) -> TrialResult:
         make = functools.partial(_strategy, strategy, candidate.settings())
-        with _per_replica_batch(knob, search.replica_batch(candidate) if search is not None else None):
-            return run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        size = search.replica_batch(candidate) if search is not None else None
+        with _per_replica_batch(knob, size):
+            found = run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        _check_replica_batch(found, size, knob)
+        return found
 
     runs = {baseline: [first]}
     measured = {baseline: _measured(runs[baseline])}
@@ -391,6 +395,19 @@ def planned_tensor_sizes(model: Any, settings: Any, space: SearchSpace, own: int
         " (docs/tensor-parallel.md)."
     )
     return dataclasses.replace(space, tensor_parallel=kept), [note]
+
+
+def _check_replica_batch(trial: TrialResult, size: Optional[int], knob: Optional[BatchKnob]) -> None:
+    """A layout's trial must have trained on the per-replica batch it set: else its global batch was another."""
+    seen = {m.samples for m in trial.everyone}
+    if size is not None and knob is not None and seen != {size}:
+        raise PipelineConfigError(
+            f"The tuner set `{BATCH_ATTRIBUTE}={size}` on the {knob.section} for a layout with more or fewer"
+            f" data-parallel replicas, but the DataLoader gave batches of {sorted(seen)} samples: it does not read"
+            f" `{BATCH_ATTRIBUTE}` when it is built. Build the DataLoader from `self.{BATCH_ATTRIBUTE}` (or"
+            f" `self.hparams.{BATCH_ATTRIBUTE}`), or leave `pipeline_sizes`, `tensor_parallel` and `data_parallel`"
+            " out of the search space."
+        )
 
 
 @contextmanager
