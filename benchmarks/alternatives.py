@@ -5,8 +5,8 @@ step over all replicas), AdamW and data, as its own launch of ``--processes`` pr
 this script for the other ranks), one thread each:
 
 - ``ddp``: Lightning's ``DDPStrategy`` (a whole copy per process);
-- ``fsdp``: Lightning's ``FSDPStrategy`` (FSDP1). It refuses the CPU (``requires a GPU accelerator``); the refusal
-  is recorded as the result;
+- ``fsdp``: Lightning's ``FSDPStrategy`` (FSDP1). It refuses the CPU (``The strategy `fsdp` requires a GPU
+  accelerator``); the refusal is recorded as the result;
 - ``fsdp2``: Lightning's ``ModelParallelStrategy``, ``fully_shard`` on every block and the root over all processes;
 - ``fsdp2-tp``: the same over ``processes / 2`` replicas, with tensor parallelism over 2 (``parallelize_module``):
   the GPT's MLPs (its fused attention projection does not split by heads), the Llama's attention and MLP;
