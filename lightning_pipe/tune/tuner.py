@@ -500,7 +500,12 @@ def _measured(trials: list[TrialResult]) -> prune.Measured:
 
 
 def _facts(
-    trainer: Any, model: Any, datamodule: Any, space: SearchSpace, memory_limit: Any, knob: Optional[BatchKnob]
+    trainer: Any,
+    model: Any,
+    datamodule: Any,
+    space: SearchSpace,
+    memory_limit: Any,
+    knob: Optional[BatchKnob] = None,
 ) -> dict[str, Any]:
     """What a choice depends on and ``tune`` can see before any process starts. When the space searches the layout,
     the strategy's layout and the per-replica batch are not among them (the choice sets both), the global batch is."""
