@@ -24,7 +24,7 @@ from lightning_pipe.step.interception import CallInterceptor
 from lightning_pipe.step.report import batch_dependent_modules
 from tests.launch import run_script
 from tests.reference import load_ranks
-from tests.template_models import LitTemplate, SimpleDenseNet, loaders, new_module, held_out_loader, trainer
+from tests.template_models import LitTemplate, SimpleDenseNet, held_out_loader, loaders, new_module, trainer
 
 TOL = 1e-5
 

@@ -188,6 +188,25 @@ def all_gather(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return [t.to(tensor.device) for t in out]
 
 
+def all_gather_into_(out: torch.Tensor, shard: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``shard`` concatenated into ``out`` (``group_size`` times its numel), as FSDP gathers parameters."""
+    if group_size(group) == 1:
+        return out.copy_(shard.reshape(out.shape))
+    moved_out, moved = _on(out, group), _on(shard, group)
+    dist.all_gather_single(moved_out, moved, group=group)
+    return out.copy_(moved_out) if moved_out is not out else out
+
+
+def reduce_scatter_(shard: torch.Tensor, full: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's ``1/group_size`` slice of the sum of every rank's ``full`` into ``shard``, as FSDP reduces
+    gradients."""
+    if group_size(group) == 1:
+        return shard.copy_(full.reshape(shard.shape))
+    moved_shard, moved = _on(shard, group), _on(full, group)
+    dist.reduce_scatter_single(moved_shard, moved, group=group)
+    return shard.copy_(moved_shard) if moved_shard is not shard else shard
+
+
 def all_gather_object(obj: Any, group: Group, device: torch.device | None = None) -> list[Any]:
     """Every rank's ``obj``, in group-rank order (pickled)."""
     if group_size(group) == 1:

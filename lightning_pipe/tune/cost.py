@@ -38,6 +38,7 @@ from lightning_pipe.split.partition import (
     stage_to_rank,
     stage_units,
 )
+from lightning_pipe.tune.layout import ProcessLayout, data_parallel_seconds, state_bytes, tensor_parallel_seconds
 from lightning_pipe.tune.space import Candidate
 
 
@@ -51,9 +52,23 @@ class Profile:
     times: Mapping[int, Mapping[str, UnitTimes]]
     #: samples per batch of one pipeline
     batch_size: int
+    #: processes, and samples per step over all data-parallel replicas (for candidates that carry a layout; 0: the
+    #: strategy's own layout only)
+    world_size: int = 0
+    global_batch: int = 0
 
-    def at(self, microbatches: int) -> Mapping[str, UnitTimes]:
-        size = self.batch_size // microbatches
+    def pipeline_batch(self, candidate: Candidate) -> int:
+        """Samples per batch of one pipeline under ``candidate``'s layout (the global batch over its replicas)."""
+        if not candidate.pipeline_size:
+            return self.batch_size
+        return self.global_batch * candidate.pipeline_size * candidate.tensor_parallel // self.world_size
+
+    def microbatch_size(self, candidate: Candidate) -> int:
+        return self.pipeline_batch(candidate) // candidate.microbatches
+
+    def at(self, microbatches: int, size: int | None = None) -> Mapping[str, UnitTimes]:
+        """Unit times at ``size`` samples per microbatch (default: this profile's batch in ``microbatches``)."""
+        size = self.batch_size // microbatches if size is None else size
         if size not in self.times:
             raise KeyError(f"microbatches of {size} samples were not profiled (profiled: {sorted(self.times)}).")
         return self.times[size]
@@ -70,8 +85,11 @@ class BalanceRule:
     traced: bool = False
 
 
-def stage_blocks(profile: Profile, rule: BalanceRule, num_stages: int, microbatches: int) -> list[int]:
-    """Blocks per stage, as the strategy's split would give them (measured costs stand in for its own profiling)."""
+def stage_blocks(
+    profile: Profile, rule: BalanceRule, num_stages: int, microbatches: int, size: int | None = None
+) -> list[int]:
+    """Blocks per stage, as the strategy's split would give them (measured costs stand in for its own profiling).
+    ``size``: samples per microbatch (default: the profile's batch in ``microbatches``)."""
     layout = profile.layout
     if rule.split_points is not None:
         return counts_from_split_points(layout.blocks, rule.split_points, num_stages)
@@ -82,7 +100,7 @@ def stage_blocks(profile: Profile, rule: BalanceRule, num_stages: int, microbatc
         return balance_blocks(len(layout.blocks), num_stages)
     if balance == "params" or not rule.has_example:
         return balance_by_cost(_per_unit(layout, lambda u: float(profile.params[u])), num_stages)
-    times = profile.at(microbatches)
+    times = profile.at(microbatches, size)
     per_microbatch = _per_unit(layout, lambda u: times[u].forward + times[u].backward)
     return balance_step_time(per_microbatch, _per_unit(layout, lambda u: 0.0), num_stages, microbatches)
 
@@ -109,6 +127,8 @@ class Calibration:
     memory_offset: float = 0.0
     #: compiled step time over eager step time, once a compiled trial and its eager twin were measured
     compile_factor: float | None = None
+    #: ``(latency, seconds per byte)`` of one step of a ring all-gather or reduce-scatter over all processes
+    collective: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,8 @@ class Prediction:
     blocks: tuple[int, ...] = field(default=())
     #: the simulated schedule's span alone (before the step's overhead)
     span: float = 0.0
+    #: the layout's gradient synchronisation over data-parallel replicas, per step
+    sync: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -134,19 +156,25 @@ def stage_times(
 ) -> tuple[StageTimes, list[float], list[float]]:
     """The candidate's per-stage action times, and per stage the activation bytes of one microbatch and the bytes
     of its parameters."""
-    times = profile.at(candidate.microbatches)
-    size = profile.batch_size // candidate.microbatches
+    size = profile.microbatch_size(candidate)
+    times = profile.at(candidate.microbatches, size)
     layout = profile.layout
+    tp = max(candidate.tensor_parallel, 1)
     recomputed = set(checkpointed_blocks(layout.blocks, candidate.activation_checkpointing))
+    blocks = set(layout.blocks)
     forward, backward, backward_input, saved, params, transfer = [], [], [], [], [], []
     for units in stage_units(layout, counts):
-        again = sum(times[u].forward for u in units if u in recomputed)
-        forward.append(sum(times[u].forward for u in units))
-        backward.append(sum(times[u].backward for u in units) + again)
-        backward_input.append(sum(times[u].backward_input for u in units) + again)
-        kept = [times[u].input_bytes if u in recomputed else times[u].saved_bytes for u in units]
+        # Tensor parallelism: each process computes 1/tp of a block and all-reduces its output (forward and backward).
+        sync = sum(
+            tensor_parallel_seconds(calibration.collective, times[u].output_bytes, tp) for u in units if u in blocks
+        )
+        again = sum(times[u].forward for u in units if u in recomputed) / tp
+        forward.append(sum(times[u].forward for u in units) / tp + sync)
+        backward.append(sum(times[u].backward for u in units) / tp + again + sync)
+        backward_input.append(sum(times[u].backward_input for u in units) / tp + again + sync)
+        kept = [times[u].input_bytes if u in recomputed else times[u].saved_bytes / tp for u in units]
         # While a checkpointed block recomputes, its full activations exist once more.
-        transient = max((times[u].saved_bytes for u in units if u in recomputed), default=0)
+        transient = max((times[u].saved_bytes / tp for u in units if u in recomputed), default=0)
         saved.append(float(sum(kept) + transient))
         params.append(float(sum(profile.param_bytes[u] for u in units)))
         out = times[units[-1]].output_bytes if units else 0
@@ -167,22 +195,31 @@ def stage_times(
 def predict(
     candidate: Candidate, profile: Profile, rule: BalanceRule, pipeline_size: int, calibration: Calibration
 ) -> Prediction:
-    """The candidate's estimated step time and memory per rank."""
+    """The candidate's estimated step time and memory per rank (``pipeline_size``: the strategy's own, for a
+    candidate that carries no layout)."""
+    pipeline_size = candidate.pipeline_size or pipeline_size
     num_stages = pipeline_size * candidate.stages_per_rank
-    counts = stage_blocks(profile, rule, num_stages, candidate.microbatches)
+    counts = stage_blocks(profile, rule, num_stages, candidate.microbatches, profile.microbatch_size(candidate))
     times, saved, params = stage_times(candidate, profile, counts, calibration)
     ranks = stage_to_rank(num_stages, pipeline_size, "v" if candidate.schedule in V_SHAPED else "loop")
     orders = schedule_orders(candidate.schedule, pipeline_size, candidate.microbatches, candidate.stages_per_rank)
     sim = simulate(orders, times, ranks)
-    step = sim.span + calibration.step_overhead
+    held = [0.0] * pipeline_size
+    for stage, nbytes in enumerate(params):
+        held[ranks[stage]] += nbytes
+    processes = ProcessLayout.of(candidate, profile.world_size) if candidate.pipeline_size else None
+    sync = 0.0
+    if processes is not None:
+        # Every rank synchronises its own stages' gradients; the step waits for the slowest.
+        local = [nbytes / processes.tensor_parallel for nbytes in held]
+        sync = max(data_parallel_seconds(calibration.collective, b, processes.data_parallel_size) for b in local)
+    step = sim.span + sync + calibration.step_overhead
     if candidate.compile and calibration.compile_factor is not None:
         step *= calibration.compile_factor
     activations = sim.peak_bytes(saved, ranks)
-    state = [0.0] * pipeline_size
-    for stage, nbytes in enumerate(params):
-        state[ranks[stage]] += nbytes * (1.0 + calibration.state_factor)
+    state = [state_bytes(nbytes, calibration.state_factor, processes) for nbytes in held]
     memory = tuple(a + s + calibration.memory_offset for a, s in zip(activations, state))
-    return Prediction(step, sim.bubble, memory, tuple(counts), sim.span)
+    return Prediction(step, sim.bubble, memory, tuple(counts), sim.span, sync)
 
 
 # -------------------------------------------------------------------------------------------------- calibration
@@ -207,10 +244,12 @@ def calibrate(
     pipeline_size: int,
     trials: Sequence[Trial],
     transfer: tuple[float, float] = (0.0, 0.0),
+    collective: tuple[float, float] = (0.0, 0.0),
 ) -> Calibration:
     """The calibration that makes the predictions of ``trials`` agree with their measurements (medians, so one odd
-    trial does not move it much). ``transfer``: measured ``(latency, seconds per byte)`` of a message."""
-    calibration = Calibration(latency=transfer[0], seconds_per_byte=transfer[1])
+    trial does not move it much). ``transfer``: measured ``(latency, seconds per byte)`` of a message;
+    ``collective``: of a step of a ring all-gather or reduce-scatter."""
+    calibration = Calibration(latency=transfer[0], seconds_per_byte=transfer[1], collective=collective)
     timed = [t for t in trials if t.actions]
     if timed:
         calibration = _action_costs(profile, rule, pipeline_size, timed[0], calibration)
@@ -219,7 +258,8 @@ def calibrate(
         calibration = dataclasses.replace(calibration, state_factor=statistics.median(factors))
     eager = [t for t in trials if not t.candidate.compile]
     if eager:
-        residual = [t.step - predict(t.candidate, profile, rule, pipeline_size, calibration).span for t in eager]
+        modelled = [predict(t.candidate, profile, rule, pipeline_size, calibration) for t in eager]
+        residual = [t.step - p.span - p.sync for t, p in zip(eager, modelled)]
         calibration = dataclasses.replace(calibration, step_overhead=statistics.median(residual))
     sized = [t for t in trials if t.memory]
     if sized:
@@ -239,8 +279,9 @@ def _action_costs(
 ) -> Calibration:
     """Per-action overhead and loss per sample from one trial's recorded action times."""
     candidate = trial.candidate
-    num_stages = pipeline_size * candidate.stages_per_rank
-    counts = stage_blocks(profile, rule, num_stages, candidate.microbatches)
+    num_stages = (candidate.pipeline_size or pipeline_size) * candidate.stages_per_rank
+    size = profile.microbatch_size(candidate)
+    counts = stage_blocks(profile, rule, num_stages, candidate.microbatches, size)
     times, _, _ = stage_times(candidate, profile, counts, Calibration())
     split = any(kind == "W" for _, kind in trial.actions)
     modelled = {"F": times.forward, "B": times.backward_input if split else times.backward, "W": times.backward_weight}
@@ -249,7 +290,6 @@ def _action_costs(
         for (stage, kind), seconds in trial.actions.items()
         if kind in modelled and stage < num_stages
     ]
-    size = profile.batch_size // candidate.microbatches
     loss = [seconds for (_, kind), seconds in trial.actions.items() if kind == "L"]
     return dataclasses.replace(
         calibration,

@@ -58,9 +58,17 @@ def fits(bytes_needed: float, memory_limit: float | None) -> bool:
     return memory_limit is None or bytes_needed <= memory_limit
 
 
-def group(candidate: Candidate) -> tuple[int, int, bool]:
-    """Candidates whose actions have the same size, and whose predictions are wrong alike."""
-    return (candidate.microbatches, candidate.stages_per_rank, candidate.compile)
+def group(candidate: Candidate) -> tuple:
+    """Candidates whose actions have the same size, and whose predictions are wrong alike (in one layout: another
+    layout's communication and per-replica batch are modelled, not measured, until one of its candidates runs)."""
+    return (
+        candidate.microbatches,
+        candidate.stages_per_rank,
+        candidate.compile,
+        candidate.pipeline_size,
+        candidate.data_parallel,
+        candidate.tensor_parallel,
+    )
 
 
 def corrected(
@@ -68,7 +76,7 @@ def corrected(
 ) -> dict[Candidate, Prediction]:
     """``predictions`` with each group's step times scaled by the median of its measured candidates' measured over
     predicted step (a group with no measurement keeps the model's prediction)."""
-    ratios: dict[tuple[int, int, bool], list[float]] = {}
+    ratios: dict[tuple, list[float]] = {}
     for candidate, m in measured.items():
         if candidate in predictions and predictions[candidate].step > 0:
             ratios.setdefault(group(candidate), []).append(m.step / predictions[candidate].step)

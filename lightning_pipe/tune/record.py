@@ -8,7 +8,9 @@
   version or search space) tunes again.
 - a **LightningCLI config** (YAML) holding only the tuned strategy arguments:
   ``python train.py fit --config config.yaml --config pipeline_tune.yaml``; jsonargparse merges its ``init_args``
-  into the strategy's, so every other argument keeps its value from the first config.
+  into the strategy's, so every other argument keeps its value from the first config. When a chosen layout changed
+  the per-replica batch (to keep the global batch), the config also sets ``batch_size`` in the ``model`` or ``data``
+  section, where the tuner found it.
 
 Pure apart from reading and writing the two files.
 """
@@ -50,6 +52,8 @@ class TuneRecord:
     cost: dict[str, float] = field(default_factory=dict)
     #: the strategy arguments to apply (the choice's, with the user's ``compile`` options when it compiles)
     settings: dict[str, Any] = field(default_factory=dict)
+    #: the per-replica batch a chosen layout set: ``{"section": "model"|"data", "batch_size": n}``, or empty
+    batch: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -65,13 +69,16 @@ class TuneRecord:
         return cls(**data)
 
 
-def cli_config(settings: Mapping[str, Any]) -> str:
-    """The LightningCLI config (YAML) that sets ``settings`` on the strategy."""
+def cli_config(settings: Mapping[str, Any], batch: Mapping[str, Any] | None = None) -> str:
+    """The LightningCLI config (YAML) that sets ``settings`` on the strategy (and ``batch``'s ``batch_size`` in its
+    section)."""
     import yaml
 
-    return yaml.safe_dump(
-        {"trainer": {"strategy": {"class_path": STRATEGY_CLASS, "init_args": dict(settings)}}}, sort_keys=False
-    )
+    config: dict[str, Any] = {"trainer": {"strategy": {"class_path": STRATEGY_CLASS, "init_args": dict(settings)}}}
+    if batch:
+        # jsonargparse takes the argument without ``init_args`` whether the model's class is fixed or a subclass.
+        config[batch["section"]] = {"batch_size": batch["batch_size"]}
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 def paths(path: Path) -> tuple[Path, Path]:
@@ -86,7 +93,7 @@ def save(record: TuneRecord, path: Path) -> tuple[Path, Path]:
     record_file.parent.mkdir(parents=True, exist_ok=True)
     header = "# Chosen by lightning_pipe.tune: python train.py fit --config <your config> --config this file\n"
     table = "".join(f"# {line}\n" for line in record.table.splitlines())
-    config_file.write_text(header + table + cli_config(record.settings))
+    config_file.write_text(header + table + cli_config(record.settings, record.batch))
     record_file.write_text(record.to_json())
     return record_file, config_file
 

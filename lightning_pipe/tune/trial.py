@@ -49,10 +49,14 @@ class Measurement:
     state_factor: float | None = None
     #: ``(bytes, seconds)`` of messages to the next pipeline rank and back, halved (first trial, pipeline rank 0)
     transfers: list[tuple[int, float]] = field(default_factory=list)
+    #: ``(gathered bytes, seconds)`` of all-gathers and reduce-scatters over all processes (first trial)
+    collectives: list[tuple[int, float]] = field(default_factory=list)
     #: the strategy's resolved settings (pipeline rank 0 of the first trial)
     settings: Any = None
     #: the first batch, on the CPU (global rank 0 of the first trial)
     batch: Any = None
+    #: samples in this rank's first batch
+    samples: int = 0
     #: ``(host, cores the process may run on)`` (first trial; no cores where the OS does not say)
     placement: tuple[str, frozenset[int]] | None = None
 
@@ -80,6 +84,8 @@ class Probe(pl.Callback):
         self._stamp(trainer)
         if self._recorder is not None:
             self._recorder.step = idx
+        if idx == 0:
+            self.mine.samples = batch_size(batch)
         if self.detail and idx == 0 and trainer.global_rank == 0:
             self.mine.batch = map_tensors(batch, lambda t: t.detach().cpu().clone())
 
@@ -96,6 +102,7 @@ class Probe(pl.Callback):
             # Gradients as one more copy of the parameters: they may be freed between steps when this is read.
             self.mine.state_factor = 1.0 + state.optimizer_state / max(state.parameters, 1)
             self.mine.transfers = _transfer_times(strategy)
+            self.mine.collectives = _collective_times(strategy.root_device)
             self.mine.settings = strategy.settings
             self.mine.placement = placement()
         self.everyone = collectives.all_gather_object(self.mine, collectives.world_group(), strategy.root_device)
@@ -134,6 +141,31 @@ def _transfer_times(strategy: Any) -> list[tuple[int, float]]:
             rounds.append((time.perf_counter() - start) / 2)
         out.append((numel * buffer.element_size(), min(rounds[1:])))
     return out if rank == 0 else []
+
+
+def _collective_times(device: torch.device) -> list[tuple[int, float]]:
+    """Every process all-gathers and reduce-scatters a few sizes over all processes, as FSDP and data parallelism
+    do: ``(gathered bytes, seconds)``, the fastest of three after a first (global rank 0 keeps them)."""
+    group = collectives.world_group()
+    ranks = collectives.group_size(group)
+    if ranks < 2:
+        return []
+    out = []
+    for numel in (ranks, ranks << 12, ranks << 16):
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // ranks, device=device)
+        for gather in (True, False):
+            rounds = []
+            for _ in range(4):
+                collectives.barrier(group, device)
+                start = time.perf_counter()
+                if gather:
+                    collectives.all_gather_into_(full, shard, group)
+                else:
+                    collectives.reduce_scatter_(shard, full, group)
+                rounds.append(time.perf_counter() - start)
+            out.append((numel * full.element_size(), min(rounds[1:])))
+    return out if collectives.world_rank() == 0 else []
 
 
 def placement() -> tuple[str, frozenset[int]]:
@@ -220,13 +252,15 @@ class TrialResult:
 
     def transfer(self) -> tuple[float, float]:
         """``(latency, seconds per byte)`` of a message between pipeline neighbours (least squares)."""
-        points = [p for m in self.everyone for p in m.transfers]
-        if len(points) < 2:
-            return 0.0, 0.0
-        xs, ys = [float(b) for b, _ in points], [s for _, s in points]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
-        return max(my - slope * mx, 0.0), max(slope, 0.0)
+        return _line([p for m in self.everyone for p in m.transfers])
+
+    def collective(self) -> tuple[float, float]:
+        """``(latency, seconds per byte)`` of one step of a ring all-gather or reduce-scatter over all processes:
+        each measured collective of ``B`` gathered bytes over ``n`` processes is ``n - 1`` steps of ``B / n`` bytes
+        (least squares)."""
+        ranks = len(self.everyone)
+        points = [(b / ranks, s / (ranks - 1)) for m in self.everyone for b, s in m.collectives]
+        return _line(points)
 
     def batch_size(self) -> int:
         return batch_size(self.first.batch)
@@ -234,6 +268,16 @@ class TrialResult:
     def shared_cores(self) -> list[tuple[int, int]]:
         """Pairs of global ranks that share CPU cores (first trial)."""
         return shared_cores([m.placement for m in self.everyone])
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``(bytes, seconds)`` points, neither below 0."""
+    if len(points) < 2:
+        return 0.0, 0.0
+    xs, ys = [float(b) for b, _ in points], [s for _, s in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
+    return max(my - slope * mx, 0.0), max(slope, 0.0)
 
 
 @contextmanager

@@ -27,6 +27,7 @@ The random number generators of every process are restored afterwards, so tuning
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import random
@@ -40,11 +41,12 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_pipe.comm import collectives
-from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import device_memory, format_bytes
 from lightning_pipe.split.builder import is_split
 from lightning_pipe.tune import prune, record
 from lightning_pipe.tune.cost import BalanceRule, Profile, Trial, calibrate, predict
+from lightning_pipe.tune.layout import BATCH_ATTRIBUTE, BatchKnob, ProcessLayout, find_batch_knob, layouts
 from lightning_pipe.tune.profile import profile_network
 from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
 from lightning_pipe.tune.trial import TrialResult, TrialSetup, run_trial
@@ -71,8 +73,12 @@ class TuneResult:
     #: the record and the LightningCLI config written (or read)
     files: tuple[Path, ...]
     reused: bool
-    #: what made the trials less reliable than they could be, and the fix (also in the logged summary)
+    #: what made the trials less reliable than they could be, and the fix; layouts left out, and why (also in the
+    #: logged summary)
     notes: tuple[str, ...] = ()
+    #: the per-replica batch size set on the LightningModule or DataModule when the chosen layout has another
+    #: data-parallel size than the strategy had (the global batch stays the same); ``None``: unchanged
+    batch_size: Optional[int] = None
 
 
 def tune(
@@ -101,7 +107,9 @@ def tune(
         train_dataloaders: Or the training loaders, as for ``trainer.fit``.
         space: The candidates (:class:`SearchSpace`). Default: every schedule, the divisors of the batch size from
             the pipeline size up, 2 stages per rank for the multi-stage schedules, with and without activation
-            checkpointing, not compiled.
+            checkpointing, not compiled, the strategy's own layout. ``SearchSpace(pipeline_sizes="auto",
+            data_parallel=("ddp", "fsdp"))`` also searches how the processes split into pipeline and data
+            parallelism, pipeline size 1 (no pipeline) included (docs/tuning.md).
         steps: Steps measured per trial (the median counts), after ``warmup_steps`` steps that do not.
         max_trials: Most trials of different candidates, the user's own settings included. With ``confirm``,
             ``steps`` and ``warmup_steps`` it bounds the tuning's cost: at most ``(max_trials + confirm) * (steps +
@@ -131,28 +139,38 @@ def tune(
     space = space or SearchSpace()
     settings = strategy.settings
     target = Path(path) if path is not None else Path(trainer.default_root_dir) / "pipeline_tune"
-    facts = _facts(trainer, model, datamodule, space, memory_limit)
+    # A DataLoader passed built cannot take another batch size.
+    knob = find_batch_knob(model, datamodule) if space.searches_layout and train_dataloaders is None else None
+    facts = _facts(trainer, model, datamodule, space, memory_limit, knob)
     expected = record.fingerprint(facts)
     if not retune:
         found = record.load(target, expected)
         if found is not None:
             strategy.apply_tuned(**found.settings)
+            size = found.batch.get("batch_size")
+            if size is not None and knob is not None:
+                knob.set(size)
             _announce(f"Pipeline tuning: reusing the choice in {record.paths(target)[0]}: {found.choice.label}.")
-            return TuneResult(found.choice, found.settings, found.table, (), found.cost, record.paths(target), True)
+            return TuneResult(
+                found.choice, found.settings, found.table, (), found.cost, record.paths(target), True, (), size
+            )
     fit_kwargs = {"datamodule": datamodule} if datamodule is not None else {"train_dataloaders": train_dataloaders}
     with _kept_random_state():
         result = _search(
-            trainer, model, fit_kwargs, space, (steps, warmup_steps, max_trials, confirm), margin, memory_limit
+            trainer, model, fit_kwargs, space, (steps, warmup_steps, max_trials, confirm), margin, memory_limit, knob
         )
-    choice, rows, cost, notes = result
+    choice, rows, cost, notes, size = result
     applied = _applied(choice, settings)
     table = prune.table(rows)
     files = record.paths(target)
+    batch = {"section": knob.section, "batch_size": size} if knob is not None and size is not None else {}
     if collectives.world_rank() == 0:
-        files = record.save(record.TuneRecord(expected, choice, facts, table, cost, applied), target)
+        files = record.save(record.TuneRecord(expected, choice, facts, table, cost, applied, batch), target)
     _announce(_summary(choice, table, cost, files[1], notes))
     strategy.apply_tuned(**applied)
-    return TuneResult(choice, applied, table, tuple(rows), cost, files, False, notes)
+    if knob is not None and size is not None:
+        knob.set(size)
+    return TuneResult(choice, applied, table, tuple(rows), cost, files, False, notes, size)
 
 
 def _search(
@@ -163,7 +181,8 @@ def _search(
     budget: tuple[int, int, int, int],
     margin: float,
     memory_limit: Optional[float],
-) -> tuple[Candidate, list[prune.Row], dict[str, float], tuple[str, ...]]:
+    knob: Optional[BatchKnob],
+) -> tuple[Candidate, list[prune.Row], dict[str, float], tuple[str, ...], Optional[int]]:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     steps, warmup, max_trials, confirm = budget
     strategy = trainer.strategy
@@ -178,25 +197,44 @@ def _search(
     # Rank 0's machine decides for all: every rank must take the same decisions.
     limit = memory_limit if memory_limit is not None else device_memory(device, setup.devices)
     limit = collectives.broadcast_object(limit, 0, collectives.world_group(), device)
+    search = _layout_search(model, settings, space, resolved, batch, knob) if space.searches_layout else None
+    space = search.space if search is not None else space
+    if search is not None:
+        baseline = search.own.carried_by(baseline)
     profile_start = time.perf_counter()
-    profile = _profile(model, settings, first, space, pipeline_size, baseline, device)
+    sizes = search.sizes(space) if search is not None else set()
+    profile = _profile(model, settings, first, space, pipeline_size, baseline, device, sizes)
     profile_s = time.perf_counter() - profile_start
+    if search is not None:
+        profile = dataclasses.replace(profile, world_size=search.world_size, global_batch=search.global_batch)
     rule = BalanceRule(
         settings.balance,
         settings.split_points,
         getattr(model, "example_input_array", None) is not None,
         settings.frontend == "trace",
     )
-    found = candidates(space, pipeline_size, batch, len(profile.layout.blocks))
+    if search is None:
+        found = candidates(space, pipeline_size, batch, len(profile.layout.blocks))
+    else:
+        found = search.candidates(space, profile)
     if baseline not in found:
         found.append(baseline)
-    transfer = first.transfer()
+    transfer, collective = first.transfer(), first.collective()
+
+    def trial_of(candidate: Candidate) -> TrialResult:
+        make = functools.partial(_strategy, strategy, candidate.settings())
+        size = search.replica_batch(candidate) if search is not None else None
+        with _per_replica_batch(knob, size):
+            found = run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        _check_replica_batch(found, size, knob)
+        return found
+
     runs = {baseline: [first]}
     measured = {baseline: _measured(runs[baseline])}
     peaks, actions, state = first.peaks(pipeline_size), first.action_medians(), first.first.state_factor
     trials = [Trial(baseline, measured[baseline].step, peaks, actions, state)]
     while True:
-        calibration = calibrate(profile, rule, pipeline_size, trials, transfer)
+        calibration = calibrate(profile, rule, pipeline_size, trials, transfer, collective)
         model_says = {c: predict(c, profile, rule, pipeline_size, calibration) for c in found}
         predictions = prune.corrected(model_says, measured)
         if len(measured) >= max_trials:
@@ -204,14 +242,12 @@ def _search(
         chosen = prune.next_trial(predictions, measured, limit, margin)
         if chosen is None:
             break
-        make = functools.partial(_strategy, strategy, chosen.settings())
-        trial = run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        trial = trial_of(chosen)
         runs[chosen] = [trial]
         measured[chosen] = _measured(runs[chosen])
-        trials.append(Trial(chosen, measured[chosen].step, trial.peaks(pipeline_size)))
+        trials.append(Trial(chosen, measured[chosen].step, trial.peaks(chosen.pipeline_size or pipeline_size)))
     for again in prune.finalists(measured, limit, margin, confirm):
-        make = functools.partial(_strategy, strategy, again.settings())
-        trial = run_trial(setup, make, model, fit_kwargs, steps, warmup, False)
+        trial = trial_of(again)
         runs[again].append(trial)
         measured[again] = _measured(runs[again])
     choice = prune.choose(measured, limit)
@@ -240,8 +276,151 @@ def _search(
     # Global rank 0's clock, on every rank.
     cost = collectives.broadcast_object(cost, 0, collectives.world_group(), device)
     shared = first.shared_cores() if device.type == "cpu" else []
-    notes = (_shared_cores_note(shared),) if shared else ()
-    return choice, prune.rows(predictions, measured, choice, limit, margin), cost, notes
+    notes = ((_shared_cores_note(shared),) if shared else ()) + (search.notes if search is not None else ())
+    size = search.changed_batch(choice) if search is not None else None
+    if search is not None and choice.pipeline_size == 1:
+        replicas = search.world_size // choice.tensor_parallel
+        notes += (
+            f"No pipeline is fastest within the memory limit: one stage per process, {choice.data_parallel} over"
+            f" {replicas} replicas (pipeline_size=1) is set.",
+        )
+    return choice, prune.rows(predictions, measured, choice, limit, margin), cost, notes, size
+
+
+@dataclass(frozen=True)
+class _LayoutSearch:
+    """The layouts of a search: the strategy's own, the global batch they share, and the per-replica batch each
+    trains on."""
+
+    own: ProcessLayout
+    layouts: tuple[ProcessLayout, ...]
+    world_size: int
+    global_batch: int
+    #: samples per replica in the first trial's first batch: the profile slices it, so no microbatch may be larger
+    first_batch: int
+    notes: tuple[str, ...]
+    #: the search space, without the tensor-parallel sizes the model does not allow
+    space: SearchSpace
+
+    @classmethod
+    def of(
+        cls, space: SearchSpace, resolved: Any, batch: int, knob: Optional[BatchKnob], notes: list[str]
+    ) -> _LayoutSearch:
+        own = ProcessLayout(
+            int(resolved.pipeline_size),
+            resolved.data_parallel_size,
+            resolved.tensor_parallel_size,
+            resolved.data_parallel,
+        )
+        notes = list(notes)
+        if knob is not None and knob.value != batch:
+            notes.append(
+                f"The `{BATCH_ATTRIBUTE}` of the {knob.section} ({knob.value}) is not the batch the DataLoader gave"
+                f" ({batch} samples), so the tuner cannot keep the global batch under another data-parallel size."
+            )
+            knob = None
+        world = int(resolved.world_size)
+        found, why = layouts(space, world, own, batch * own.data_parallel_size if knob is not None else None)
+        return cls(own, tuple(found), world, batch * own.data_parallel_size, batch, tuple(notes + why), space)
+
+    def pipeline_batch(self, layout: ProcessLayout) -> int:
+        return self.global_batch // layout.data_parallel_size
+
+    def profiled(self, size: int) -> bool:
+        """Whether microbatches of ``size`` samples can be sliced from the first batch."""
+        return size <= self.first_batch and self.first_batch % size == 0
+
+    def sizes(self, space: SearchSpace) -> set[int]:
+        """Samples per microbatch of every layout's microbatch counts (those the first batch can give)."""
+        out = set()
+        for layout in self.layouts:
+            batch = self.pipeline_batch(layout)
+            out |= {batch // m for m in space.microbatch_counts(layout.pipeline_size, batch)}
+        return {size for size in out if self.profiled(size)}
+
+    def candidates(self, space: SearchSpace, profile: Profile) -> list[Candidate]:
+        out = []
+        for layout in self.layouts:
+            batch, blocks = self.pipeline_batch(layout), len(profile.layout.blocks)
+            found = candidates(space, layout.pipeline_size, batch, blocks, layout)
+            out += [c for c in found if self.profiled(batch // c.microbatches)]
+        return out
+
+    def replica_batch(self, candidate: Candidate) -> Optional[int]:
+        """The per-replica batch ``candidate`` trains on, when it differs from the strategy's own."""
+        layout = ProcessLayout.of(candidate, self.world_size)
+        if layout.data_parallel_size == self.own.data_parallel_size:
+            return None
+        return self.pipeline_batch(layout)
+
+    def changed_batch(self, choice: Candidate) -> Optional[int]:
+        return self.replica_batch(choice) if choice.pipeline_size else None
+
+
+def _layout_search(
+    model: Any, settings: Any, space: SearchSpace, resolved: Any, batch: int, knob: Optional[BatchKnob]
+) -> _LayoutSearch:
+    space, refused = planned_tensor_sizes(model, settings, space, int(resolved.tensor_parallel_size))
+    return _LayoutSearch.of(space, resolved, batch, knob, refused)
+
+
+def planned_tensor_sizes(model: Any, settings: Any, space: SearchSpace, own: int) -> tuple[SearchSpace, list[str]]:
+    """``space`` without the tensor-parallel sizes above 1 the model does not allow: its kind has no plan for them
+    (or refuses the size) and its LightningModule applies none in ``configure_model``; a note names them."""
+    import lightning.pytorch as pl
+
+    from lightning_pipe.models import kind_of
+    from lightning_pipe.split.builder import network_layout
+
+    sizes = space.tensor_parallel or ()
+    if all(size == 1 for size in sizes) or type(model).configure_model is not pl.LightningModule.configure_model:
+        return space, []
+    network, _ = network_layout(model, settings)
+    refused = []
+    for size in sizes:
+        if size == 1:
+            continue
+        try:
+            plan = kind_of(network).tensor_parallel_plan(network, size)
+        except (PipelineConfigError, PipelineModelError):
+            plan = None
+        if plan is None:
+            refused.append(size)
+    if not refused:
+        return space, []
+    kept = tuple(size for size in sizes if size not in refused) or (own,)
+    note = (
+        f"tensor_parallel={', '.join(map(str, refused))} left out: {type(network).__name__} has no tensor-parallel"
+        f" plan of its own for that size and {type(model).__name__} applies none in `configure_model`"
+        " (docs/tensor-parallel.md)."
+    )
+    return dataclasses.replace(space, tensor_parallel=kept), [note]
+
+
+def _check_replica_batch(trial: TrialResult, size: Optional[int], knob: Optional[BatchKnob]) -> None:
+    """A layout's trial must have trained on the per-replica batch it set: else its global batch was another."""
+    seen = {m.samples for m in trial.everyone}
+    if size is not None and knob is not None and seen != {size}:
+        raise PipelineConfigError(
+            f"The tuner set `{BATCH_ATTRIBUTE}={size}` on the {knob.section} for a layout with more or fewer"
+            f" data-parallel replicas, but the DataLoader gave batches of {sorted(seen)} samples: it does not read"
+            f" `{BATCH_ATTRIBUTE}` when it is built. Build the DataLoader from `self.{BATCH_ATTRIBUTE}` (or"
+            f" `self.hparams.{BATCH_ATTRIBUTE}`), or leave `pipeline_sizes`, `tensor_parallel` and `data_parallel`"
+            " out of the search space."
+        )
+
+
+@contextmanager
+def _per_replica_batch(knob: Optional[BatchKnob], size: Optional[int]) -> Iterator[None]:
+    """The per-replica batch set to ``size`` while a trial runs (nothing when ``None``)."""
+    if knob is None or size is None:
+        yield
+        return
+    knob.set(size)
+    try:
+        yield
+    finally:
+        knob.restore()
 
 
 def _shared_cores_note(pairs: list[tuple[int, int]]) -> str:
@@ -264,10 +443,13 @@ def _profile(
     pipeline_size: int,
     baseline: Candidate,
     device: torch.device,
+    layout_sizes: set[int],
 ) -> Profile:
-    """Rank 0 profiles the network on the first batch at every microbatch size in play; every rank gets the result."""
+    """Rank 0 profiles the network on the first batch at every microbatch size in play (``layout_sizes``: those of
+    other layouts too); every rank gets the result."""
     batch = first.batch_size()
     sizes = {batch // m for m in space.microbatch_counts(pipeline_size, batch)} | {batch // baseline.microbatches}
+    sizes |= layout_sizes
     profile = None
     if collectives.world_rank() == 0:
         profile = profile_network(copy.deepcopy(model), settings, first.first.batch, sorted(sizes), device)
@@ -276,8 +458,6 @@ def _profile(
 
 def _strategy(strategy: Any, changes: dict[str, Any]) -> Any:
     """A new strategy of the user's strategy's class and settings, with ``changes``."""
-    import dataclasses
-
     base = strategy.settings
     arguments = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "world_size"}
     arguments.update(changes)
@@ -319,22 +499,37 @@ def _measured(trials: list[TrialResult]) -> prune.Measured:
     )
 
 
-def _facts(trainer: Any, model: Any, datamodule: Any, space: SearchSpace, memory_limit: Any) -> dict[str, Any]:
-    """What a choice depends on and ``tune`` can see before any process starts."""
-    import dataclasses
-
+def _facts(
+    trainer: Any,
+    model: Any,
+    datamodule: Any,
+    space: SearchSpace,
+    memory_limit: Any,
+    knob: Optional[BatchKnob] = None,
+) -> dict[str, Any]:
+    """What a choice depends on and ``tune`` can see before any process starts. When the space searches the layout,
+    the strategy's layout and the per-replica batch are not among them (the choice sets both), the global batch is."""
     settings = trainer.strategy.settings
-    untuned = {
-        f.name: getattr(settings, f.name)
-        for f in dataclasses.fields(settings)
-        if f.name not in ("schedule", "microbatches", "microbatch_size", "stages_per_rank")
-        and f.name not in ("activation_checkpointing", "compile", "world_size", "timeout")
-    }
+    tuned = {"schedule", "microbatches", "microbatch_size", "stages_per_rank", "activation_checkpointing", "compile"}
+    tuned |= {"world_size", "timeout"}
+    if space.searches_layout:
+        tuned |= {"pipeline_size", "data_parallel", "tensor_parallel"}
+    untuned = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name not in tuned}
+    hparams = dict(getattr(model, "hparams", {}) or {})
+    data = dict(getattr(datamodule, "hparams", {}) or {}) if datamodule is not None else None
+    extra: dict[str, Any] = {}
+    if space.searches_layout:
+        for found in (hparams, data or {}):
+            found.pop(BATCH_ATTRIBUTE, None)
+        world = trainer.num_devices * trainer.num_nodes
+        replicas = settings.resolve(world).data_parallel_size
+        extra["global_batch"] = knob.value * replicas if knob is not None else None
     return {
+        **extra,
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
-        "hparams": dict(getattr(model, "hparams", {}) or {}),
-        "data": dict(getattr(datamodule, "hparams", {}) or {}) if datamodule is not None else None,
+        "hparams": hparams,
+        "data": data,
         "devices": trainer.num_devices,
         "num_nodes": trainer.num_nodes,
         "accelerator": type(trainer.accelerator).__name__,

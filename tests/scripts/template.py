@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import lightning_pipe
-from tests.template_models import CopyDuringFit, copies, loaders, new_module, held_out_loader, trainer
+from tests.template_models import CopyDuringFit, copies, held_out_loader, loaders, new_module, trainer
 
 
 def main() -> None:
