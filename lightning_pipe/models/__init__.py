@@ -27,8 +27,14 @@ def _huggingface(network: nn.Module) -> ModelKind | None:
     return HuggingFaceKind(network)
 
 
+def _peft(network: nn.Module) -> ModelKind | None:
+    from lightning_pipe.models.peft import PeftKind, is_peft_model
+
+    return PeftKind(network) if is_peft_model(network) else None
+
+
 #: Each kind's claim on a network, most specific first: its :class:`ModelKind`, or ``None`` when it is not one.
-KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_huggingface,)
+KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_peft, _huggingface)
 
 
 def kind_of(network: nn.Module) -> ModelKind:
