@@ -59,7 +59,7 @@ def inner_model(network: nn.Module) -> nn.Module:
         peft_type = getattr(getattr(network, "active_peft_config", None), "peft_type", None)
         raise PipelineModelError(
             f"{type(network).__name__} wraps {type(tuner).__name__} (peft_type {peft_type}): lightning-pipe pipelines"
-            " PEFT models whose tuner replaces layers of a transformers model (LoRA, DoRA, LoHa, LoKr, IA3, ...)."
+            " PEFT models whose tuner replaces layers of a transformers model (LoRA, LoHa, LoKr, IA3, ...)."
             " Prompt-learning tuners (prefix, prompt, p-tuning) add virtual tokens to every layer's input, which"
             " a stage cannot send on: use a LoRA-style tuner (`peft.LoraConfig`)."
         )
