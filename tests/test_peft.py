@@ -144,6 +144,21 @@ def _check(work, schedule: str, nprocs: int, runs: list[str]) -> None:
             assert all(torch.equal(v, frozen[k]) for k, v in rank["frozen_loaded"].items()), run
             # gradients and optimizer state for the trainable tensors only
             assert rank["optimizer_state"] == len(rank["initial"]), run
+        _check_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}", ranks, frozen)
+
+
+def _check_checkpoint(path, ranks: list[dict], frozen: dict) -> None:
+    """The run's checkpoint holds the trained adapters and the frozen base under peft's names, and optimizer state
+    for the adapters only."""
+    from lightning_pipe.checkpoint import convert
+
+    stored = convert.load_model_weights(path)
+    final = {k: v for rank in ranks for k, v in rank["final"].items()}
+    assert all(torch.equal(stored[k], v) for k, v in final.items()), path
+    assert all(torch.equal(stored[k], frozen[k]) for k in frozen if k in stored), path
+    assert set(stored) <= set(final) | set(frozen), path
+    (state,) = convert.load_optimizer_states(path)["optimizer_states"]
+    assert len(state["state"]) == len(final), path  # a momentum buffer per adapter tensor, none for the base
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Usage: peft_adapters.py WORK SCHEDULE DEVICES RUN [RUN ...], each RUN ``<directory>:<tuner>`` (directories in WORK,
 written by the pytest side with ``save_pretrained`` in several shards; tuners of :data:`tests.peft_models.TUNERS`).
 Each rank saves per run its losses, validation loss, the trainable tensors it started from and whether its frozen
-tensors are bitwise unchanged, as ``<schedule>-<directory>-<tuner>.rank<r>.pt``.
+tensors are bitwise unchanged, as ``<schedule>-<directory>-<tuner>.rank<r>.pt``, and the run's checkpoint as
+``ckpt-<schedule>-<directory>-<tuner>``.
 """
 
 import sys
@@ -34,7 +35,9 @@ def main() -> None:
             "optimizer_state": len(state),
             "trainable": len(model.initial),
         }
+        result["final"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         torch.save(result, work / f"{schedule}-{name}-{tuner}.rank{trainer.global_rank}.pt")
+        trainer.save_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}")
 
 
 if __name__ == "__main__":
