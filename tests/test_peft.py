@@ -182,3 +182,11 @@ def test_frozen_first_stage_lora_zbv_zero_bubble_2_procs(work):
     runs = ["llama-tied:lora-late", "qwen2-tied:lora"]
     run_script("peft_adapters.py", str(work), "ZBVZeroBubble", "2", *runs, nprocs=2)
     _check(work, "ZBVZeroBubble", 2, runs)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_lora_interleaved_1f1b_4_procs(work):
+    runs = ["llama-tied:lora", "qwen2-untied:loha"]
+    run_script("peft_adapters.py", str(work), "Interleaved1F1B", "4", *runs, nprocs=4, launcher="torchrun")
+    _check(work, "Interleaved1F1B", 4, runs)
