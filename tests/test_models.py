@@ -117,3 +117,13 @@ def test_a_transformers_model_without_a_plan_is_refused_by_name():
     network.config.base_model_pp_plan = None
     with pytest.raises(PipelineModelError, match=r"LlamaForCausalLM has no pipeline plan"):
         kind_of(network).layout(network)
+
+
+def test_every_kind_class_answers_every_question_of_the_protocol():
+    from lightning_pipe.models.huggingface.kind import HuggingFaceKind
+    from lightning_pipe.models.litgpt import LitGPTKind
+    from lightning_pipe.models.peft import PeftKind
+
+    for cls in (PlainKind, HuggingFaceKind, PeftKind, LitGPTKind):
+        missing = [name for name in (*PROTOCOL, "stage_call", "prepare_dataflow_call") if not hasattr(cls, name)]
+        assert missing == [], f"{cls.__name__} lacks {missing}"

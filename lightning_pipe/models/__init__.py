@@ -27,6 +27,12 @@ def _huggingface(network: nn.Module) -> ModelKind | None:
     return HuggingFaceKind(network)
 
 
+def _peft(network: nn.Module) -> ModelKind | None:
+    from lightning_pipe.models.peft import PeftKind, is_peft_model
+
+    return PeftKind(network) if is_peft_model(network) else None
+
+
 def _litgpt(network: nn.Module) -> ModelKind | None:
     from lightning_pipe.models.litgpt import LitGPTKind, is_litgpt_gpt
 
@@ -34,7 +40,7 @@ def _litgpt(network: nn.Module) -> ModelKind | None:
 
 
 #: Each kind's claim on a network, most specific first: its :class:`ModelKind`, or ``None`` when it is not one.
-KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_huggingface, _litgpt)
+KINDS: tuple[Callable[[nn.Module], ModelKind | None], ...] = (_peft, _huggingface, _litgpt)
 
 
 def kind_of(network: nn.Module) -> ModelKind:

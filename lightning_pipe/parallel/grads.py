@@ -81,6 +81,9 @@ class TiedCopy:
             collectives.broadcast_(local(self.param.data), self.source, self.group)
 
     def sum_gradients(self) -> None:
+        if not self.param.requires_grad:
+            # Frozen (an adapter fine-tune's tied embedding), on every copy alike: no gradient, no optimizer state.
+            return
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
         # Every copy is laid out alike (FSDP and tensor-parallel shards; `check_layout`): the local parts sum.

@@ -156,6 +156,13 @@ class StageModule(nn.Module):
                 " next stage; masks and other arguments reach every stage from the step's own call). Make the"
                 " network's forward return the hidden state when its head is absent (None)."
             )
+        if torch.is_grad_enabled() and not any(t.requires_grad for t in leaves):
+            # A stage whose parameters are all frozen (an adapter fine-tune's embedding) sends an activation without
+            # gradient; torch then receives it as not needing one on the next stage, whose split backward (I/W)
+            # computes its weights' gradients from the input gradient's path and loses parts of them. (A stage that
+            # sends some values with gradient sends the others as they are: the dataflow frontend's masks.)
+            leaves = [_needing_grad(t) for t in leaves]
+            output = tuple(leaves) if isinstance(output, (tuple, list)) else leaves[0]
         return tuple(leaves) if isinstance(output, (tuple, list)) else output
 
     def describe_failure(self, call: Call, activation: tuple | None, microbatch: int | None) -> str:
@@ -183,6 +190,13 @@ class StageModule(nn.Module):
             " later units reading earlier units' outputs) runs unchanged with `frontend='dataflow'`."
         )
         return " ".join(parts)
+
+
+def _needing_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or (a floating-point tensor without gradient) a leaf alias of it that requires one."""
+    if t.requires_grad or not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.detach().requires_grad_(True)
 
 
 def _types(values: Sequence[Any]) -> str:

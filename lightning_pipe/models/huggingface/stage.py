@@ -73,10 +73,25 @@ def hf_stage_call(
     Stages before the last return the hidden states tensor that the next stage's first block takes; the last returns
     what the call returns on one device (``CausalLMOutputWithPast`` with ``loss`` when ``labels`` are given).
     """
-    call = prepare_call(view, args, kwargs)
+    return run_stage(view, view, args, kwargs, received, is_first, is_last)
+
+
+def run_stage(
+    view: nn.Module,
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    received: tuple[Tensor, ...] | Tensor | None,
+    is_first: bool,
+    is_last: bool,
+) -> Any:
+    """:func:`hf_stage_call` of a stage view whose transformers model is ``model``: ``view`` itself, or the model a
+    wrapper holds (a PEFT model's ``base_model.model``), whose blocks the stage enters and leaves while ``view`` is
+    called."""
+    call = prepare_call(view, args, kwargs, model)
     if not is_first:
         call = vision.later_stage_call(call)
-    blocks = _blocks(view)
+    blocks = _blocks(model)
     local = [i for i, block in enumerate(blocks) if not isinstance(block, PassThrough)]
     if not local and not is_first:
         raise PipelineModelError(
@@ -87,11 +102,11 @@ def hf_stage_call(
     # A first stage may hold only what precedes the blocks (a vision-language model's embedding and vision tower).
     exit_block = None if is_last else blocks[local[-1] + 1 if local else 0]
     if is_first:
-        carry = router_logits.Carry(view, call, (), is_last)
+        carry = router_logits.Carry(model, call, (), is_last)
         with carry.recording():
             return carry.output(_run(view, call, exit_block, None))
     hidden, carried = _received(received)
-    carry = router_logits.Carry(view, call, carried, is_last)
+    carry = router_logits.Carry(model, call, carried, is_last)
     known = view.__dict__.get(_STYLE)
     for style in (known,) if known else _STYLES:
         entry = _Entry(view, blocks, local[0], hidden, style)
@@ -114,19 +129,23 @@ def hf_stage_call(
     )
 
 
-def prepare_call(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def prepare_call(
+    view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module | None = None
+) -> dict[str, Any]:
     """The network call ``view(*args, **kwargs)`` by argument name, with ``use_cache=False``; refuses what a stage
     cannot compute (a cache of the whole model, every layer's hidden states or attentions). A decoding call made by
     ``generate`` under the pipeline carries the stage caches of its row chunk (:class:`.generation.StageCaches`):
-    the stage runs with its own cache, ``use_cache=True``."""
+    the stage runs with its own cache, ``use_cache=True``. ``model``: the transformers model ``view`` runs (``view``
+    itself by default)."""
     call = _bind(view, args, kwargs)
+    target = view if model is None else model
     caches = call.get("past_key_values")
     if isinstance(caches, StageCaches):
         call["past_key_values"] = caches.of(view)
-        _refuse_unsupported(view, {**call, "past_key_values": None})
+        _refuse_unsupported(target, {**call, "past_key_values": None})
         call["use_cache"] = True
         return call
-    _refuse_unsupported(view, call)
+    _refuse_unsupported(target, call)
     call["use_cache"] = False
     return call
 
