@@ -31,6 +31,11 @@ from tests.generation_models import build, run_generation  # noqa: E402
 from tests.hf_models import padded_batches  # noqa: E402
 from tests.launch import run_script  # noqa: E402
 
+#: generate under the pipeline is refused on other transformers majors (test_generate_under_an_unchecked_...)
+CHECKED_TRANSFORMERS = pytest.mark.skipif(
+    not hf_generate.checked(transformers.__version__), reason="generate is refused with this transformers"
+)
+
 TOL = 1e-5
 
 
@@ -50,6 +55,7 @@ def _chained(stages, kwargs, caches):
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 @pytest.mark.parametrize("n", [2, 3])
+@CHECKED_TRANSFORMERS
 def test_stages_with_their_own_caches_decode_as_the_whole_model(family, n):
     torch.manual_seed(0)
     model = build(family, layers=4).eval()
@@ -74,6 +80,14 @@ def test_stages_with_their_own_caches_decode_as_the_whole_model(family, n):
             ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
 
 
+def test_generate_under_an_unchecked_transformers_major_is_refused():
+    for version in ("5.24.0", "4.54.0"):
+        with pytest.raises(PipelineUsageError, match=rf"checked with transformers 4.57, and transformers {version}"):
+            hf_generate.check_version(version)
+    hf_generate.check_version("4.57.6")
+
+
+@CHECKED_TRANSFORMERS
 def test_a_stage_cache_answers_for_absent_layers_with_a_held_one_of_the_same_kind():
     model = build("mistral", layers=4)
     later = _stages(model, 2)[1]
@@ -96,6 +110,7 @@ def test_a_stage_cache_answers_for_absent_layers_with_a_held_one_of_the_same_kin
         (dict(past_key_values=object()), ["past_key_values", "no `past_key_values`"]),
     ],
 )
+@CHECKED_TRANSFORMERS
 def test_generate_modes_a_pipeline_cannot_reproduce_are_refused_by_name(kwargs, names):
     model = build("llama", layers=2)
     with pytest.raises(PipelineUsageError) as err:
@@ -104,6 +119,7 @@ def test_generate_modes_a_pipeline_cannot_reproduce_are_refused_by_name(kwargs, 
         assert name in str(err.value)
 
 
+@CHECKED_TRANSFORMERS
 def test_greedy_and_sampling_pass_the_check():
     model = build("llama", layers=2)
     hf_generate.check_generate(model, (), dict(max_new_tokens=3, do_sample=False))

@@ -92,6 +92,7 @@ CONFIGS = [
 ] + [dict(name="llava-directory", family="llava", schedule="1F1B", devices=2, freeze_vision=True, directory=True)]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_vision_language_models_2_procs(tmp_path):
     save_pretrained(tmp_path / "llava", "llava")

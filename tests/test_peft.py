@@ -175,6 +175,7 @@ def test_lora_loha_modules_to_save_1f1b_2_procs(work):
     assert all(torch.equal(initial[k], v) for k, v in model.initial.items())
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_frozen_first_stage_lora_zbv_zero_bubble_2_procs(work):
     """ZBVZeroBubble splits each backward in two; with `lora-late` the stages before layer 6 hold no adapter, and

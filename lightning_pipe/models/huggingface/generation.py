@@ -90,8 +90,38 @@ class HuggingFaceDecoding:
         return with_cache(output, kwargs.get("past_key_values"))
 
 
+#: The transformers versions whose cache API the stage caches were checked against: ``[low, high)``. transformers
+#: 4.54-4.56 build cache layers with other arguments; 5 answers a layer's mask sizes otherwise.
+CHECKED = ("4.57", "5")
+
+
+def checked(version: str) -> bool:
+    """Whether ``generate`` under the pipeline was checked with transformers ``version``."""
+    from packaging.version import Version
+
+    return Version(CHECKED[0]) <= Version(version) < Version(CHECKED[1])
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse ``generate`` under a transformers version (the installed one by default) whose cache API the stage
+    caches were not checked against (:data:`CHECKED`): each stage's cache answers for the layers other stages hold
+    through that API."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if not checked(version):
+        raise PipelineUsageError(
+            f"`generate` under the pipeline is checked with transformers 4.57, and transformers {version} is"
+            " installed, whose cache API differs (how cache layers are built, the mask sizes of a layer): the stage"
+            " caches could not decode as one device does. Install `transformers>=4.57,<5` for generation inside the"
+            " loop, or export the model (`python -m lightning_pipe.checkpoint export-hf`) and generate elsewhere."
+        )
+
+
 def check_generate(network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse, before anything runs, a ``generate`` call whose decoding a pipeline cannot reproduce exactly."""
+    check_version()
     config = kwargs.get("generation_config")
     config = copy.deepcopy(config if config is not None else network.generation_config)
     rest = config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
