@@ -58,6 +58,7 @@ def two_procs(tmp_path_factory):
     return out
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
@@ -138,6 +139,7 @@ def _ranks(out, name: str) -> list[dict]:
     return [torch.load(out / f"{name}.rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fabric_checkpoint_continues_bitwise(two_procs):
     for full, resumed in zip(_ranks(two_procs, "ckpt-full"), _ranks(two_procs, "ckpt-resumed")):
@@ -147,6 +149,7 @@ def test_fabric_checkpoint_continues_bitwise(two_procs):
     assert (two_procs / "ckpt-full-ckpt" / "lightning_pipe.json").is_file()  # the Trainer strategy's format
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fabric_checkpoint_loads_into_another_layout(two_procs):
     """The 2-process checkpoint continues in a one-process pipeline (every stage on one rank)."""

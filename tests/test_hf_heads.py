@@ -102,6 +102,7 @@ def reference(path: str, task: str, side: str, user_loss: bool, init_weights: st
     return model.step_losses, model.val_losses, probe(model.model)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_task_heads_fine_tune_and_export_2_procs(work):
     run_script("hf_heads.py", str(work), json.dumps(CONFIGS), nprocs=2)
