@@ -17,11 +17,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import torch
+
 # An int subclass whose restriction (> 0) LightningCLI/jsonargparse checks while parsing a config, so a bad value
 # is reported as a parse error naming the key instead of failing later inside the strategy.
 from jsonargparse.typing import NonNegativeInt as NonNegativeInt
 from jsonargparse.typing import PositiveInt as PositiveInt
 
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
 
 ScheduleName = Literal[
@@ -133,6 +136,13 @@ def resolve_pipeline_size(pipeline_size: Union[int, str], world_size: int, tenso
             f"The world size ({world_size} processes) is not divisible by `pipeline_size={size}`{shared}: every"
             " data-parallel replica needs a whole pipeline. Set `pipeline_size` to a divisor of the world size, or"
             " change `devices`/`num_nodes`."
+        )
+    if size > 1 and tensor_parallel > 1 and not torch_compat.stage_takes_mesh():
+        raise PipelineConfigError(
+            f"`tensor_parallel={tensor_parallel}` with `pipeline_size={size}` needs torch 2.13 or newer (this is"
+            f" torch {torch.__version__}): its pipeline stages cannot receive the DTensor activations of"
+            " tensor-parallel layers (`PipelineStage(get_mesh=...)` came with 2.13). Upgrade torch, or use"
+            " `tensor_parallel=1` (data parallelism instead) with this torch."
         )
     return size, world_size // (size * tensor_parallel)
 

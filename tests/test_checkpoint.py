@@ -365,6 +365,7 @@ def test_single_device_loads_pipeline_checkpoint(trained):
     assert single["losses"] == pytest.approx(straight[3:], abs=1e-6)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_rank_killed_mid_save_leaves_previous_checkpoint_resumable(tmp_path):
     proc = run_script("ckpt_kill.py", str(tmp_path), "crash", nprocs=2, launcher="torchrun", expect_failure=True)

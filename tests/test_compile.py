@@ -153,6 +153,7 @@ def compiled_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_compiled_stages_match_eager_one_device(compiled_runs, cfg):

@@ -38,6 +38,7 @@ def launched(tmp_path_factory):
     return out
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [2, 4])
@@ -77,6 +78,7 @@ def test_init_written_as_a_free_function_or_a_loop_is_replayed(family):
             assert torch.all(value == 1), name
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_each_rank_holds_its_share(launched, k):

@@ -171,6 +171,7 @@ def test_moe_two_processes(two_procs, cfg):
     _check(load_ranks(two_procs, cfg["name"]), cfg["family"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_moe_four_processes(four_procs, cfg):

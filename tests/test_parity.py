@@ -60,6 +60,7 @@ def test_two_process_parity(two_procs, cfg):
     assert {r["logged"]["train_loss"] for r in ranks} == {ranks[0]["logged"]["train_loss"]}
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [c for c in _configs(4) if "pipeline_size" not in c], ids=lambda c: c["name"])
 def test_four_process_parity(four_procs, cfg):
@@ -68,6 +69,7 @@ def test_four_process_parity(four_procs, cfg):
     assert_parity(ranks, *_reference(cfg))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_data_parallel_pipelines_match_one_device_on_the_global_batch(four_procs):
     """2 replicas x 2 stages: each replica trains on its shard; averaged gradients equal one device on both shards."""

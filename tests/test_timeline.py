@@ -166,6 +166,7 @@ def _ranks(out: Path, name: str) -> list[dict]:
     return [torch.load(out / f"{name}.rank{r}.pt") for r in (0, 1)]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_the_trace_has_every_action_of_every_rank(runs, cfg):
@@ -214,6 +215,7 @@ def test_the_trace_has_every_action_of_every_rank(runs, cfg):
         assert gap.schedule == pytest.approx(gap.theory) and gap.loss > 0
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_gpipe_bubble_is_close_to_theory(runs):
     """K=2, M=4: (K-1)/(M+K-1) = 0.2. The best of the 5 counted steps (other processes on the machine only add idle

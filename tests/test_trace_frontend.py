@@ -5,8 +5,8 @@ import torch
 
 from tests.launch import run_script
 
-# Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
-pytestmark = pytest.mark.slow
+# Starts processes: left out of the fast tier (`pytest -m 'not slow'`); the extended tier (a 50-s launch).
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_trace_frontend_matches_modules_frontend(tmp_path) -> None:

@@ -26,6 +26,7 @@ def second_trainer(tmp_path_factory):
     return load_ranks(out, "second"), proc.stdout + proc.stderr
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_second_trainer_with_another_schedule_equals_one_device(second_trainer):
     ranks, _ = second_trainer
@@ -34,6 +35,7 @@ def test_a_second_trainer_with_another_schedule_equals_one_device(second_trainer
     assert_parity(ranks, losses, state)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_activation_checkpointing_is_on_then_off(second_trainer):
     ranks, _ = second_trainer
@@ -47,6 +49,7 @@ def test_activation_checkpointing_is_on_then_off(second_trainer):
         assert r["forwards_after"] == [0, 0]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_other_stages_are_refused_and_nothing_trains(second_trainer):
     ranks, _ = second_trainer
@@ -56,6 +59,7 @@ def test_other_stages_are_refused_and_nothing_trains(second_trainer):
         assert r["steps_after_refusal"] == 6
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_unsplittable_last_batch_fails_when_fit_starts(second_trainer):
     ranks, _ = second_trainer
@@ -69,6 +73,7 @@ def test_an_unsplittable_last_batch_fails_when_fit_starts(second_trainer):
     assert all(r["short_batch_steps"] == 0 for r in ranks)  # before the first step
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_model_summary_says_it_counts_one_rank(second_trainer):
     _, output = second_trainer
@@ -78,6 +83,7 @@ def test_the_model_summary_says_it_counts_one_rank(second_trainer):
     assert "Total params" in output
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_library_warnings_are_shown_once_not_once_per_rank(second_trainer):
     _, output = second_trainer

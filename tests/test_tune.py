@@ -526,6 +526,7 @@ def test_tune_at_two_processes(tmp_path):
     assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to"

@@ -5,9 +5,11 @@ Replace each with the public API named in its docstring once torch offers it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -300,3 +302,51 @@ def _split_action(op: Any) -> list[tuple]:
     if kind not in ("F", "B", "I", "W"):
         return []  # communication, resharding, gradient reduction: not compute
     return [(op.stage_index, kind, op.microbatch_index)]
+
+
+# ------------------------------------------------------------------------------------------- pipelining versions
+# Public pipelining options that came with torch 2.13; the supported range starts at 2.11 (pyproject.toml).
+
+
+def stage_takes_mesh() -> bool:
+    """Whether ``PipelineStage`` takes ``get_mesh`` (torch 2.13): the mesh on which a received DTensor activation is
+    rebuilt. torch 2.11 and 2.12 receive plain tensors only, so a tensor-parallel pipeline needs 2.13."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
+
+
+def step_options(schedule: Any) -> dict[str, bool]:
+    """Which of ``schedule.step``'s keyword options this torch has: ``return_outputs`` (do not keep the last stage's
+    outputs) and ``loss_kwargs`` (keyword arguments for the loss function), both from torch 2.13. Checked on the
+    signature: an older ``step`` passes an unknown keyword on to the stages' forward as a model input."""
+    parameters = inspect.signature(type(schedule).step).parameters
+    return {name: name in parameters for name in ("return_outputs", "loss_kwargs")}
+
+
+def connect_neighbours_on_other_ranks_only(stage_class: type) -> None:
+    """torch 2.11 and 2.12 connect every stage to its neighbours before the first step
+    (``PipelineStage._get_init_p2p_neighbors_ops``), a send and a receive to the stage's own rank where two adjacent
+    stages share it (the V placements), which gloo refuses ("Pair is not connected"). Leave those out: a rank needs
+    no connection to itself. torch 2.13 has no such step; there this does nothing."""
+    base = getattr(stage_class, "_get_init_p2p_neighbors_ops", None)
+    if base is None:
+        return
+
+    def ops(self: Any) -> list[Any]:
+        return [op for op in base(self) if op.group_peer != self.group_rank]
+
+    stage_class._get_init_p2p_neighbors_ops = ops
+
+
+def keep_tensor_inputs(stage: Any, chunk: int) -> None:
+    """torch 2.11 and 2.12 keep every input of a microbatch's stage forward for its backward, keyword arguments
+    included (``PipelineStage.fwd_cache``), and their backward reads each as a tensor: the step context and the
+    microbatch index that lightning-pipe passes as keywords fail there (torch 2.13 skips what is not a tensor). Keep
+    the tensors only; on 2.13 and newer this does nothing."""
+    if _BEFORE_2_13:
+        output, inputs = stage.fwd_cache[chunk]
+        stage.fwd_cache[chunk] = (output, [value for value in inputs if isinstance(value, torch.Tensor)])
+
+
+_BEFORE_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.transport import pack, unpack
+from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.base import StageCall
 from lightning_pipe.models.plain import activation_argument
@@ -240,7 +241,9 @@ def chunk_aware_stage_class() -> type:
             self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **options: Any
         ) -> Any:
             kwargs = {**(kwargs or {}), MICROBATCH: fwd_chunk_id}
-            return _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, (args, kwargs, *rest), options)
+            output = _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, (args, kwargs, *rest), options)
+            torch_compat.keep_tensor_inputs(self, fwd_chunk_id)
+            return output
 
         def perform_reduce_grad(self, grad_scale_factor: int) -> None:
             # torch reduce-scatters an FSDP stage's gradients after the step's last backward. Inside an accumulation
@@ -270,6 +273,7 @@ def chunk_aware_stage_class() -> type:
         def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
             return _posted(self, super().get_bwd_send_ops(bwd_chunk_id), "send", "B", bwd_chunk_id)
 
+    torch_compat.connect_neighbours_on_other_ranks_only(ChunkAwareStage)
     return ChunkAwareStage
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections import OrderedDict
 from typing import Any
 
@@ -30,12 +29,8 @@ def _zero_loss(output: Any) -> torch.Tensor:
 
 def step_options(schedule: Any) -> dict[str, Any]:
     """Keyword arguments for ``schedule.step``: the last stage's outputs are not kept nor merged (each microbatch's
-    output already reached the user's step through the loss function), where this torch has ``return_outputs``.
-
-    Checked on the signature: torch versions without the option would pass it to the model as a keyword argument.
-    """
-    parameters = inspect.signature(type(schedule).step).parameters
-    return {"return_outputs": False} if "return_outputs" in parameters else {}
+    output already reached the user's step through the loss function), where this torch has ``return_outputs``."""
+    return {"return_outputs": False} if torch_compat.step_options(schedule)["return_outputs"] else {}
 
 
 @functools.lru_cache(maxsize=512)
@@ -67,6 +62,8 @@ class ScheduleExecutor:
         self.runtime = runtime
         self.settings = settings
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+        #: the step being run, for the schedule's loss function (torch 2.11 and 2.12 have no ``loss_kwargs``)
+        self._step: StepContext | None = None
 
     def plan(self, size: int) -> list[int]:
         """Equal microbatch sizes for a batch of ``size`` samples (torch's schedules need equal shapes); a batch the
@@ -77,8 +74,9 @@ class ScheduleExecutor:
     def run(self, key: tuple, step: StepContext) -> None:
         n = len(step.calls)
         schedule, options = self._schedule(key, n)
-        # Every stage's forward receives the step as a keyword argument, the loss function too.
-        options = {**options, STEP: step, "loss_kwargs": {STEP: step}}
+        # Every stage's forward receives the step as a keyword argument; the loss function reads it from here.
+        options = {**options, STEP: step}
+        self._step = step
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
@@ -90,6 +88,8 @@ class ScheduleExecutor:
             if step.failure is not None and step.failure is not err:
                 raise step.failure from None
             raise
+        finally:
+            self._step = None
 
     def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any]]:
         """The schedule for ``key`` and the options of its ``step``."""
@@ -100,8 +100,9 @@ class ScheduleExecutor:
 
         stage_cls = chunk_aware_stage_class()
         runtime = self.runtime
+        mesh = {"get_mesh": self._mesh} if torch_compat.stage_takes_mesh() else {}
         stages = [
-            stage_cls(module, index, runtime.num_stages, runtime.device, group=runtime.group, get_mesh=self._mesh)
+            stage_cls(module, index, runtime.num_stages, runtime.device, group=runtime.group, **mesh)
             for index, module in runtime.stages.items()
         ]
         name = self.settings.schedule
@@ -127,10 +128,11 @@ class ScheduleExecutor:
         rebuilt (the sender's axes name it; every rank's mesh is the same, so ``layout`` adds nothing)."""
         return self.runtime.mesh_of(axes)
 
-    def _loss(self, output: Any, target: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the microbatch's output goes to the user's step (``step.on_output``), whose
-        loss the schedule back-propagates. ``target`` carries the microbatch index; ``step`` comes as a keyword
-        argument of ``schedule.step(loss_kwargs=...)``."""
+        loss the schedule back-propagates. ``target`` carries the microbatch index."""
+        step = self._step
+        assert step is not None, "the loss function runs inside a schedule step"
         if step.inference_output:
             # torch's backward shape inference, right after its forward shape inference (not a real microbatch).
             step.inference_output = False
