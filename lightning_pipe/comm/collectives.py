@@ -193,7 +193,7 @@ def all_gather_into_(out: torch.Tensor, shard: torch.Tensor, group: Group) -> to
     if group_size(group) == 1:
         return out.copy_(shard.reshape(out.shape))
     moved_out, moved = _on(out, group), _on(shard, group)
-    dist.all_gather_single(moved_out, moved, group=group)
+    dist.all_gather_into_tensor(moved_out, moved, group=group)
     return out.copy_(moved_out) if moved_out is not out else out
 
 
@@ -203,7 +203,7 @@ def reduce_scatter_(shard: torch.Tensor, full: torch.Tensor, group: Group) -> to
     if group_size(group) == 1:
         return shard.copy_(full.reshape(shard.shape))
     moved_shard, moved = _on(shard, group), _on(full, group)
-    dist.reduce_scatter_single(moved_shard, moved, group=group)
+    dist.reduce_scatter_tensor(moved_shard, moved, group=group)
     return shard.copy_(moved_shard) if moved_shard is not shard else shard
 
 
