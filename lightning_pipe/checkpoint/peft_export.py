@@ -67,10 +67,9 @@ def export(
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         if merge:
-            persistent = [m for m in missing if not _non_persistent(network, m)]
-            if persistent:
+            if missing:  # state-dict names only: a non-persistent buffer is not missing
                 raise PipelineCheckpointError(
-                    f"Cannot merge {str(src)!r}: the checkpoint lacks {fmt.format_keys(persistent)} of the recorded"
+                    f"Cannot merge {str(src)!r}: the checkpoint lacks {fmt.format_keys(missing)} of the recorded"
                     f" PEFT model (under {prefix!r}). Pass the attribute that holds it (`--attribute`)."
                 )
             _tie(network)
@@ -169,12 +168,6 @@ def _read(
     for chunk, _ in convert.read_entries(src, sorted({fmt.MODEL_PREFIX + k for k in keys.values()}), READ_BYTES):
         values.update(chunk)
     return {name: values[fmt.MODEL_PREFIX + key] for name, key in keys.items()}
-
-
-def _non_persistent(network: torch.nn.Module, name: str) -> bool:
-    module_name, _, leaf = name.rpartition(".")
-    module = network.get_submodule(module_name) if module_name else network
-    return leaf in getattr(module, "_non_persistent_buffers_set", ())
 
 
 def _tie(network: Any) -> None:
