@@ -353,6 +353,11 @@ def test_export_errors(tmp_path, monkeypatch):
         (dict(max_shard_size="5 parsecs"), r"`max_shard_size='5 parsecs'` is not a size"),
         (dict(max_shard_size=0), r"`max_shard_size=0` is not a size"),
         (dict(dtype="int8"), r"`dtype='int8'` is not one of \['bfloat16', 'float16', 'float32'\]"),
+        (
+            dict(adapter=True),
+            r"`--adapter` exports a PEFT model's adapters, but '.*ckpt' records no PEFT model.*`--adapter`",
+        ),
+        (dict(merge=True), r"`--merge` exports a PEFT model's adapters, but '.*ckpt' records no PEFT model"),
     ]
     for kwargs, pattern in cases:
         kwargs = {"src": src, **kwargs}

@@ -121,9 +121,18 @@ def work(tmp_path_factory):
 
 
 @functools.cache
+def _reference_run(path: str, tuner: str, start: tuple):
+    return fine_tune(path, tuner, start=dict(start))
+
+
 def _reference(path: str, tuner: str, start: tuple) -> tuple[list[float], float, dict, dict]:
-    model, _, val = fine_tune(path, tuner, start=dict(start))
+    model, _, val = _reference_run(path, tuner, start)
     return model.step_losses, val, model.initial, model.frozen
+
+
+def _reference_model(path: str, tuner: str, start: tuple):
+    """The single-device fine-tuned PEFT model (``from_pretrained`` + ``get_peft_model``)."""
+    return _reference_run(path, tuner, start)[0].model
 
 
 def _check(work, schedule: str, nprocs: int, runs: list[str]) -> None:
@@ -161,6 +170,74 @@ def _check_checkpoint(path, ranks: list[dict], frozen: dict) -> None:
     assert len(state["state"]) == len(final), path  # a momentum buffer per adapter tensor, none for the base
 
 
+# ------------------------------------------------------------------------------------------------ export
+_IDS = torch.tensor([[3, 17, 42, 5, 9, 60, 2, 30], [7, 7, 1, 58, 13, 4, 50, 21]])
+
+
+def _logits(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=_IDS).logits
+
+
+def _check_exports(ckpt, base_dir, out, reference) -> None:
+    """``export-hf --adapter`` loads with ``PeftModel.from_pretrained(base, OUT)`` and ``--merge`` with
+    ``from_pretrained(OUT)``, each giving the logits of ``reference`` (a fine-tuned PEFT model) within 1e-5."""
+    import transformers
+
+    from lightning_pipe.checkpoint.__main__ import main
+
+    expected = _logits(reference)
+    assert main(["export-hf", str(ckpt), str(out / "adapter"), "--adapter", "--no-progress"]) == 0
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in (out / "adapter").iterdir()}
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    loaded = peft.PeftModel.from_pretrained(base, out / "adapter")
+    torch.testing.assert_close(_logits(loaded), expected, rtol=TOL, atol=TOL)
+    assert main(["export-hf", str(ckpt), str(out / "merged"), "--merge", "--no-progress"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert not any("lora" in n or "hada" in n or "base_layer" in n for n in merged.state_dict())
+    torch.testing.assert_close(_logits(merged), expected, rtol=TOL, atol=TOL)
+
+
+def _from_checkpoint(ckpt, base_dir, tuner: str):
+    """``from_pretrained`` + ``get_peft_model`` with the trainable tensors stored in the checkpoint ``ckpt``."""
+    import transformers
+
+    from lightning_pipe.checkpoint import convert
+
+    stored = convert.load_model_weights(ckpt)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir), peft_config(tuner))
+    trainable = {n: stored["model." + n] for n, p in model.named_parameters() if p.requires_grad}
+    model.load_state_dict(trainable, strict=False)
+    return model
+
+
+@pytest.mark.parametrize(("directory", "tuner"), [("llama-tied", "lora-saved"), ("qwen2-untied", "loha")])
+def test_export_adapter_and_merged_from_a_one_process_run(tmp_path, directory, tuner):
+    family, tie = directory.split("-")
+    base_dir = save_pretrained(tmp_path / directory, family, tie == "tied", layers=4)
+    strategy = PipelineParallelStrategy(init_weights=base_dir)
+    _, trainer, _ = fine_tune(base_dir, tuner, strategy, devices=1, max_steps=2)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    reference = _from_checkpoint(tmp_path / "ckpt", base_dir, tuner)
+    assert any(reference.get_parameter(n).any() for n in reference.state_dict() if ".lora_B." in n or "hada" in n)
+    _check_exports(tmp_path / "ckpt", base_dir, tmp_path, reference)
+
+
+def test_export_of_a_peft_checkpoint_names_adapter_and_merge(tmp_path):
+    from lightning_pipe.checkpoint import hf_export
+    from lightning_pipe.errors import PipelineCheckpointError
+
+    base_dir = save_pretrained(tmp_path / "llama", "llama", True, layers=2)
+    _, trainer, _ = fine_tune(base_dir, "lora", PipelineParallelStrategy(init_weights=base_dir), max_steps=1)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(PipelineCheckpointError, match=r"PEFT model.*`--adapter`.*`--merge`"):
+        hf_export.export(tmp_path / "ckpt", tmp_path / "out")
+    with pytest.raises(PipelineCheckpointError, match=r"`--adapter` and `--merge` exclude each other"):
+        hf_export.export(tmp_path / "ckpt", tmp_path / "out", adapter=True, merge=True)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_lora_loha_modules_to_save_1f1b_2_procs(work):
     runs = ["llama-tied:lora", "llama-untied:lora-saved", "qwen2-tied:loha", "qwen2-untied:lora-late"]
@@ -173,6 +250,14 @@ def test_lora_loha_modules_to_save_1f1b_2_procs(work):
     ranks = [torch.load(work / f"1F1B-llama-tied-lora.rank{r}.pt") for r in range(2)]
     initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
     assert all(torch.equal(initial[k], v) for k, v in model.initial.items())
+    # the 2-process run's checkpoint exported: adapters and merged model give the single-device fine-tune's logits
+    for run in ("llama-untied:lora-saved", "qwen2-tied:loha"):
+        name, tuner = run.split(":")
+        start = {
+            k: v for r in range(2) for k, v in torch.load(work / f"1F1B-{name}-{tuner}.rank{r}.pt")["initial"].items()
+        }
+        reference = _reference_model(str(work / name), tuner, tuple(sorted(start.items())))
+        _check_exports(work / f"ckpt-1F1B-{name}-{tuner}", work / name, work / f"export-{name}-{tuner}", reference)
 
 
 @pytest.mark.extended

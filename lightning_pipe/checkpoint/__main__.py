@@ -6,6 +6,7 @@ Examples::
     python -m lightning_pipe.checkpoint consolidate checkpoints/last.ckpt model.ckpt
     python -m lightning_pipe.checkpoint consolidate --with-optimizer checkpoints/last.ckpt model.ckpt
     python -m lightning_pipe.checkpoint export-hf checkpoints/last.ckpt my-model   # for from_pretrained
+    python -m lightning_pipe.checkpoint export-hf checkpoints/last.ckpt my-lora --adapter   # a PEFT model's adapters
 """
 
 from __future__ import annotations
@@ -84,6 +85,18 @@ def _export_parser(sub: Any) -> None:
     )
     e.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point weights (default: as trained)")
     e.add_argument("--overwrite", action="store_true", help="replace dst if it exists")
+    peft = e.add_mutually_exclusive_group()
+    peft.add_argument(
+        "--adapter",
+        action="store_true",
+        help="for a PEFT model: write its adapters (adapter_model.safetensors, adapter_config.json) for"
+        " `PeftModel.from_pretrained(base, dst)`",
+    )
+    peft.add_argument(
+        "--merge",
+        action="store_true",
+        help="for a PEFT model: write the model with its adapters merged in (merge_and_unload) for `from_pretrained`",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtype=args.dtype,
                 progress=not args.no_progress,
                 overwrite=args.overwrite,
+                adapter=args.adapter,
+                merge=args.merge,
             )
             print(f"wrote {dst}", file=sys.stderr)
         else:

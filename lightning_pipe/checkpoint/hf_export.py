@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.checkpoint import convert
+from lightning_pipe.checkpoint import convert, peft_export
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint.save import replace_directory
@@ -197,13 +197,17 @@ def export(
     dtype: str | torch.dtype | None = None,
     progress: bool = False,
     overwrite: bool = False,
+    adapter: bool = False,
+    merge: bool = False,
 ) -> Path:
     """Write the checkpoint directory ``src`` as the Hugging Face model directory ``dst`` (see the module docstring).
 
     ``config``: a Hugging Face directory whose ``config.json`` (and ``generation_config.json``) to use instead of
     the config recorded in the checkpoint; ``attribute``: the LightningModule's attribute holding the network
     (recorded, or found from the names); ``dtype``: ``"bfloat16"``, ``"float16"`` or ``"float32"`` to convert
-    floating-point weights to (default: as trained); ``overwrite``: replace an existing ``dst``.
+    floating-point weights to (default: as trained); ``overwrite``: replace an existing ``dst``. A checkpoint of a
+    PEFT model is exported with ``adapter=True`` (its adapters, for ``PeftModel.from_pretrained``) or ``merge=True``
+    (the model with its adapters merged in): :mod:`lightning_pipe.checkpoint.peft_export`.
     """
     src, dst = Path(src), Path(dst)
     max_bytes = parse_size(max_shard_size)
@@ -215,6 +219,27 @@ def export(
     convert.inspect(src)  # complete?
     info = fmt.read_manifest(src)
     hf_config, generation, recorded = _configs(src, info, config)
+    peft_record = (info.get(hf.RECORD) or {}).get(peft_export.PEFT)
+    if adapter and merge:
+        raise PipelineCheckpointError("`--adapter` and `--merge` exclude each other: pass one of them.")
+    if peft_record is not None or adapter or merge:
+        if peft_record is None:
+            raise peft_export.refuse_not_peft(src, "--adapter" if adapter else "--merge")
+        if not (adapter or merge):
+            raise peft_export.refuse_plain_export(src)
+        attribute = attribute if attribute is not None else recorded
+        prefix = f"{attribute}." if attribute else ""
+        return peft_export.export(
+            src,
+            dst,
+            info[hf.RECORD],
+            hf_config,
+            generation,
+            prefix,
+            merge=merge,
+            max_shard_size=max_shard_size,
+            dtype=target_dtype,
+        )
     model = _meta_model(hf_config, src)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     stored = _stored(src)

@@ -22,6 +22,7 @@ tensor parallelism (peft's adapter layers are not in the model's tensor-parallel
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -88,6 +89,11 @@ def _refuse_dora(network: nn.Module) -> None:
             " pipeline yet: peft computes a DoRA magnitude from the pretrained weight's norm in `get_peft_model`,"
             " before `init_weights` loads that weight. Use LoRA (`use_dora=False`) or another tuner (LoHa, LoKr)."
         )
+
+
+def _config_record(config: Any) -> dict[str, Any]:
+    """A peft config as JSON values (``to_dict``; its sets as sorted lists, as peft's ``save_pretrained`` writes)."""
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 def _prefixed(names: Sequence[str]) -> tuple[str, ...]:
@@ -165,7 +171,13 @@ class PeftKind:
         return self.inner.directory_type(inner_model(network))
 
     def record(self, network: nn.Module, attribute: str) -> dict[str, Any] | None:
-        return None  # export-hf writes transformers names: a PEFT model's adapters have none
+        """The wrapped model's record (its config, :meth:`HuggingFaceKind.record`) and the peft configs by adapter
+        name, for ``export-hf --adapter``/``--merge`` (:mod:`lightning_pipe.checkpoint.peft_export`)."""
+        record = self.inner.record(inner_model(network), attribute)
+        if record is None:
+            return None
+        configs = {name: _config_record(config) for name, config in network.peft_config.items()}
+        return {**record, "peft": {"prefix": PREFIX, "configs": configs}}
 
     def restore_buffers(self, module: nn.Module) -> bool:
         return self.inner.restore_buffers(module)
