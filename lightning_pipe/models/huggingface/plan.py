@@ -238,7 +238,8 @@ def install_plan(network: nn.Module, plan: _Plan) -> None:
     The entries under the base model (``model.layers``) become the config's ``base_model_pp_plan`` without the base
     model's prefix, the others (the head) the instance's ``_pp_plan``: where transformers keeps a family's own plan,
     so every stage reads it as it reads theirs. ``save_pretrained`` writes neither. Giving the same plan again does
-    nothing; a model that has a plan of its own is refused (``model_plan`` describes families that have none).
+    nothing, as does transformers' own plan; a model with another plan of its own is refused (``model_plan``
+    describes families that have none).
     """
     name = type(network).__name__
     prefix = getattr(network, "base_model_prefix", "") or ""
