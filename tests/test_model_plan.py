@@ -73,3 +73,12 @@ def test_a_plain_module_is_refused():
 def test_bad_plans_are_refused_when_the_strategy_is_made(plan, message):
     with pytest.raises(PipelineConfigError, match=message):
         PipelineParallelStrategy(model_plan=plan)
+
+
+def test_the_fabric_strategy_takes_the_same_plan():
+    import lightning_pipe
+
+    strategy = lightning_pipe.PipelineFabricStrategy(model_plan=USER_PLAN)
+    assert strategy._settings.model_plan == USER_PLAN
+    with pytest.raises(PipelineConfigError, match=r"`model_plan\['score'\]` is \['hidden_states'\]"):
+        lightning_pipe.PipelineFabricStrategy(model_plan={**USER_PLAN, "score": ["hidden_states"]})
