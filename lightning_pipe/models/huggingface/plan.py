@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.compat import torch as torch_compat
-from lightning_pipe.compat.transformers import head_pp_plan
+from lightning_pipe.compat.transformers import head_pp_plan, set_head_pp_plan
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface.heads import HEAD_SPEC, task_heads
@@ -265,7 +265,7 @@ def install_plan(network: nn.Module, plan: _Plan) -> None:
             f" `{name}.named_modules()` gives them (here: {children})."
         )
     network.config.base_model_pp_plan = base_entries
-    network._pp_plan = heads
+    set_head_pp_plan(network, heads)
 
 
 def plan_order(network: nn.Module) -> list[str]:
