@@ -4,6 +4,8 @@ tokens (-100 on the image tokens and the padding)."""
 
 from __future__ import annotations
 
+import inspect
+
 import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -159,6 +161,9 @@ class LitVision(L.LightningModule):
             side = IMAGE // (PATCH // 2)
             extra["image_grid_thw"] = torch.tensor([[1, side, side]] * len(ids))
             pixels = pixels.flatten(0, 1)  # the samples' patches, one after the other
+            if "mm_token_type_ids" in inspect.signature(type(self.model).forward).parameters:
+                # transformers >= 5.x computes the 3-D rope positions from it (its processor returns it): 1 on images
+                extra["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
         if self.family == "gemma3":
             extra["token_type_ids"] = (ids == IMAGE_TOKEN).long()
         out = self.model(input_ids=ids, attention_mask=mask, labels=labels, pixel_values=pixels, **extra)
