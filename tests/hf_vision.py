@@ -70,6 +70,8 @@ def build(family: str, layers: int = LAYERS):
             vision_start_token_id=IMAGE_TOKEN - 2,
             vision_end_token_id=IMAGE_TOKEN - 3,
         )
+        if not hasattr(config, "vocab_size"):  # transformers 4.54's loss reads it from the composite config
+            config.vocab_size = VOCAB
         return transformers.Qwen2VLForConditionalGeneration(config)
     if family == "gemma3":  # bidirectional attention among each image's tokens (token_type_ids)
         vision = transformers.SiglipVisionConfig(
