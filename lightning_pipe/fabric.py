@@ -36,6 +36,7 @@ from lightning_pipe.settings import (
     DP,
     DataParallelMode,
     InnerAxis,
+    ModelPlan,
     NonNegativeInt,
     PipelineSettings,
     PositiveInt,
@@ -109,6 +110,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         inner_axis: The mesh axis of consecutive ranks: ``"dp"`` (default) or ``"pp"``.
         activation_checkpointing: Recompute blocks in backward: ``True`` every block, ``k`` every ``k``-th.
         compile: ``torch.compile`` each block in place: ``True`` or a dict of its options.
+        model_plan: The pipeline plan of a transformers model whose family has none (docs/model-plan.md).
     """
 
     strategy_name = "pipeline"
@@ -133,6 +135,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         inner_axis: InnerAxis = "dp",
         activation_checkpointing: Union[bool, NonNegativeInt] = False,
         compile: Union[bool, dict[str, Any]] = False,
+        model_plan: Optional[ModelPlan] = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._settings = PipelineSettings(
@@ -154,6 +157,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             inner_axis=inner_axis,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
+            model_plan=model_plan,
         )
         self._meshes = meshes.MeshCache()
         self._mesh: Optional[DeviceMesh] = None

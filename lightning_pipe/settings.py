@@ -204,6 +204,45 @@ def check_balance_setting(balance: Union[str, Sequence[int]]) -> None:
         )
 
 
+#: A pipeline plan, as transformers' ``base_model_pp_plan``: ``{module name: (input names, output names)}``.
+ModelPlan = dict[str, tuple[list[str], list[str]]]
+
+
+def check_model_plan(plan: Any) -> Optional[ModelPlan]:
+    """Validate ``model_plan`` (``None``, or a plan shaped as transformers' ``base_model_pp_plan``); returns it with
+    lists for the inputs and outputs."""
+    if plan is None:
+        return None
+    example = "e.g. {'model.embed_tokens': (['input_ids'], ['inputs_embeds']), 'model.layers': (['hidden_states'],"
+    example += " ['hidden_states']), 'model.norm': (['hidden_states'], ['hidden_states'])}"
+    if not isinstance(plan, dict) or not plan:
+        raise PipelineConfigError(
+            f"`model_plan` must be a non-empty dict of module names to (input names, output names), {example};"
+            f" got {plan!r}."
+        )
+    checked: ModelPlan = {}
+    for key, value in plan.items():
+        if not isinstance(key, str) or not key or any(not part.isidentifier() for part in key.split(".")):
+            raise PipelineConfigError(
+                f"`model_plan` key {key!r} is not a module name; name each module as `named_modules()` gives it"
+                f" (`model.layers`), {example}."
+            )
+        pair = list(value) if isinstance(value, (list, tuple)) else None
+        if (
+            pair is None
+            or len(pair) != 2
+            or not all(
+                isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names) for names in pair
+            )
+        ):
+            raise PipelineConfigError(
+                f"`model_plan[{key!r}]` is {value!r}; it must be (input names, output names), two lists of"
+                f" argument names as in transformers' `base_model_pp_plan`, {example}."
+            )
+        checked[key] = (list(pair[0]), list(pair[1]))
+    return checked
+
+
 def check_blocks(blocks: Union[str, Sequence[str]], frontend: str) -> None:
     """Validate ``blocks``: a container name, ``"auto"``, or (``frontend="dataflow"`` only) a list of them."""
     if isinstance(blocks, str):
@@ -316,6 +355,8 @@ class PipelineSettings:
     blocks: Union[str, tuple[str, ...]] = "auto"
     split_points: Optional[tuple[str, ...]] = None
     balance: Union[str, tuple[int, ...]] = "auto"
+    #: the pipeline plan of a transformers model whose family has none (names relative to the model)
+    model_plan: Optional[ModelPlan] = None
     process_group_backend: Optional[str] = None
     timeout: Optional[timedelta] = DEFAULT_TIMEOUT
     init_weights: Optional[Path] = None
@@ -366,6 +407,7 @@ class PipelineSettings:
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),
             "compile": compile_options,
+            "model_plan": check_model_plan(self.model_plan),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
@@ -446,10 +488,13 @@ class PipelineSettings:
             self.pipeline_size,
             self.stages_per_rank,
             self.placement,
+            self.model_plan,
         )
 
     def describe_split(self) -> str:
         """The split key's settings by name, for messages."""
         names = ("module", "frontend", "blocks", "split_points", "balance", "pipeline_size", "stages_per_rank")
         parts = [f"{n}={v!r}" for n, v in zip(names, self.split_key())]
+        if self.model_plan is not None:
+            parts.append(f"model_plan={self.model_plan!r}")
         return ", ".join([*parts, f"placement={self.placement!r} (schedule {self.schedule})"])

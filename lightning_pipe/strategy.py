@@ -49,6 +49,7 @@ from lightning_pipe.settings import (
     DP,
     DataParallelMode,
     InnerAxis,
+    ModelPlan,
     NonNegativeInt,
     PipelineSettings,
     PositiveInt,
@@ -130,6 +131,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``). Default 0.
         async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
             memory. Default ``False``.
+        model_plan: The pipeline plan of a transformers model whose family has none, shaped as transformers'
+            ``base_model_pp_plan`` (``{"model.layers": (["hidden_states"], ["hidden_states"]), ...}``), names
+            relative to the model, in execution order (docs/model-plan.md). Default ``None``: the model's own plan.
 
     Checkpoints are directories of per-rank ``torch.distributed.checkpoint`` shards under the full model's names: they
     load into any layout, and ``python -m lightning_pipe.checkpoint consolidate`` makes an ordinary ``.ckpt``.
@@ -161,6 +165,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
         async_checkpoint: bool = False,
+        model_plan: Optional[ModelPlan] = None,
     ) -> None:
         super().__init__()
         # Validated now, so a bad config fails before processes start; "auto" values are resolved in setup_environment.

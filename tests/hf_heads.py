@@ -6,6 +6,7 @@ built from the directory's config in ``configure_model`` and started from the di
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -24,6 +25,28 @@ TASKS = {
     "qa": ("Qwen2ForQuestionAnswering", "qwen2", 2),
 }
 LAYERS = 4
+#: A Llama sequence classifier's pipeline plan as a user gives it (``model_plan``) for a family without one: the tests
+#: remove transformers' own (:func:`without_plan`).
+USER_PLAN = {
+    "model.embed_tokens": (["input_ids"], ["inputs_embeds"]),
+    "model.layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+    "model.norm": (["hidden_states"], ["hidden_states"]),
+    "score": (["hidden_states"], ["logits"]),
+}
+
+
+@contextlib.contextmanager
+def without_plan():
+    """LlamaConfig without its pipeline plan (``base_model_pp_plan = None``), as a family transformers does not
+    describe."""
+    import transformers
+
+    saved = transformers.LlamaConfig.__dict__.get("base_model_pp_plan")
+    transformers.LlamaConfig.base_model_pp_plan = None
+    try:
+        yield
+    finally:
+        transformers.LlamaConfig.base_model_pp_plan = saved
 
 
 def config(task: str):

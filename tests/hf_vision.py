@@ -4,6 +4,8 @@ tokens (-100 on the image tokens and the padding)."""
 
 from __future__ import annotations
 
+import inspect
+
 import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -16,12 +18,12 @@ IMAGE, PATCH = 16, 8
 LAYERS = 4
 
 
-def _text(**extra):
+def _text(layers: int = LAYERS, **extra):
     return dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -30,8 +32,8 @@ def _text(**extra):
     )
 
 
-def build(family: str):
-    """A tiny ``family`` vision-language model, in float32."""
+def build(family: str, layers: int = LAYERS):
+    """A tiny ``family`` vision-language model, in float32, with ``layers`` text layers."""
     import transformers
 
     if family == "llava":
@@ -45,7 +47,7 @@ def build(family: str):
             projection_dim=16,
         )
         config = transformers.LlavaConfig(
-            vision_config=vision, text_config=transformers.LlamaConfig(**_text()), image_token_index=IMAGE_TOKEN
+            vision_config=vision, text_config=transformers.LlamaConfig(**_text(layers)), image_token_index=IMAGE_TOKEN
         )
         return transformers.LlavaForConditionalGeneration(config)
     if family == "qwen2_vl":  # 3-D rope positions from input_ids and image_grid_thw
@@ -59,7 +61,7 @@ def build(family: str):
             temporal_patch_size=2,
             hidden_size=32,
         )
-        text = _text(rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+        text = _text(layers, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
         config = transformers.Qwen2VLConfig(
             vision_config=vision,
             text_config=text,
@@ -68,6 +70,8 @@ def build(family: str):
             vision_start_token_id=IMAGE_TOKEN - 2,
             vision_end_token_id=IMAGE_TOKEN - 3,
         )
+        if not hasattr(config, "vocab_size"):  # transformers 4.54's loss reads it from the composite config
+            config.vocab_size = VOCAB
         return transformers.Qwen2VLForConditionalGeneration(config)
     if family == "gemma3":  # bidirectional attention among each image's tokens (token_type_ids)
         vision = transformers.SiglipVisionConfig(
@@ -78,7 +82,7 @@ def build(family: str):
             image_size=IMAGE,
             patch_size=PATCH // 2,
         )
-        text = transformers.Gemma3TextConfig(**_text(head_dim=8, sliding_window=4))
+        text = transformers.Gemma3TextConfig(**_text(layers, head_dim=8, sliding_window=4))
         config = transformers.Gemma3Config(
             vision_config=vision,
             text_config=text,
@@ -124,12 +128,17 @@ class LitVision(L.LightningModule):
     ``configure_model`` (``pretrained``: ``from_pretrained`` of it); ``freeze_vision``: the vision tower is frozen."""
 
     def __init__(
-        self, family: str = "llava", freeze_vision: bool = False, path: str | None = None, pretrained: bool = False
+        self,
+        family: str = "llava",
+        freeze_vision: bool = False,
+        path: str | None = None,
+        pretrained: bool = False,
+        layers: int = LAYERS,
     ) -> None:
         super().__init__()
         self.family, self.freeze_vision, self.path, self.pretrained = family, freeze_vision, path, pretrained
         torch.manual_seed(0)
-        self.model = build(family) if path is None else None
+        self.model = build(family, layers) if path is None else None
         self.step_losses: list[float] = []
 
     def configure_model(self) -> None:
@@ -154,6 +163,9 @@ class LitVision(L.LightningModule):
             side = IMAGE // (PATCH // 2)
             extra["image_grid_thw"] = torch.tensor([[1, side, side]] * len(ids))
             pixels = pixels.flatten(0, 1)  # the samples' patches, one after the other
+            if "mm_token_type_ids" in inspect.signature(type(self.model).forward).parameters:
+                # transformers >= 5.x computes the 3-D rope positions from it (its processor returns it): 1 on images
+                extra["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
         if self.family == "gemma3":
             extra["token_type_ids"] = (ids == IMAGE_TOKEN).long()
         out = self.model(input_ids=ids, attention_mask=mask, labels=labels, pixel_values=pixels, **extra)

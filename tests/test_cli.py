@@ -73,6 +73,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "compile": {"mode": "max-autotune-no-cudagraphs"},
         "max_restarts": 0,
         "async_checkpoint": True,
+        "model_plan": {"model.layers": [["hidden_states"], ["hidden_states"]]},
     }
     assert sorted(values) == sorted(ARGUMENTS)  # a new argument needs a line here and in docs/strategy.md
     strategy = cli(strategy_config(tmp_path, **values)).trainer.strategy
@@ -86,6 +87,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     assert (settings.data_parallel, settings.inner_axis, settings.activation_checkpointing) == ("fsdp", "pp", 2)
     assert (settings.tensor_parallel, settings.loss_parallel) == (1, True)
     assert settings.compile == {"mode": "max-autotune-no-cudagraphs"}
+    assert settings.model_plan == {"model.layers": (["hidden_states"], ["hidden_states"])}
 
 
 def test_timeout_accepts_null(tmp_path) -> None:

@@ -262,7 +262,7 @@ def test_refuses_model_without_pipeline_plan():
     network = _llama()
     network.config.base_model_pp_plan = None
     with pytest.raises(
-        PipelineModelError, match=r"LlamaForCausalLM has no pipeline plan.*set `config.base_model_pp_plan`"
+        PipelineModelError, match=r"LlamaForCausalLM has no pipeline plan.*give the strategy its plan: `Pipeline"
     ):
         hf_layout(network)
     if transformers.GPT2Config.base_model_pp_plan is None:  # GPT-2 has none up to transformers 5.23 at least

@@ -40,6 +40,7 @@ CONFIGS = [
     _cfg("qa-1f1b", "qa", "1F1B", user_loss=True),
     _cfg("qa-zbv", "qa", "ZBVZeroBubble"),
     _cfg("reward-from-causal-lm", "reward", "1F1B", directory="reward-causal-lm"),
+    _cfg("reward-user-plan-zbv", "reward", "ZBVZeroBubble", model_plan=True),
 ]
 
 

@@ -123,3 +123,19 @@ def test_tensor_parallelism_of_a_vision_language_model_is_refused_by_name():
 
     with pytest.raises(PipelineModelError, match=r"LlavaForConditionalGeneration has no tensor-parallel plan"):
         hf_tensor_parallel_plan(build("llava"), 2, [])
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_vision_language_model_interleaved_1f1b_4_procs(tmp_path):
+    """Llava with 8 text layers, 8 stages on 4 processes (Interleaved1F1B, 2 stages each): the vision tower and
+    projector on the first stage, losses, validation and parameters as on one device."""
+    cfg = dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)
+    run_script("hf_vision.py", str(tmp_path), json.dumps([cfg]), nprocs=4)
+    one = run_vision(family="llava", layers=8)
+    for rank in range(4):
+        found = torch.load(tmp_path / f"llava-interleaved.rank{rank}.pt")
+        torch.testing.assert_close(found["losses"], one["losses"], rtol=TOL, atol=0)
+        torch.testing.assert_close(found["metrics"]["val_loss"], one["metrics"]["val_loss"], rtol=TOL, atol=0)
+        for key, value in found["state"].items():
+            torch.testing.assert_close(value, one["state"][key], rtol=TOL, atol=TOL, msg=key)

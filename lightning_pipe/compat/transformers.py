@@ -28,6 +28,13 @@ def head_pp_plan(model: Any) -> dict[str, Any]:
     return {**(getattr(type(model), "_pp_plan", None) or {}), **(model.__dict__.get("_pp_plan") or {})}
 
 
+def set_head_pp_plan(model: Any, plan: dict[str, Any]) -> None:
+    """Give the task model the head entries of a user's pipeline plan: the instance's ``_pp_plan``, which
+    :func:`head_pp_plan` reads over the class's (transformers keeps the user's changes there too). Public replacement:
+    none."""
+    model._pp_plan = plan
+
+
 def recorded_by(model: Any, output: str) -> Optional[tuple[tuple[type, int], ...]]:
     """The modules whose forward results transformers records as ``output`` (e.g. ``"router_logits"``) while the
     model runs, from the model class's ``_can_record_outputs`` (4.54+ and 5.x): ``(class, index)`` pairs, ``index``

@@ -52,6 +52,24 @@ def kind_of(network: nn.Module) -> ModelKind:
     return PlainKind()
 
 
+def use_plan(network: nn.Module, plan: dict[str, tuple[list[str], list[str]]]) -> None:
+    """Give ``network`` the user's pipeline plan (the strategy's ``model_plan``): a transformers model (or the one a
+    PEFT model wraps) whose family has none; names are relative to that transformers model. Raises
+    ``PipelineConfigError`` for any other network, a model with a plan of its own, or a name the model lacks."""
+    from lightning_pipe.errors import PipelineConfigError
+    from lightning_pipe.models.huggingface.plan import install_plan, is_hf_model
+    from lightning_pipe.models.peft import inner_model, is_peft_model
+
+    model = inner_model(network) if is_peft_model(network) else network
+    if not is_hf_model(model):
+        raise PipelineConfigError(
+            f"`model_plan` describes a transformers model, but the network is a {kind_of(network).name}"
+            f" ({type(network).__name__}). Drop `model_plan`, and name its blocks with `blocks=` (or cut it with"
+            " `split_points=`)."
+        )
+    install_plan(model, plan)
+
+
 def restore_buffers(module: nn.Module) -> bool:
     """Set the tensors a submodule's constructor computed and the meta device lost, as the kind it belongs to does
     (a transformers rotary embedding inside any network, litgpt's rope cache); ``True`` if one did."""

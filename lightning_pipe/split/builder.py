@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
-from lightning_pipe.models import kind_of
+from lightning_pipe.models import kind_of, use_plan
 from lightning_pipe.models.base import Placeholder, StageCall
 from lightning_pipe.models.units import Layout, find_layout
 from lightning_pipe.settings import PipelineSettings
@@ -230,6 +230,8 @@ def _frontend(network: nn.Module, settings: PipelineSettings, device: torch.devi
 def network_layout(lightning_module: nn.Module, settings: PipelineSettings) -> tuple[nn.Module, Layout]:
     """The network the strategy would split and its units, without splitting it."""
     _, network = resolve_module(lightning_module, settings.module)
+    if settings.model_plan is not None:
+        use_plan(network, settings.model_plan)
     return network, _layout(network, _with_frontend(network, settings, lambda text: None))
 
 
@@ -291,6 +293,8 @@ def split_module(
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
     check_whole_before_split(network)
+    if settings.model_plan is not None:
+        use_plan(network, settings.model_plan)  # the user's plan, where the transformers kind reads a family's
     settings = _with_frontend(network, settings, announce)
     shared = [tuple(group) for group in tied_groups(network)]
     prefix = f"{attr}." if attr else ""

@@ -1,8 +1,10 @@
 """Fine-tune tiny Hugging Face task heads (tests/hf_heads.py) under pipeline configurations, from their directories.
-Usage: hf_heads.py WORK CONFIGS_JSON (a list of {"name", "task", "schedule", "side", "user_loss", "directory"}); one
-launch runs them all. Each rank saves per config its losses, validation losses, and the head's parameters
+Usage: hf_heads.py WORK CONFIGS_JSON (a list of {"name", "task", "schedule", "side", "user_loss", "directory",
+"model_plan"}); one launch runs them all (``model_plan``: the classifier's plan given to the strategy, transformers'
+own removed). Each rank saves per config its losses, validation losses, and the head's parameters
 (``<name>.rank<r>.pt``); the run's checkpoint is saved as ``ckpt-<name>``, and the warnings the load raised."""
 
+import contextlib
 import json
 import sys
 import warnings
@@ -11,15 +13,16 @@ from pathlib import Path
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
-from tests.hf_heads import fine_tune
+from tests.hf_heads import USER_PLAN, fine_tune, without_plan
 
 
 def main() -> None:
     work, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     for cfg in configs:
         directory = work / cfg.get("directory", cfg["task"])
-        strategy = PipelineParallelStrategy(schedule=cfg["schedule"], init_weights=directory)
-        with warnings.catch_warnings(record=True) as caught:
+        plan = USER_PLAN if cfg.get("model_plan") else None
+        strategy = PipelineParallelStrategy(schedule=cfg["schedule"], init_weights=directory, model_plan=plan)
+        with without_plan() if plan else contextlib.nullcontext(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model, trainer = fine_tune(
                 work / cfg["task"], cfg["task"], strategy, devices=2, side=cfg["side"], user_loss=cfg["user_loss"]

@@ -1,6 +1,6 @@
 """Train tiny Hugging Face vision-language models (tests/hf_vision.py) under pipeline configurations.
-Usage: hf_vision.py WORK CONFIGS_JSON (a list of {"name", "family", "schedule", "devices"}, optionally
-"freeze_vision" and "directory": start from WORK/<family> with ``init_weights`` and save the checkpoint as
+Usage: hf_vision.py WORK CONFIGS_JSON (a list of {"name", "family", "schedule", "devices"}, optionally "layers" (text
+layers), "freeze_vision" and "directory": start from WORK/<family> with ``init_weights`` and save the checkpoint as
 ``ckpt-<name>``); one launch runs them all. Each rank saves ``<name>.rank<r>.pt``."""
 
 import json
@@ -11,7 +11,7 @@ import lightning.pytorch as L
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
-from tests.hf_vision import LitVision
+from tests.hf_vision import LAYERS, LitVision
 from tests.models import quiet_trainer
 
 
@@ -21,7 +21,8 @@ def main() -> None:
         path = work / cfg["family"] if cfg.get("directory") else None
         strategy = PipelineParallelStrategy(schedule=cfg["schedule"], init_weights=path)
         L.seed_everything(0)
-        model = LitVision(cfg["family"], cfg.get("freeze_vision", False), None if path is None else str(path))
+        start = None if path is None else str(path)
+        model = LitVision(cfg["family"], cfg.get("freeze_vision", False), start, layers=cfg.get("layers", LAYERS))
         trainer = quiet_trainer(devices=cfg["devices"], max_steps=4, val_check_interval=2, strategy=strategy)
         trainer.fit(model)
         result = {

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.compat import torch as torch_compat
-from lightning_pipe.compat.transformers import head_pp_plan
-from lightning_pipe.errors import PipelineModelError
+from lightning_pipe.compat.transformers import head_pp_plan, set_head_pp_plan
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface.heads import HEAD_SPEC, task_heads
 from lightning_pipe.models.huggingface.vision import vision_plan
@@ -189,8 +189,8 @@ def _require_plan(network: nn.Module) -> _Plan:
         raise PipelineModelError(
             f"{type(network).__name__} has no pipeline plan (`{type(network.config).__name__}.base_model_pp_plan` is"
             " empty in this transformers version), so lightning-pipe cannot tell where to cut it. Use a model"
-            " family that has one (Llama, Qwen2, Mistral, ...), or set `config.base_model_pp_plan` (and the class's"
-            " `_pp_plan` for the head) as LlamaConfig and LlamaForCausalLM do."
+            " family that has one (Llama, Qwen2, Mistral, ...), or give the strategy its plan:"
+            " `PipelineParallelStrategy(model_plan={...})` (docs/model-plan.md)."
         )
     return _plan(network)
 
@@ -229,6 +229,43 @@ def _block_stack(network: nn.Module, plan: _Plan) -> str:
             " sequence, or pipeline another model family."
         )
     return stacks[0]
+
+
+def install_plan(network: nn.Module, plan: _Plan) -> None:
+    """Give ``network``, a transformers model whose family has no pipeline plan, the user's plan (the strategy's
+    ``model_plan``): names relative to ``network``, in execution order, as ``(inputs, outputs)``.
+
+    The entries under the base model (``model.layers``) become the config's ``base_model_pp_plan`` without the base
+    model's prefix, the others (the head) the instance's ``_pp_plan``: where transformers keeps a family's own plan,
+    so every stage reads it as it reads theirs. ``save_pretrained`` writes neither. Giving the same plan again does
+    nothing, as does transformers' own plan; a model with another plan of its own is refused (``model_plan``
+    describes families that have none).
+    """
+    name = type(network).__name__
+    prefix = getattr(network, "base_model_prefix", "") or ""
+    base = _find(network, prefix) if prefix else None
+    prefix = prefix if base is not None and base is not network else ""
+    own = {k: v for k, v in plan.items() if not prefix or k.startswith(prefix + ".")}
+    base_entries = {k[len(prefix) + 1 :] if prefix else k: (list(v[0]), list(v[1])) for k, v in own.items()}
+    heads = {k: (list(v[0]), list(v[1])) for k, v in plan.items() if k not in own}
+    current = getattr(network.config, "base_model_pp_plan", None)
+    if current and {k: (list(v[0]), list(v[1])) for k, v in current.items()} == base_entries:
+        return  # installed before (the tuner's look at the layout, an earlier Trainer)
+    if current or vision_plan(network) is not None:
+        raise PipelineConfigError(
+            f"`model_plan` was given, but {name} has a pipeline plan of its own"
+            f" (`{type(network.config).__name__}.base_model_pp_plan` or its text model's), so lightning-pipe would"
+            " not know which to follow. Drop `model_plan`: it describes model families whose config has none."
+        )
+    missing = [key for key in plan if not _has_slot(network, key)]
+    if missing:
+        children = [child for child, _ in network.named_modules() if child and child.count(".") <= 1][:8]
+        raise PipelineConfigError(
+            f"`model_plan` names {missing}, which {name} does not have. Name its modules relative to the model, as"
+            f" `{name}.named_modules()` gives them (here: {children})."
+        )
+    network.config.base_model_pp_plan = base_entries
+    set_head_pp_plan(network, heads)
 
 
 def plan_order(network: nn.Module) -> list[str]:
