@@ -19,6 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_pipe.compat.transformers import generation_cache, mask_sizes  # noqa: E402
 from lightning_pipe.errors import PipelineUsageError  # noqa: E402
 from lightning_pipe.models.huggingface import generation as hf_generate  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
@@ -30,11 +31,6 @@ from lightning_pipe.step.interception import CallInterceptor  # noqa: E402
 from tests.generation_models import build, run_generation  # noqa: E402
 from tests.hf_models import padded_batches  # noqa: E402
 from tests.launch import run_script  # noqa: E402
-
-#: generate under the pipeline is refused on other transformers majors (test_generate_under_an_unchecked_...)
-CHECKED_TRANSFORMERS = pytest.mark.skipif(
-    not hf_generate.checked(transformers.__version__), reason="generate is refused with this transformers"
-)
 
 TOL = 1e-5
 
@@ -55,13 +51,12 @@ def _chained(stages, kwargs, caches):
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 @pytest.mark.parametrize("n", [2, 3])
-@CHECKED_TRANSFORMERS
 def test_stages_with_their_own_caches_decode_as_the_whole_model(family, n):
     torch.manual_seed(0)
     model = build(family, layers=4).eval()
     stages = _stages(model, n)
     ids, mask, _ = padded_batches(4, 3, "left").tensors
-    caches, whole = hf_generate.StageCaches(), transformers.DynamicCache(config=model.config)
+    caches, whole = hf_generate.StageCaches(), generation_cache(model.config)
     with torch.no_grad():
         for step in range(6):  # prefill, then 5 single tokens: past the Mistral window of 5
             length = ids.shape[1]
@@ -80,24 +75,21 @@ def test_stages_with_their_own_caches_decode_as_the_whole_model(family, n):
             ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
 
 
-def test_generate_under_an_unchecked_transformers_major_is_refused():
-    for version in ("5.24.0", "4.54.0"):
-        with pytest.raises(PipelineUsageError, match=rf"checked with transformers 4.57, and transformers {version}"):
-            hf_generate.check_version(version)
-    hf_generate.check_version("4.57.6")
-
-
-@CHECKED_TRANSFORMERS
 def test_a_stage_cache_answers_for_absent_layers_with_a_held_one_of_the_same_kind():
     model = build("mistral", layers=4)
     later = _stages(model, 2)[1]
     cache = hf_generate.StageCaches().of(later)
-    assert cache.is_sliding == [True] * 4
+    whole = generation_cache(model.config)  # what generate makes for the whole model, in this transformers
     key = torch.zeros(1, 2, 3, 8)
     for layer in (2, 3):
         cache.update(key, key, layer)
-    assert cache.get_seq_length() == 3  # layer 0 is another stage's: answered by layer 2
-    assert cache.get_mask_sizes(torch.arange(3, 4), 0) == (4, 0)
+    for layer in range(4):
+        whole.update(key, key, layer)
+    # sliding-window layers (4.56+) or full layers with the window in the masks (4.54-4.55), as generate's own
+    assert cache.is_sliding[2:] == whole.is_sliding[2:]
+    assert cache.get_seq_length() == whole.get_seq_length() == 3  # layer 0 is another stage's: answered by layer 2
+    new = torch.arange(3, 4)
+    assert mask_sizes(cache, new, 0) == mask_sizes(whole, new, 0) == (4, 0)
 
 
 @pytest.mark.parametrize(
@@ -108,9 +100,9 @@ def test_a_stage_cache_answers_for_absent_layers_with_a_held_one_of_the_same_kin
         (dict(penalty_alpha=0.6, top_k=4), ["contrastive search", "penalty_alpha=0.6"]),
         (dict(cache_implementation="static"), ["cache_implementation='static'", "cache_implementation=None"]),
         (dict(past_key_values=object()), ["past_key_values", "no `past_key_values`"]),
+        (dict(cache=object()), ["with cache:", "no `cache`"]),
     ],
 )
-@CHECKED_TRANSFORMERS
 def test_generate_modes_a_pipeline_cannot_reproduce_are_refused_by_name(kwargs, names):
     model = build("llama", layers=2)
     with pytest.raises(PipelineUsageError) as err:
@@ -119,7 +111,6 @@ def test_generate_modes_a_pipeline_cannot_reproduce_are_refused_by_name(kwargs, 
         assert name in str(err.value)
 
 
-@CHECKED_TRANSFORMERS
 def test_greedy_and_sampling_pass_the_check():
     model = build("llama", layers=2)
     hf_generate.check_generate(model, (), dict(max_new_tokens=3, do_sample=False))
@@ -131,15 +122,69 @@ def test_generate_in_training_step_is_refused():
         decoding_of(build("llama", layers=2), None, "training_step")
 
 
-def test_a_plain_module_with_a_generate_method_is_refused_by_name():
-    class HandWritten(torch.nn.Module):
-        def generate(self, x):  # a decoding loop of its own, calling forward once per token
-            return x
+class HandWrittenGPT(torch.nn.Module):
+    """A GPT of one's own that takes and returns its per-layer cache (a list of (key, value) per block), with a
+    decoding loop of its own."""
 
+    def __init__(self, vocab=16, width=8, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, 2 * width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids, cache=None):
+        x, new = self.embed(ids), []
+        for i, block in enumerate(self.blocks):
+            key, value = block(x).chunk(2, -1)
+            if cache is not None:
+                key, value = torch.cat([cache[i][0], key], 1), torch.cat([cache[i][1], value], 1)
+            new.append((key, value))
+            x = x + torch.softmax(x @ key.transpose(1, 2), -1) @ value
+        return self.head(x), new
+
+    def generate(self, ids, steps):
+        return decode_by_hand(self, ids, steps)
+
+
+def decode_by_hand(network, ids, steps):
+    """Greedy decoding with the network's own per-layer cache, as a step would write it."""
+    logits, cache = network(ids)
+    for _ in range(steps):
+        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], 1)
+        logits, cache = network(ids[:, -1:], cache)
+    return ids
+
+
+def test_a_plain_module_with_a_generate_method_is_refused_by_name():
     with pytest.raises(PipelineUsageError) as err:
-        decoding_of(HandWritten(), None, "validation_step")
-    for name in ["`HandWritten.generate(...)`", "`validation_step`", "plain module", "Call the network once per step"]:
+        decoding_of(HandWrittenGPT(), None, "validation_step")
+    for name in [
+        "`HandWrittenGPT.generate(...)`",
+        "`validation_step`",
+        "plain module",
+        "which argument and output carry a per-layer cache",
+        "`past_key_values`",
+        "`cache_position`",
+        "call the network once per step",
+    ]:
         assert name in str(err.value)
+
+
+def test_a_step_that_decodes_a_plain_module_by_hand_is_refused_at_its_second_call():
+    network = HandWrittenGPT()
+    ids = torch.ones(1, 3, dtype=torch.long)
+    logits, cache = network(ids)  # one device: the loop runs
+    assert decode_by_hand(network, ids, 2).shape == (1, 5)
+    interceptor = CallInterceptor(network)
+    try:
+        interceptor.step_name = "validation_step"
+        with pytest.raises(PipelineUsageError) as err:
+            with interceptor.responding((logits, cache)):
+                decode_by_hand(network, ids, 2)  # a stage answers the first call; the second carries the cache back in
+        for name in ["`validation_step` called the pipelined network more than once", "`generate(...)`"]:
+            assert name in str(err.value)
+    finally:
+        interceptor.remove()
 
 
 def test_generate_outside_a_step_and_after_a_forward_are_refused():

@@ -79,3 +79,42 @@ def legacy_names(model: Any) -> dict[str, str]:
     converts through ``transformers.conversion_mapping``)."""
     mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
     return {str(k): str(v) for k, v in mapping.items()}
+
+
+def generation_cache(config: Any, cache_class: Any = None) -> Any:
+    """An empty cache of the kind ``generate`` makes by default for a model of ``config`` in the installed version,
+    built by ``cache_class`` (``DynamicCache`` or a subclass): ``cache_class(config=config)`` where ``DynamicCache``
+    takes a config (checked: 4.57, 5.x; one layer kind per ``config.layer_types``, sliding-window layers keeping only
+    the window), else ``cache_class()`` (checked: 4.54; full layers made on their first update, the window applied by
+    the masks alone; its cache layers refuse the arguments a config brings). Public replacement: none (``generate``
+    builds its cache in the private ``_prepare_cache_for_generation``)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    cache_class = cache_class or DynamicCache
+    if "config" in inspect.signature(DynamicCache.__init__).parameters:
+        return cache_class(config=config)
+    return cache_class()
+
+
+def mask_sizes(cache: Any, cache_position: Any, layer_idx: int) -> tuple[int, int]:
+    """``cache.get_mask_sizes`` for the new tokens at ``cache_position``: given the positions (4.x) or their number
+    (5.x, ``query_length``)."""
+    import inspect
+
+    from transformers import Cache
+
+    first = list(inspect.signature(Cache.get_mask_sizes).parameters)[1]  # after self
+    return cache.get_mask_sizes(cache_position.shape[0] if first == "query_length" else cache_position, layer_idx)
+
+
+#: The forward arguments a key/value cache travels in (and the output field it comes back in): ``past_key_values``
+#: (4.x) and ``cache`` (5.x, whose ``generate`` passes ``cache=``; ``past_key_values`` a deprecated alias there).
+CACHE_ARGUMENTS = ("past_key_values", "cache")
+
+
+def cache_argument(call: dict[str, Any]) -> Optional[str]:
+    """The name under which the network call ``call`` (by argument name) passes a cache, ``None`` when it passes
+    none."""
+    return next((name for name in CACHE_ARGUMENTS if call.get(name) is not None), None)

@@ -44,8 +44,11 @@ def decoding_of(network: nn.Module, runtime: PipelineRuntime, hook: str) -> Deco
     if decoding is None:
         raise PipelineUsageError(
             f"`{name}.generate(...)` was called in `{hook}`, but a {kind.name} does not decode under"
-            " PipelineParallelStrategy: only a transformers model's own `generate` does (each stage keeps its own"
-            " layers' cache). Call the network once per step instead."
+            " PipelineParallelStrategy: each stage keeps only its own layers' key/value cache, and the forward of a"
+            f" {kind.name} does not say which argument and output carry a per-layer cache. Only a transformers model's"
+            " own `generate` decodes (its forward takes `past_key_values`, a transformers `Cache` indexed by layer,"
+            " with `cache_position`, and returns it). Build the network as a transformers model to generate, or call"
+            " the network once per step (the whole sequence, no cache)."
         )
     calls = {type(s.stage_call).__name__ for s in runtime.stages.values() if s.stage_call is not kind.stage_call}
     if calls:

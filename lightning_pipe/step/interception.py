@@ -95,7 +95,9 @@ class CallInterceptor:
             if self._used:
                 raise PipelineUsageError(
                     f"`{self.step_name}` called the pipelined network more than once. A pipeline runs one forward pass"
-                    " per microbatch: call the network once per step and derive everything from that output."
+                    " per microbatch: call the network once per step and derive everything from that output. To"
+                    " decode token by token, call a transformers model's `generate(...)` in validation, test or"
+                    " predict steps."
                 )
             self._used = True
             return self._output

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.compat.transformers import CACHE_ARGUMENTS, cache_argument, generation_cache
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.huggingface.plan import PassThrough, block_stack
 
 #: the ``generate`` modes a pipeline decodes exactly: one token per row and per network call, no cache reordering
 SUPPORTED_MODES = ("greedy_search", "sample")
 #: arguments of a decoding call that are not per row (``cache_position`` has one entry per new token)
-_NOT_ROWS = ("cache_position", "past_key_values", "logits_to_keep", "use_cache", "return_dict")
+_NOT_ROWS = ("cache_position", *CACHE_ARGUMENTS, "logits_to_keep", "use_cache", "return_dict")
 
 
 def make_stage_cache(view: nn.Module) -> Any:
@@ -40,15 +41,18 @@ def make_stage_cache(view: nn.Module) -> Any:
                 return layer_idx
             sliding = self.is_sliding
             same = [i for i in own if i < len(sliding) and sliding[i] == sliding[layer_idx]]
-            return same[0] if same else own[0]
+            held = same[0] if same else own[0]
+            # not made yet (4.54-4.55 make layers on their first update): nothing seen, as the layer asked about
+            return held if held < len(self.layers) else layer_idx
 
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return super().get_seq_length(self._held(layer_idx))
+        def get_seq_length(self, layer_idx: int = 0, *args: Any) -> int:
+            return super().get_seq_length(self._held(layer_idx), *args)  # 4.54-4.55 also take cache_position
 
-        def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:
-            return super().get_mask_sizes(cache_position, self._held(layer_idx))
+        def get_mask_sizes(self, query: Any, layer_idx: int) -> tuple[int, int]:
+            # the new tokens' positions (4.x) or their number (5.x)
+            return super().get_mask_sizes(query, self._held(layer_idx))
 
-    return StageCache(config=view.config)
+    return generation_cache(view.config, StageCache)
 
 
 class StageCaches:
@@ -81,47 +85,17 @@ class HuggingFaceDecoding:
 
     def chunk(self, kwargs: dict, rows: int, start: int, stop: int, caches: Any) -> dict:
         # generate(use_cache=False) passes no cache: every call recomputes the whole sequence, as on one device
-        return chunk_call(kwargs, rows, start, stop, caches if kwargs.get("past_key_values") is not None else None)
+        return chunk_call(kwargs, rows, start, stop, caches if cache_argument(kwargs) is not None else None)
 
     def merge(self, outputs: list[Any]) -> Any:
         return merge_chunks(outputs)
 
     def answer(self, output: Any, kwargs: dict) -> Any:
-        return with_cache(output, kwargs.get("past_key_values"))
-
-
-#: The transformers versions whose cache API the stage caches were checked against: ``[low, high)``. transformers
-#: 4.54-4.56 build cache layers with other arguments; 5 answers a layer's mask sizes otherwise.
-CHECKED = ("4.57", "5")
-
-
-def checked(version: str) -> bool:
-    """Whether ``generate`` under the pipeline was checked with transformers ``version``."""
-    from packaging.version import Version
-
-    return Version(CHECKED[0]) <= Version(version) < Version(CHECKED[1])
-
-
-def check_version(version: str | None = None) -> None:
-    """Refuse ``generate`` under a transformers version (the installed one by default) whose cache API the stage
-    caches were not checked against (:data:`CHECKED`): each stage's cache answers for the layers other stages hold
-    through that API."""
-    if version is None:
-        import transformers
-
-        version = transformers.__version__
-    if not checked(version):
-        raise PipelineUsageError(
-            f"`generate` under the pipeline is checked with transformers 4.57, and transformers {version} is"
-            " installed, whose cache API differs (how cache layers are built, the mask sizes of a layer): the stage"
-            " caches could not decode as one device does. Install `transformers>=4.57,<5` for generation inside the"
-            " loop, or export the model (`python -m lightning_pipe.checkpoint export-hf`) and generate elsewhere."
-        )
+        return with_cache(output, kwargs)
 
 
 def check_generate(network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse, before anything runs, a ``generate`` call whose decoding a pipeline cannot reproduce exactly."""
-    check_version()
     config = kwargs.get("generation_config")
     config = copy.deepcopy(config if config is not None else network.generation_config)
     rest = config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
@@ -135,15 +109,16 @@ def check_generate(network: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             f" one token per row and per pass, so only {' and '.join(SUPPORTED_MODES)} are exact. Pass `num_beams=1`"
             " (and no assistant model or penalty_alpha)."
         )
-    if config.cache_implementation is not None or rest.get("past_key_values") is not None:
+    passed = cache_argument(rest)
+    if config.cache_implementation is not None or passed is not None:
         what = (
             f"cache_implementation={config.cache_implementation!r}"
             if config.cache_implementation is not None
-            else "past_key_values"
+            else passed
         )
         raise PipelineUsageError(
             f"{name}.generate(...) was called with {what}: under PipelineParallelStrategy each stage keeps the"
-            " dynamic cache of its own layers. Leave the cache to `generate` (no `past_key_values`,"
+            f" dynamic cache of its own layers. Leave the cache to `generate` (no `{passed or 'past_key_values'}`,"
             " `cache_implementation=None`)."
         )
 
@@ -168,7 +143,7 @@ def chunk_call(kwargs: dict[str, Any], rows: int, start: int, stop: int, caches:
             value = value[start:stop]
         out[name] = value
     if caches is not None:
-        out["past_key_values"] = caches
+        out[cache_argument(kwargs)] = caches  # in place of generate's own cache, under the name it used
     return out
 
 
@@ -178,7 +153,7 @@ def merge_chunks(outputs: list[Any]) -> Any:
     first = outputs[0]
     merged = {}
     for key, value in first.items():
-        if key == "past_key_values":
+        if key in CACHE_ARGUMENTS:
             continue
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             if len(outputs) > 1:
@@ -192,8 +167,10 @@ def merge_chunks(outputs: list[Any]) -> Any:
     return type(first)(**merged)
 
 
-def with_cache(output: Any, cache: Any) -> Any:
-    """``output`` as ``generate`` expects it back: carrying the cache object it passed in."""
-    if cache is not None:
-        output["past_key_values"] = cache
+def with_cache(output: Any, kwargs: dict[str, Any]) -> Any:
+    """``output`` as ``generate`` expects it back: carrying the cache object it passed in (``kwargs``), in the field
+    of the same name."""
+    name = cache_argument(kwargs)
+    if name is not None:
+        output[name] = kwargs[name]
     return output

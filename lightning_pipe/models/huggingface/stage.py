@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.compat import torch as torch_compat
+from lightning_pipe.compat.transformers import cache_argument
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 from lightning_pipe.models.huggingface import router_logits, vision
 from lightning_pipe.models.huggingface.generation import StageCaches
@@ -139,10 +140,10 @@ def prepare_call(
     itself by default)."""
     call = _bind(view, args, kwargs)
     target = view if model is None else model
-    caches = call.get("past_key_values")
-    if isinstance(caches, StageCaches):
-        call["past_key_values"] = caches.of(view)
-        _refuse_unsupported(target, {**call, "past_key_values": None})
+    name = cache_argument(call)
+    if name is not None and isinstance(call[name], StageCaches):
+        call[name] = call[name].of(view)
+        _refuse_unsupported(target, {**call, name: None})
         call["use_cache"] = True
         return call
     _refuse_unsupported(target, call)
@@ -288,10 +289,11 @@ def _bind(view: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
 
 
 def _refuse_unsupported(view: nn.Module, call: dict[str, Any]) -> None:
-    if call.get("past_key_values") is not None:
+    name = cache_argument(call)
+    if name is not None:
         raise PipelineUsageError(
-            f"{type(view).__name__} was called with `past_key_values`: a pipeline stage holds only its own layers'"
-            " cache, so a cache passed in cannot be used. Call the model without `past_key_values` in the step; to"
+            f"{type(view).__name__} was called with `{name}`: a pipeline stage holds only its own layers'"
+            f" cache, so a cache passed in cannot be used. Call the model without `{name}` in the step; to"
             " decode, call `generate(...)` in validation, test or predict steps, where each stage keeps its own"
             " layers' cache."
         )
