@@ -360,12 +360,14 @@ def _assert_resumed_one_device_run(out: Path, name: str, ranks: int = 2) -> None
     assert all(r["losses"] == resumed[0]["losses"] for r in resumed)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_one_device_to_pipeline_resumes_exactly(converted):
     for name in ("from-single-1f1b", "from-single-interleaved"):
         _assert_resumed_one_device_run(converted, name)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pipe", "pipe4"])
 def test_pipeline_to_one_device_resumes_exactly(converted, four_ranks, tmp_path, name):
@@ -402,11 +404,13 @@ def four_ranks(converted) -> Path:
     return converted
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_one_device_to_four_stage_pipeline(four_ranks):
     _assert_resumed_one_device_run(four_ranks, "from-single-4ranks", ranks=4)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_single_file_resume_errors(converted):
     out = converted

@@ -52,6 +52,7 @@ def two_procs(tmp_path_factory):
     return out
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_crossing_two_processes(two_procs, cfg):
     ranks = load_ranks(two_procs, cfg["name"])

@@ -279,6 +279,7 @@ def test_activation_checkpointing_keeps_parity_under_every_schedule(two, schedul
     assert_parity(ranks, *single_device_run())
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp-acc2", "fsdp-acc2", "fsdp-interleaved-ac", "fsdp-zbv"])
 def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
@@ -299,6 +300,7 @@ def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp-acc2", "ddp-acc3"])
 def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
@@ -308,6 +310,7 @@ def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
         assert r["per_step"] == [{"all_reduce": n} for n in r["buckets"]], r["per_step"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp-acc1", "fsdp-acc2", "fsdp-acc3"])
 def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
@@ -321,6 +324,7 @@ def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
         assert all("all_reduce" not in step for step in r["per_step"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
     ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in load_ranks(four, "ddp-save")}
@@ -330,6 +334,7 @@ def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
 
 
 # ---------------------------------------------------------------------------------------------- precision, evaluation
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
 def test_bf16_fsdp_trains_as_ddp(four, precision):
@@ -342,6 +347,7 @@ def test_bf16_fsdp_trains_as_ddp(four, precision):
         torch.testing.assert_close(merged_state(fsdp)[key], value, **tol)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_evaluation_and_metrics_equal_ddp(four):
     ddp, fsdp = (load_ranks(four, n) for n in ("ddp-eval", "fsdp-eval"))
@@ -351,6 +357,7 @@ def test_fsdp_evaluation_and_metrics_equal_ddp(four):
             assert b["validated"][key] == pytest.approx(value, rel=1e-5), key
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_short_last_batch_trains_exactly_token_weighted_under_data_parallelism(four):
     ranks = load_ranks(four, "ddp-odd-last-weighted")
@@ -358,6 +365,7 @@ def test_a_short_last_batch_trains_exactly_token_weighted_under_data_parallelism
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, clip=CLIP, max_steps=5, samples=61))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_refuses_token_weighted_accumulation_on_every_rank(four):
     for r in load_ranks(four, "fsdp-weighted-acc2"):
@@ -373,6 +381,7 @@ def _whole(ranks: list[dict], part: str, dp_rank: int = 0, key: str | None = Non
     return merged
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize(("saved", "resumed"), [("ddp-save", "fsdp-from-ddp"), ("fsdp-save", "ddp-from-fsdp")])
 def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_two, saved, resumed):
@@ -391,6 +400,7 @@ def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_
 
 
 # ---------------------------------------------------------------------------------------------------- nodes
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("inner", ["dp", "pp"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

@@ -113,6 +113,7 @@ def test_cnn_example(tmp_path: Path) -> None:
     assert 0.3 < metrics["val_acc"][-1] <= 1.0
 
 
+@pytest.mark.extended
 def test_cnn_example_alexnet(tmp_path: Path) -> None:
     # The AlexNet layout splits between the convolutional features and the classifier (seed 002's split).
     run_example(

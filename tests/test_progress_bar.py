@@ -36,6 +36,7 @@ def _close(a: dict, b: dict) -> bool:
     return True
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("bar", BARS)
 def test_the_bar_shows_what_one_device_shows(pipeline, tmp_path, bar):

@@ -486,6 +486,7 @@ def test_profile_names_a_step_that_needs_a_trainer():
 
 
 # ---------------------------------------------------------------------------------------------------- 2 processes
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tune_at_two_processes(tmp_path):
     import yaml
