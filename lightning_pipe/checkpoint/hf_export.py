@@ -240,7 +240,7 @@ def export(
             max_shard_size=max_shard_size,
             dtype=target_dtype,
         )
-    model = _meta_model(hf_config, src)
+    model = meta_model(hf_config, src)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     stored = _stored(src)
     prefix = _prefix(attribute if attribute is not None else recorded, stored, expected, src)
@@ -317,7 +317,7 @@ def _transformers() -> Any:
     return transformers
 
 
-def _meta_model(config: Any, src: Path) -> torch.nn.Module:
+def meta_model(config: Any, src: Path) -> torch.nn.Module:
     """The config's model on the meta device: its state-dict names, shapes and ties, without memory."""
     transformers = _transformers()
     name = (getattr(config, "architectures", None) or [None])[0]

@@ -115,19 +115,13 @@ def _peft() -> Any:
 
 def _meta_peft_model(hf_config: Any, configs: Mapping[str, Mapping[str, Any]], src: Path) -> Any:
     """The recorded PEFT model around the config's transformers model, on the meta device."""
-    import transformers
+    from lightning_pipe.checkpoint.hf_export import meta_model  # hf_export imports this module
 
     peft = _peft()
-    name = (getattr(hf_config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, name, None) if name else None
-    if cls is None:
-        raise PipelineCheckpointError(
-            f"The config of {str(src)!r} names the architecture {name!r}, which this transformers"
-            f" ({transformers.__version__}) does not have: export with the transformers version that trained it."
-        )
+    base = meta_model(hf_config, src)
     adapters = list(configs.items())
     with torch.device("meta"):
-        network = peft.get_peft_model(cls(hf_config), peft.PeftConfig.from_peft_type(**adapters[0][1]), adapters[0][0])
+        network = peft.get_peft_model(base, peft.PeftConfig.from_peft_type(**adapters[0][1]), adapters[0][0])
         for adapter, values in adapters[1:]:
             network.add_adapter(adapter, peft.PeftConfig.from_peft_type(**values))
     return network
