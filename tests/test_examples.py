@@ -92,6 +92,7 @@ def test_gpt_example(tmp_path: Path) -> None:
 
 
 def test_cnn_example(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")  # the digits ship with scikit-learn (the `examples` extra)
     run_example(
         EXAMPLES / "cnn" / "train.py",
         *fit_args(
@@ -116,6 +117,7 @@ def test_cnn_example(tmp_path: Path) -> None:
 @pytest.mark.extended
 def test_cnn_example_alexnet(tmp_path: Path) -> None:
     # The AlexNet layout splits between the convolutional features and the classifier (seed 002's split).
+    pytest.importorskip("sklearn")
     run_example(
         EXAMPLES / "cnn" / "train.py",
         *fit_args(

@@ -157,6 +157,7 @@ def test_a_chart_without_matplotlib_is_refused(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- 2 processes
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    pytest.importorskip("matplotlib")  # the runs draw their chart
     out = tmp_path_factory.mktemp("timeline")
     run_script("timeline.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
     return out
