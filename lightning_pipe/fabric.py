@@ -466,6 +466,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             tensor_parallel_rank=0,
             tensor_parallel_size=1,
             replica_group=self._meshes.replica_group,
+            network_prefix=split.prefix if split is not None else "",
         )
 
     @override

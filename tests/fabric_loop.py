@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from tests.gpt2 import GPT2
 
@@ -122,3 +123,39 @@ def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[lis
             fabric.save(cfg["save_to"], state)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, weights, norms
+
+
+class LitGPT2(L.LightningModule):
+    """:func:`train`'s loop as a LightningModule (the network as ``self.model``), over batches ``[first, last)`` of
+    the data of a ``steps``-step run."""
+
+    def __init__(self, first: int, last: int, steps: int = 4, schedulers: bool = False) -> None:
+        super().__init__()
+        self.first, self.last, self.steps, self.schedulers = first, last, steps, schedulers
+        self.model = GPT2(vocab=VOCAB, block_size=BLOCK, n_layer=4, n_head=2, n_embd=32)
+        self.step_losses: list[float] = []
+        self.loaded: dict = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.schedulers:
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1)]
+        return optimizer
+
+    def train_dataloader(self):
+        indices = range(self.first * BATCH, self.last * BATCH)
+        return DataLoader(Subset(dataset(self.steps), indices), batch_size=BATCH)
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        checkpoint["iter_num"] = self.first + self.global_step  # what the Fabric loop keeps in its state
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self.loaded = {k: checkpoint[k] for k in ("iter_num",) if k in checkpoint}
