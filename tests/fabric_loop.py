@@ -71,23 +71,35 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
     return losses, weights, norms
 
 
-def build_litgpt(fabric: Any, meta: bool = False) -> torch.nn.Module:
-    from litgpt import GPT, Config
+def build_litgpt(fabric: Any, meta: bool = False, lora: bool = False) -> torch.nn.Module:
+    """litgpt's ``GPT``; with ``lora``, ``litgpt.lora.GPT`` with adapters on every projection, its base frozen (as
+    litgpt's LoRA fine-tune script sets it up; no LoRA dropout, whose draws differ with the microbatch split)."""
+    sizes = dict(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
+    if not lora:
+        from litgpt import GPT, Config
 
-    config = Config(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
+        with fabric.init_module(empty_init=meta):
+            return GPT(Config(**sizes))
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    adapters = dict(lora_query=True, lora_value=True, lora_projection=True, lora_mlp=True, lora_head=True)
     with fabric.init_module(empty_init=meta):
-        return GPT(config)
+        model = GPT(Config(**sizes, lora_r=4, lora_alpha=8, lora_dropout=0.0, **adapters))
+    mark_only_lora_as_trainable(model)
+    return model
 
 
 def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, Any], list]:
     """litgpt's full fine-tune loop (``litgpt/finetune/full.py``'s ``fit``), with its chunked cross-entropy and,
-    when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``."""
+    when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``; with ``cfg["lora"]``, its LoRA fine-tune
+    (``litgpt/finetune/lora.py``: ``litgpt.lora.GPT``, the optimizer over the trainable parameters)."""
     from litgpt.utils import chunked_cross_entropy
 
     fabric.seed_everything(0)
     accumulate, steps, chunk = cfg.get("accumulate", 1), cfg.get("steps", 4), cfg.get("chunk", 0)
-    model = fabric.setup_module(build_litgpt(fabric, cfg.get("meta", False)))
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model = fabric.setup_module(build_litgpt(fabric, cfg.get("meta", False), cfg.get("lora", False)))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(trainable, lr=0.05, momentum=0.9))
     data = dataset(steps * accumulate)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH))
 
