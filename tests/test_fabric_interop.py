@@ -85,3 +85,41 @@ def test_stored_names_map_the_network_prefix():
 def test_stored_names_refuse_two_names_for_one_entry():
     with pytest.raises(PipelineCheckpointError, match=r"prefix '' .* under 'model.'.*\['model.head', 'head'\].*'head'"):
         fmt.stored_names(["model.head", "head"], "model.", "")
+
+
+def test_hf_directory_starts_a_fabric_run_and_its_checkpoint_exports(tmp_path):
+    """``init_weights=<Hugging Face dir>`` fills the model built on the meta device; ``export-hf`` of the
+    ``fabric.save`` checkpoint after a step gives the trained model back to ``from_pretrained``."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_pipe.checkpoint.__main__ import main as cli
+    from tests.hf_pretrained import save_pretrained
+
+    original = save_pretrained(tmp_path / "original", "llama", tie=True, layers=2)
+    fabric = Fabric(strategy=lightning_pipe.PipelineFabricStrategy(init_weights=original), accelerator="cpu", devices=1)
+    fabric.launch()
+    config = transformers.AutoConfig.from_pretrained(original)
+    with fabric.init_module(empty_init=True):
+        network = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = fabric.setup_module(network)
+    start = transformers.AutoModelForCausalLM.from_pretrained(original, attn_implementation="eager").state_dict()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in start.items())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, config.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
+
+    def forward_and_loss(batch):
+        logits = model(batch).logits  # (B, T, vocab)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    fabric.backward(model.step(forward_and_loss, ids))
+    optimizer.step()
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fabric.strategy.teardown()
+    assert cli(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--no-progress"]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert exported.state_dict().keys() == start.keys()
+    assert all(torch.equal(v, trained[k]) for k, v in exported.state_dict().items())
+    assert any(not torch.equal(v, start[k]) for k, v in trained.items())  # the step changed them
