@@ -32,7 +32,17 @@ CONFIGS = [
     {**LITGPT, "name": "litgpt-meta", "schedule": "1F1B", "meta": True},
     # litgpt's LoRA fine-tune: `litgpt.lora.GPT`, its base frozen (a smaller clip: LoRA's gradients are small).
     {**LITGPT, "name": "litgpt-lora-1F1B-acc2-clip", "schedule": "1F1B", "lora": True, "clip": 0.1},
+    # Fabric's precision plugins: compared with Fabric(devices=1) at the same precision, to that precision's tolerance.
+    *(
+        {"name": f"{p}-1F1B-acc2-clip", "schedule": "1F1B", "devices": 2, "accumulate": 2, "clip": CLIP, "precision": p}
+        for p in ("bf16-mixed", "bf16-true")
+    ),
 ]
+#: bfloat16 matmuls (and weights): gradients summed per microbatch round differently. Losses and clip norms to
+#: bfloat16's own tolerance; weights within a fraction of the tensor's largest entry (bfloat16's ulp is 2**-8 of it:
+#: measured 2**-5.6 for bf16-true's bfloat16 weights after 4 steps, under 2**-7 for bf16-mixed's float32 weights)
+TOLERANCE = {"bf16-mixed": {"rtol": 1.6e-2, "atol": 1e-5}, "bf16-true": {"rtol": 1.6e-2, "atol": 1e-5}}
+WEIGHTS_ATOL = {"bf16-mixed": 2**-7, "bf16-true": 2**-4}
 
 
 #: save after step 2 of 4, then continue from it in a fresh model and optimizer (the same launch)
@@ -43,7 +53,9 @@ FROM_TRAINER = {"name": "from-trainer", "schedule": "1F1B", "devices": 2, "resum
 
 
 @functools.cache
-def _reference(model: str, accumulate: int, clip: float | None, meta: bool, chunk: int, lora: bool = False) -> tuple:
+def _reference(
+    model: str, accumulate: int, clip: float | None, meta: bool, chunk: int, lora: bool, precision: str
+) -> tuple:
     """The loop under ``Fabric(devices=1)``; with ``meta``, under a one-process pipeline (a model built with
     ``empty_init=True`` is initialised per unit there, the same whatever the layout)."""
     cfg = {"accumulate": accumulate, "clip": clip, "meta": meta, "chunk": chunk, "lora": lora}
@@ -53,7 +65,7 @@ def _reference(model: str, accumulate: int, clip: float | None, meta: bool, chun
         fabric = Fabric(strategy=lightning_pipe.PipelineFabricStrategy(frontend=frontend), accelerator="cpu", devices=1)
         fabric.launch()
         return loop(fabric, cfg, pipelined=True)
-    return loop(Fabric(accelerator="cpu", devices=1), cfg, pipelined=False)
+    return loop(Fabric(accelerator="cpu", devices=1, precision=precision), cfg, pipelined=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +92,24 @@ def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
         cfg.get("meta", False),
         cfg.get("chunk", 0),
         cfg.get("lora", False),
+        cfg.get("precision", "32-true"),
     )
+    tolerance = TOLERANCE.get(cfg.get("precision"), {"rtol": 1e-5, "atol": 1e-7})
     merged: dict[str, torch.Tensor] = {}
     for r in ranks:
         # Every rank gets the step's loss (and the clip's global norm).
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), **tolerance)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), **tolerance)
         assert not merged.keys() & r["weights"].keys(), "each rank holds only its own stages"
         merged.update(r["weights"])
     assert merged.keys() == weights.keys()
     for key, value in weights.items():
-        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+        assert merged[key].dtype == value.dtype, key
+        fraction = WEIGHTS_ATOL.get(cfg.get("precision"))
+        atol = fraction * float(value.abs().max()) if fraction else tolerance["atol"]
+        torch.testing.assert_close(
+            merged[key], value, rtol=tolerance["rtol"], atol=atol, msg=lambda m, k=key: f"{k}: {m}"
+        )
     assert sorted(s for r in ranks for s in r["stages"]) == list(
         range(4 if cfg.get("schedule") == "ZBVZeroBubble" else 2)
     )
@@ -341,3 +360,13 @@ def test_init_weights_loads_each_rank_stages(tmp_path):
         assert torch.equal(model.state_dict()[key], value), key
     fabric.strategy.teardown()
     assert "step" not in vars(model), "teardown takes model.step off the model"
+
+
+def test_precision_with_a_gradient_scaler_is_refused():
+    from lightning.fabric.plugins import MixedPrecision
+
+    # On CPU, `precision="16-mixed"` becomes "bf16-mixed": the plugin is given (as on a GPU it would be made).
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    fabric.launch()
+    with pytest.raises(PipelineConfigError, match=r"precision='16-mixed'.*gradient scaler.*`precision='bf16-mixed'`"):
+        fabric.setup_module(build_gpt(fabric))
