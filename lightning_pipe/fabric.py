@@ -243,6 +243,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
                 f"{type(module).__name__} has its own `{STEP_ATTR}` attribute, which `model.step(fn, batch)` would"
                 " hide under Fabric(strategy='pipeline'). Rename it in your model."
             )
+        self._check_precision()
         recording, self._init_recording = self._init_recording, None
         self._owner = module
         self._split = split = split_module(
@@ -287,6 +288,16 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         self._run.callback(attributes.pop, STEP_ATTR, None)
         self._run.callback(attributes.pop, "evaluate", None)
         return module
+
+    def _check_precision(self) -> None:
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
+            raise PipelineConfigError(
+                f"`Fabric(precision={self.precision.precision!r})` needs a gradient scaler whose inf/NaN checks would"
+                " have to agree across stages; Fabric(strategy='pipeline') does not support it. Use"
+                " `precision='bf16-mixed'` (or '32-true', 'bf16-true')."
+            )
 
     def _load_initial_weights(self, module: nn.Module, split: Split) -> None:
         from lightning_pipe.checkpoint import io as ckpt_io
@@ -346,8 +357,9 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
                 " gradients (call it once per step, e.g. `fabric.backward(loss * 0)` to drop a step's gradients)."
             )
         assert self._gradients is not None
+        user_step = FunctionStep(fn, context=self._outside_forward_context())
         with self.precision.forward_context(), self._gradients.capture(), pl_compat.inside_fabric_backward():
-            outcome = self.engine.train(FunctionStep(fn), batch)
+            outcome = self.engine.train(user_step, batch)
         loss = outcome.loss.detach().clone().requires_grad_(True)
         loss.register_hook(self._outside_backward)
         self._pending = _PendingStep(loss, outcome.grad_scale)
@@ -357,15 +369,33 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         """``fn(microbatch)`` (calls the model once) over the batch's microbatches in a forward-only pass; returns
         what ``fn`` returned, merged over the microbatches as the Trainer merges ``validation_step`` outputs (on
         every rank where it holds only scalars, else on the last stage's rank)."""
+        context = self._outside_forward_context()
+        user_step = FunctionStep(fn, name="the evaluation function", hook="validation_step", context=context)
         with torch.no_grad(), self.precision.forward_context():
-            outcome = self.engine.evaluate(
-                FunctionStep(fn, name="the evaluation function", hook="validation_step"), batch
-            )
+            outcome = self.engine.evaluate(user_step, batch)
         if self._wrapped.sharded:
             from lightning_pipe.parallel import data_parallel as dp_modes
 
             dp_modes.reshard(self.engine.runtime.stages.values())
         return outcome.output
+
+    def _outside_forward_context(self) -> Callable[[], AbstractContextManager[Any]]:
+        """Where the step function runs: outside the precision's forward context (autocast, the default dtype of
+        ``'bf16-true'``), as Fabric runs a loop's own code; the stages run inside it. The model's output reaches the
+        function as Fabric's module wrapper converts it (to the default dtype outside the context)."""
+        dtype, device_type = torch.get_default_dtype(), self.root_device.type
+
+        @contextmanager
+        def outside() -> Generator[None, None, None]:
+            inside = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.autocast(device_type, enabled=False):
+                    yield
+            finally:
+                torch.set_default_dtype(inside)
+
+        return outside
 
     def _outside_backward(self, grad: Tensor) -> None:
         if not self._in_backward:
@@ -466,6 +496,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             tensor_parallel_rank=0,
             tensor_parallel_size=1,
             replica_group=self._meshes.replica_group,
+            network_prefix=split.prefix if split is not None else "",
         )
 
     @override

@@ -544,6 +544,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             tensor_parallel_rank=self.tensor_parallel_rank,
             tensor_parallel_size=self.tensor_parallel_size,
             replica_group=self._meshes.replica_group,
+            network_prefix=self._split.prefix if self._split is not None else "",
         )
 
     # ------------------------------------------------------------------ collectives

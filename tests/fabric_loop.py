@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from tests.gpt2 import GPT2
 
@@ -70,23 +71,35 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
     return losses, weights, norms
 
 
-def build_litgpt(fabric: Any, meta: bool = False) -> torch.nn.Module:
-    from litgpt import GPT, Config
+def build_litgpt(fabric: Any, meta: bool = False, lora: bool = False) -> torch.nn.Module:
+    """litgpt's ``GPT``; with ``lora``, ``litgpt.lora.GPT`` with adapters on every projection, its base frozen (as
+    litgpt's LoRA fine-tune script sets it up; no LoRA dropout, whose draws differ with the microbatch split)."""
+    sizes = dict(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
+    if not lora:
+        from litgpt import GPT, Config
 
-    config = Config(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
+        with fabric.init_module(empty_init=meta):
+            return GPT(Config(**sizes))
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    adapters = dict(lora_query=True, lora_value=True, lora_projection=True, lora_mlp=True, lora_head=True)
     with fabric.init_module(empty_init=meta):
-        return GPT(config)
+        model = GPT(Config(**sizes, lora_r=4, lora_alpha=8, lora_dropout=0.0, **adapters))
+    mark_only_lora_as_trainable(model)
+    return model
 
 
 def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, Any], list]:
     """litgpt's full fine-tune loop (``litgpt/finetune/full.py``'s ``fit``), with its chunked cross-entropy and,
-    when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``."""
+    when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``; with ``cfg["lora"]``, its LoRA fine-tune
+    (``litgpt/finetune/lora.py``: ``litgpt.lora.GPT``, the optimizer over the trainable parameters)."""
     from litgpt.utils import chunked_cross_entropy
 
     fabric.seed_everything(0)
     accumulate, steps, chunk = cfg.get("accumulate", 1), cfg.get("steps", 4), cfg.get("chunk", 0)
-    model = fabric.setup_module(build_litgpt(fabric, cfg.get("meta", False)))
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model = fabric.setup_module(build_litgpt(fabric, cfg.get("meta", False), cfg.get("lora", False)))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(trainable, lr=0.05, momentum=0.9))
     data = dataset(steps * accumulate)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH))
 
@@ -122,3 +135,39 @@ def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[lis
             fabric.save(cfg["save_to"], state)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, weights, norms
+
+
+class LitGPT2(L.LightningModule):
+    """:func:`train`'s loop as a LightningModule (the network as ``self.model``), over batches ``[first, last)`` of
+    the data of a ``steps``-step run."""
+
+    def __init__(self, first: int, last: int, steps: int = 4, schedulers: bool = False) -> None:
+        super().__init__()
+        self.first, self.last, self.steps, self.schedulers = first, last, steps, schedulers
+        self.model = GPT2(vocab=VOCAB, block_size=BLOCK, n_layer=4, n_head=2, n_embd=32)
+        self.step_losses: list[float] = []
+        self.loaded: dict = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.schedulers:
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1)]
+        return optimizer
+
+    def train_dataloader(self):
+        indices = range(self.first * BATCH, self.last * BATCH)
+        return DataLoader(Subset(dataset(self.steps), indices), batch_size=BATCH)
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        checkpoint["iter_num"] = self.first + self.global_step  # what the Fabric loop keeps in its state
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self.loaded = {k: checkpoint[k] for k in ("iter_num",) if k in checkpoint}

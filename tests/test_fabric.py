@@ -9,14 +9,15 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.fabric import Fabric
+from lightning.fabric import Fabric, seed_everything
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_pipe
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
-from tests.fabric_loop import VOCAB, build_gpt, build_litgpt, dataset, train, train_litgpt
+from tests.fabric_loop import VOCAB, LitGPT2, build_gpt, build_litgpt, dataset, train, train_litgpt
 from tests.gpt2 import GPT2
 from tests.launch import run_script
+from tests.models import quiet_trainer
 
 CLIP = 0.5
 LITGPT = {"model": "litgpt", "frontend": "dataflow", "devices": 2, "accumulate": 2, "clip": CLIP}
@@ -29,32 +30,53 @@ CONFIGS = [
     {**LITGPT, "name": "litgpt-1F1B-acc2-clip", "schedule": "1F1B"},
     {**LITGPT, "name": "litgpt-ZBV-acc2-clip-chunks", "schedule": "ZBVZeroBubble", "chunk": 4},
     {**LITGPT, "name": "litgpt-meta", "schedule": "1F1B", "meta": True},
+    # litgpt's LoRA fine-tune: `litgpt.lora.GPT`, its base frozen (a smaller clip: LoRA's gradients are small).
+    {**LITGPT, "name": "litgpt-lora-1F1B-acc2-clip", "schedule": "1F1B", "lora": True, "clip": 0.1},
+    # Fabric's precision plugins: compared with Fabric(devices=1) at the same precision, to that precision's tolerance.
+    *(
+        {"name": f"{p}-1F1B-acc2-clip", "schedule": "1F1B", "devices": 2, "accumulate": 2, "clip": CLIP, "precision": p}
+        for p in ("bf16-mixed", "bf16-true")
+    ),
 ]
+#: bfloat16 matmuls (and weights): gradients summed per microbatch round differently. Losses and clip norms to
+#: bfloat16's own tolerance; weights within a fraction of the tensor's largest entry (bfloat16's ulp is 2**-8 of it:
+#: measured 2**-5.6 for bf16-true's bfloat16 weights after 4 steps, under 2**-7 for bf16-mixed's float32 weights)
+TOLERANCE = {"bf16-mixed": {"rtol": 1.6e-2, "atol": 1e-5}, "bf16-true": {"rtol": 1.6e-2, "atol": 1e-5}}
+WEIGHTS_ATOL = {"bf16-mixed": 2**-7, "bf16-true": 2**-4}
 
 
 #: save after step 2 of 4, then continue from it in a fresh model and optimizer (the same launch)
 SAVED = {"name": "ckpt-full", "schedule": "1F1B", "devices": 2, "save_at": 2}
 RESUMED = {"name": "ckpt-resumed", "schedule": "1F1B", "devices": 2, "resume": "ckpt-full"}
+#: a one-process Trainer's checkpoint after step 2 (``trainer-ckpt``, written before the launch) continued by Fabric
+FROM_TRAINER = {"name": "from-trainer", "schedule": "1F1B", "devices": 2, "resume": "trainer"}
 
 
 @functools.cache
-def _reference(model: str, accumulate: int, clip: float | None, meta: bool, chunk: int) -> tuple:
+def _reference(
+    model: str, accumulate: int, clip: float | None, meta: bool, chunk: int, lora: bool, precision: str
+) -> tuple:
     """The loop under ``Fabric(devices=1)``; with ``meta``, under a one-process pipeline (a model built with
     ``empty_init=True`` is initialised per unit there, the same whatever the layout)."""
-    cfg = {"accumulate": accumulate, "clip": clip, "meta": meta, "chunk": chunk}
+    cfg = {"accumulate": accumulate, "clip": clip, "meta": meta, "chunk": chunk, "lora": lora}
     loop = train_litgpt if model == "litgpt" else train
     if meta:
         frontend = "dataflow" if model == "litgpt" else "auto"
         fabric = Fabric(strategy=lightning_pipe.PipelineFabricStrategy(frontend=frontend), accelerator="cpu", devices=1)
         fabric.launch()
         return loop(fabric, cfg, pipelined=True)
-    return loop(Fabric(accelerator="cpu", devices=1), cfg, pipelined=False)
+    return loop(Fabric(accelerator="cpu", devices=1, precision=precision), cfg, pipelined=False)
 
 
 @pytest.fixture(scope="module")
 def two_procs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric2")
-    run_script("fabric_parity.py", str(out), json.dumps([*CONFIGS, SAVED, RESUMED]), nprocs=2, launcher="lightning")
+    seed_everything(0)  # the Fabric loop's start weights
+    trainer = quiet_trainer(devices=1, max_steps=2, strategy=lightning_pipe.PipelineParallelStrategy())
+    trainer.fit(LitGPT2(0, 2))
+    trainer.save_checkpoint(out / "trainer-ckpt")
+    configs = [*CONFIGS, SAVED, RESUMED, FROM_TRAINER]
+    run_script("fabric_parity.py", str(out), json.dumps(configs), nprocs=2, launcher="lightning")
     return out
 
 
@@ -64,23 +86,38 @@ def two_procs(tmp_path_factory):
 def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
     ranks = [torch.load(two_procs / f"{cfg['name']}.rank{r}.pt") for r in range(2)]
     losses, weights, norms = _reference(
-        cfg.get("model", "gpt"), cfg.get("accumulate", 1), cfg.get("clip"), cfg.get("meta", False), cfg.get("chunk", 0)
+        cfg.get("model", "gpt"),
+        cfg.get("accumulate", 1),
+        cfg.get("clip"),
+        cfg.get("meta", False),
+        cfg.get("chunk", 0),
+        cfg.get("lora", False),
+        cfg.get("precision", "32-true"),
     )
+    tolerance = TOLERANCE.get(cfg.get("precision"), {"rtol": 1e-5, "atol": 1e-7})
     merged: dict[str, torch.Tensor] = {}
     for r in ranks:
         # Every rank gets the step's loss (and the clip's global norm).
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), **tolerance)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), **tolerance)
         assert not merged.keys() & r["weights"].keys(), "each rank holds only its own stages"
         merged.update(r["weights"])
     assert merged.keys() == weights.keys()
     for key, value in weights.items():
-        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+        assert merged[key].dtype == value.dtype, key
+        fraction = WEIGHTS_ATOL.get(cfg.get("precision"))
+        atol = fraction * float(value.abs().max()) if fraction else tolerance["atol"]
+        torch.testing.assert_close(
+            merged[key], value, rtol=tolerance["rtol"], atol=atol, msg=lambda m, k=key: f"{k}: {m}"
+        )
     assert sorted(s for r in ranks for s in r["stages"]) == list(
         range(4 if cfg.get("schedule") == "ZBVZeroBubble" else 2)
     )
     if cfg.get("clip"):
-        assert max(norms) > CLIP, "the clip is active in the reference"
+        assert max(norms) > cfg["clip"], "the clip is active in the reference"
+    if cfg.get("lora"):  # the frozen base: bitwise its start weights (the reference's, which no optimizer holds)
+        frozen = [k for k in weights if "lora_" not in k]
+        assert frozen and all(torch.equal(merged[k], weights[k]) for k in frozen)
 
 
 def test_litgpt_under_the_modules_frontend_is_refused_by_name():
@@ -161,6 +198,32 @@ def test_fabric_checkpoint_loads_into_another_layout(two_procs):
     merged = {**full[0]["weights"], **full[1]["weights"]}
     for key, value in merged.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_trainer_checkpoint_continues_under_fabric_in_another_layout(two_procs):
+    """A one-process Trainer's checkpoint continues in the two-process Fabric loop: as the uninterrupted run."""
+    full = _ranks(two_procs, "ckpt-full")
+    for rank in _ranks(two_procs, "from-trainer"):
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=0)
+    merged = {k: v for r in _ranks(two_procs, "from-trainer") for k, v in r["weights"].items()}
+    for key, value in {**full[0]["weights"], **full[1]["weights"]}.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_fabric_checkpoint_continues_under_the_trainer_in_another_layout(two_procs):
+    """The two-process Fabric checkpoint continues under the Trainer strategy in a one-process pipeline."""
+    module = LitGPT2(2, 4)
+    trainer = quiet_trainer(devices=1, max_steps=2, strategy=lightning_pipe.PipelineParallelStrategy())
+    with pytest.warns(UserWarning, match="no resume point"):
+        trainer.fit(module, ckpt_path=two_procs / "ckpt-full-ckpt")
+    full = _ranks(two_procs, "ckpt-full")
+    torch.testing.assert_close(torch.tensor(module.step_losses), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=0)
+    for key, value in {**full[0]["weights"], **full[1]["weights"]}.items():
+        torch.testing.assert_close(module.model.state_dict()[key], value, rtol=1e-5, atol=1e-7)
 
 
 def test_registered_in_fabric_registry():
@@ -297,3 +360,13 @@ def test_init_weights_loads_each_rank_stages(tmp_path):
         assert torch.equal(model.state_dict()[key], value), key
     fabric.strategy.teardown()
     assert "step" not in vars(model), "teardown takes model.step off the model"
+
+
+def test_precision_with_a_gradient_scaler_is_refused():
+    from lightning.fabric.plugins import MixedPrecision
+
+    # On CPU, `precision="16-mixed"` becomes "bf16-mixed": the plugin is given (as on a GPU it would be made).
+    fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    fabric.launch()
+    with pytest.raises(PipelineConfigError, match=r"precision='16-mixed'.*gradient scaler.*`precision='bf16-mixed'`"):
+        fabric.setup_module(build_gpt(fabric))

@@ -106,3 +106,26 @@ def load_state(
         else:
             state[key] = stored  # type: ignore[index]
     return rest
+
+
+def as_trainer_checkpoint(rest: dict[str, Any], path: Path, schedulers: int) -> dict[str, Any]:
+    """What :func:`io.load` returned from ``path`` as the checkpoint dict Lightning's Trainer restores from: a
+    ``fabric.save`` checkpoint has the model's weights and optimizer states (loaded already) and the Fabric state's
+    values, which the LightningModule's ``on_load_checkpoint`` finds under their keys; the Trainer's loops start at
+    zero. ``schedulers``: how many LR schedulers the Trainer restores (refused: Fabric saves none the Trainer could
+    match). A Trainer checkpoint is returned as it is."""
+    if MODEL_KEY not in rest:
+        return rest
+    from lightning.pytorch import __version__
+
+    if schedulers and "lr_schedulers" not in rest:
+        raise PipelineCheckpointError(
+            f"Checkpoint {str(path)!r} was saved by `fabric.save` (Fabric(strategy='pipeline')), which writes no LR"
+            f" scheduler state the Trainer can match to its {schedulers} LR scheduler(s) from `configure_optimizers`;"
+            " resuming would restart them from scratch. Resume it without an LR scheduler, or continue it under Fabric."
+        )
+    rest.pop(MODEL_KEY)
+    rest.pop(OPTIMIZER_KEYS, None)
+    rest.setdefault("lr_schedulers", [])
+    rest.setdefault("pytorch-lightning_version", __version__)
+    return rest

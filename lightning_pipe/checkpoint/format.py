@@ -45,6 +45,11 @@ RESUME_DIR = "resume"
 #: LightningModule's attribute holding it (:func:`lightning_pipe.checkpoint.huggingface.network_record`): what
 #: ``export-hf`` writes ``config.json`` from.
 NETWORK_RECORD = "huggingface"
+#: Manifest key (unknown to older readers too): the pipelined network's attribute in the saved module as a name prefix
+#: (``"model."`` for a LightningModule's ``self.model``, ``""`` for a Fabric module or a LightningModule that is the
+#: network). A loader whose prefix differs (a Trainer loading a Fabric checkpoint, or the other way round) reads the
+#: network's entries under the saved prefix; a checkpoint without it was saved with the loader's prefix.
+NETWORK_PREFIX = "network_prefix"
 #: Suffixes of the sibling directories a save or removal goes through; none of them is ever a checkpoint to load.
 _TRANSIENT = re.compile(r"\.(tmp|old|trash)-[0-9a-f]+$")
 
@@ -294,6 +299,30 @@ def match_weight_keys(expected: Iterable[str], available: Iterable[str], network
     hits_direct = sum(k in available for k in direct.values())
     hits_stripped = sum(k in available for k in stripped.values())
     return stripped if hits_stripped > hits_direct else direct
+
+
+def stored_names(names: Iterable[str], prefix: str, saved_prefix: str) -> dict[str, str]:
+    """Each local name under the name a checkpoint stores it with: the network's names, under ``prefix`` here, under
+    ``saved_prefix`` there; names outside the network (other attributes of a LightningModule) unchanged.
+
+    Refuses two local names that would read one stored entry (a LightningModule attribute named like a network entry).
+    """
+    names = list(dict.fromkeys(names))
+    if prefix == saved_prefix:
+        return {n: n for n in names}
+    mapped = {n: saved_prefix + n[len(prefix) :] if n.startswith(prefix) else n for n in names}
+    readers: dict[str, list[str]] = {}
+    for name, stored in mapped.items():
+        readers.setdefault(stored, []).append(name)
+    clashes = {stored: found for stored, found in readers.items() if len(found) > 1}
+    if clashes:
+        stored, found = next(iter(clashes.items()))
+        raise PipelineCheckpointError(
+            f"it stores the network under the prefix {saved_prefix!r} and this model holds it under {prefix!r}, so"
+            f" {found} would all read the stored entry {stored!r} ({len(clashes)} such entries). Rename the attribute"
+            " outside the network, or load into a model that holds the network as the checkpoint's did."
+        )
+    return mapped
 
 
 # ---------------------------------------------------------------------------------------------------- schedulers

@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 from torch import nn
 from typing_extensions import override
 
+from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save
 from lightning_pipe.checkpoint import huggingface as hf
-from lightning_pipe.checkpoint import io, optim, resume, save
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.models import kind_of
@@ -181,9 +181,12 @@ class CheckpointHooks:
                 path, topology, model, optimizers if fitting else [], strict=strict, weights_only=weights_only
             )
             point = rest.pop(io.RESUME_POINT, None)
+            if fabric_state.MODEL_KEY in rest:
+                point = None  # `fabric.save` keeps no random streams of the Trainer's
             if fitting and self._checkpoints is not None:
                 self._checkpoints.resume_from(point, path)
-            return rest
+            schedulers = len(self.lr_scheduler_configs) if fitting else 0  # type: ignore[attr-defined]
+            return fabric_state.as_trainer_checkpoint(rest, path, schedulers)
         if fitting:
             groups = optim.recorded_param_groups(module)
             return io.resume_from_file(

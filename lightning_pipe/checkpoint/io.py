@@ -49,6 +49,8 @@ class Topology:
     #: the group of every process of this rank's data-parallel replica (its pipeline without tensor parallelism):
     #: they write a replicated checkpoint together
     replica_group: Any = None
+    #: the pipelined network's attribute in the module as a name prefix (``"model."``; ``""`` for the network itself)
+    network_prefix: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -148,15 +150,18 @@ def load(
             f" resume. Start a run from it with `PipelineParallelStrategy(init_weights={str(path)!r})`."
         )
     problems: list[str] = []
-    weights = model_state(module, topo.aliases)
+    # Names as the checkpoint stores them: the network under the saver's prefix (a Fabric or a Trainer checkpoint).
+    rename = local_step(problems, _stored_names, path, module, topo)
+    agree(problems, f"Cannot load checkpoint {str(path)!r}")
+    weights = {rename[k]: v for k, v in model_state(module, topo.aliases).items()}
     expected = _shapes("state_dict", weights)
-    names = optim.param_names(module, topo.aliases)
+    names = {i: rename[n] for i, n in optim.param_names(module, topo.aliases).items()}
     found = local_step(problems, _validate, path, expected, optimizers, names, topo, weights_only)
     agree(problems, f"Cannot load checkpoint {str(path)!r}")
     manifest, stored, schedulers, rest = found
     used = [k for rank_keys in _gather(list(expected)) for k in rank_keys]
     # A tied parameter's other names: stored by checkpoints that kept them (one stage held every name), equal to it.
-    used += [fmt.MODEL_PREFIX + name for name in topo.aliases]
+    used += [fmt.MODEL_PREFIX + rename[name] for name in topo.aliases]
     unexpected = fmt.unexpected_keys(stored, used)
     if strict and unexpected:
         raise PipelineCheckpointError(
@@ -173,7 +178,7 @@ def load(
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
         raise PipelineCheckpointError(f"Reading checkpoint {str(path)!r} failed (corrupted shard?): {err}") from err
-    loaded = _as_local(module, state["state_dict"], topo.aliases)
+    loaded = _as_local(module, state["state_dict"], {k: rename[topo.aliases.get(k, k)] for k in rename})
     set_model_state_dict(module, loaded, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
@@ -186,6 +191,13 @@ def load(
 
 #: Key of this rank's resume point in what :func:`load` returns (``None`` when the checkpoint has none for it).
 RESUME_POINT = "lightning_pipe_resume_point"
+
+
+def _stored_names(path: Path, module: nn.Module, topo: Topology) -> dict[str, str]:
+    """Each of the module's state-dict names (tied names included) under its name in checkpoint ``path``."""
+    saved_prefix = fmt.read_manifest(path).get(fmt.NETWORK_PREFIX, topo.network_prefix)
+    local = [*model_state(module), *topo.aliases, *topo.aliases.values()]
+    return fmt.stored_names(local, topo.network_prefix, saved_prefix)
 
 
 def resume_point(path: Path, manifest: Mapping[str, Any], topo: Topology) -> dict[str, Any] | None:

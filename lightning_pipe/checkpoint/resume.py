@@ -79,8 +79,8 @@ class CheckpointSession:
         if point is None:
             rank_zero_warn(
                 f"Checkpoint {str(path)!r} has no resume point for this layout (it was saved by another pipeline"
-                " layout, or by a lightning-pipe that kept none): the random streams (shuffling order, dropout) are"
-                " not restored, so steps after the resume differ from an uninterrupted run's."
+                " layout, by `fabric.save`, or by a lightning-pipe that kept none): the random streams (shuffling"
+                " order, dropout) are not restored, so steps after the resume differ from an uninterrupted run's."
             )
         self.continuation.resume_from(None if point is None else dict(point))
 

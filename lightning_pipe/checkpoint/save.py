@@ -130,6 +130,7 @@ def start_save(
                 fmt.EPOCH: int(checkpoint.get("epoch", 0)),
                 fmt.SAVED_AT: time.time(),
                 fmt.RESUME_FILES: [fmt.resume_file(r) for r in range(topo.world_size)],
+                fmt.NETWORK_PREFIX: topo.network_prefix,
             }
         )
         if network_record is not None:

@@ -73,9 +73,12 @@ class FunctionStep:
     fn: Callable[[Any], Any]
     name: str = "the step function"
     hook: str = TRAINING
+    #: the context ``fn`` runs in (Fabric runs a loop's own code outside the precision's forward context)
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def __call__(self, microbatch: Any) -> Any:
-        return self.fn(microbatch)
+        with self.context():
+            return self.fn(microbatch)
 
     def recording_logs(self, sink: list[LoggedValue]) -> AbstractContextManager[Any]:
         return nullcontext()

@@ -1,7 +1,8 @@
 """Run the Fabric loop of ``tests/fabric_loop.py`` under several pipeline configurations in one launch; each rank saves
 its losses, clip norms and weights per configuration.
 
-Usage: fabric_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "meta", ...});
+Usage: fabric_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "meta",
+"precision", ...});
 ``save_at`` saves ``<name>-ckpt`` after that step, ``resume`` continues from ``<resume>-ckpt`` in a fresh model.
 """
 
@@ -19,12 +20,13 @@ from tests.fabric_loop import train, train_litgpt
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     for cfg in configs:
+        precision = cfg.get("precision", "32-true")
         if cfg.get("by_name"):
-            fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=cfg["devices"])
+            fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=cfg["devices"], precision=precision)
         else:
             options = {k: cfg[k] for k in ("schedule", "frontend", "pipeline_size", "data_parallel") if k in cfg}
             strategy = lightning_pipe.PipelineFabricStrategy(**options)
-            fabric = Fabric(strategy=strategy, accelerator="cpu", devices=cfg["devices"])
+            fabric = Fabric(strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=precision)
         fabric.launch()
         assert isinstance(fabric.strategy, lightning_pipe.PipelineFabricStrategy)
         if "save_at" in cfg:
