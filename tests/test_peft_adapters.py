@@ -85,7 +85,7 @@ def test_adapter_saved_with_another_config_is_refused_by_field(tmp_path, base_di
         fine_tune(base_dir, "lora", strategy, max_steps=1)
 
 
-def test_adapter_of_a_model_without_it_is_refused_by_name(tmp_path, base_dir):
+def test_adapter_directory_without_the_models_adapter_is_refused_by_name(tmp_path, base_dir):
     adapter = save_adapter(base_dir, tmp_path / "adapter", peft_config("lora"))
     (tmp_path / "adapter" / "second").mkdir()
     (tmp_path / "adapter" / "adapter_config.json").rename(tmp_path / "adapter" / "second" / "adapter_config.json")
@@ -99,3 +99,14 @@ def test_init_adapter_without_a_peft_model_is_refused(tmp_path, base_dir):
     strategy = PipelineParallelStrategy(init_weights=base_dir, init_adapter=adapter)
     with pytest.raises(PipelineConfigError, match=r"`init_adapter=.*adapter.`.*LlamaForCausalLM\) is not a PEFT"):
         fine_tune_full(base_dir, strategy, max_steps=1)
+
+
+def test_adapter_directory_with_an_adapter_the_model_lacks_is_refused_by_name(tmp_path, base_dir):
+    adapter = save_adapter(base_dir, tmp_path / "adapter", peft_config("lora"))
+    save_adapter(base_dir, tmp_path / "other", peft_config("lora"))
+    (tmp_path / "other").rename(adapter / "second")
+    strategy = PipelineParallelStrategy(init_weights=base_dir, init_adapter=adapter)
+    with pytest.raises(
+        PipelineCheckpointError, match=r"holds adapters \['second'\] .* \(its adapters: \['default'\]\)"
+    ):
+        fine_tune(base_dir, "lora", strategy, max_steps=1)
