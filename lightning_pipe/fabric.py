@@ -105,6 +105,8 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         timeout: Timeout of collective and point-to-point operations. Default 10 minutes.
         init_weights: Weights to start from (a lightning-pipe checkpoint directory, a ``.ckpt``, a ``state_dict``
             file or a Hugging Face model directory), each rank reading only its stages' tensors.
+        init_adapter: A PEFT adapter directory to start a ``get_peft_model`` network's adapters from, after
+            ``init_weights`` (docs/pretrained.md).
         eval_microbatches: Microbatches per batch given to ``model.evaluate``. ``"auto"``: one per process.
         data_parallel: ``"ddp"`` (default) or ``"fsdp"``.
         inner_axis: The mesh axis of consecutive ranks: ``"dp"`` (default) or ``"pp"``.
@@ -130,6 +132,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         init_weights: Optional[Union[str, Path]] = None,
+        init_adapter: Optional[Union[str, Path]] = None,
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
@@ -152,6 +155,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             init_weights=init_weights,
+            init_adapter=init_adapter,
             eval_microbatches=eval_microbatches,
             data_parallel=data_parallel,
             inner_axis=inner_axis,
@@ -265,7 +269,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         )
         self._run.callback(self._close_engine)
         module.to(self.root_device)
-        if self._settings.init_weights is not None:
+        if self._settings.init_weights is not None or self._settings.init_adapter is not None:
             self._load_initial_weights(module, split)
         stages = self.engine.runtime.stages
         self._wrapped = wrap_stages(
@@ -301,16 +305,20 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
 
     def _load_initial_weights(self, module: nn.Module, split: Split) -> None:
         from lightning_pipe.checkpoint import io as ckpt_io
+        from lightning_pipe.checkpoint import peft_adapters
 
-        assert self._settings.init_weights is not None
-        ckpt_io.load_weights(
-            Path(self._settings.init_weights),
-            self.checkpoint_topology(),
-            module,
-            network_prefix=split.prefix,
-            strict=True,
-            precision=self.precision.precision,
-        )
+        weights, adapter = self._settings.init_weights, self._settings.init_adapter
+        if weights is not None:
+            ckpt_io.load_weights(
+                Path(weights),
+                self.checkpoint_topology(),
+                module,
+                network_prefix=split.prefix,
+                strict=True,
+                precision=self.precision.precision,
+            )
+        if adapter is not None:
+            peft_adapters.load_adapters(Path(adapter), self.checkpoint_topology(), module, network_prefix=split.prefix)
 
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None) -> Any:

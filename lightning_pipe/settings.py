@@ -360,6 +360,8 @@ class PipelineSettings:
     process_group_backend: Optional[str] = None
     timeout: Optional[timedelta] = DEFAULT_TIMEOUT
     init_weights: Optional[Path] = None
+    #: a PEFT adapter directory to start the adapters from (after ``init_weights``)
+    init_adapter: Optional[Path] = None
     eval_microbatches: Union[Literal["auto"], int] = "auto"
     data_parallel: str = "ddp"
     inner_axis: str = DP
@@ -406,6 +408,7 @@ class PipelineSettings:
             "balance": self.balance if isinstance(self.balance, str) else tuple(self.balance),
             "activation_checkpointing": resolve_every(self.activation_checkpointing),
             "init_weights": None if self.init_weights is None else Path(self.init_weights),
+            "init_adapter": None if self.init_adapter is None else Path(self.init_adapter),
             "compile": compile_options,
             "model_plan": check_model_plan(self.model_plan),
         }

@@ -112,6 +112,8 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file, a lightning-pipe checkpoint
             directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
             tensors. Default ``None``: the model's own init.
+        init_adapter: A PEFT adapter directory (``PeftModel.save_pretrained``) to start the adapters of a
+            ``get_peft_model`` network from, after ``init_weights``: continue a LoRA fine-tune (docs/pretrained.md).
         eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
             process of the pipeline.
         data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
@@ -156,6 +158,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         init_weights: Optional[Union[str, Path]] = None,
+        init_adapter: Optional[Union[str, Path]] = None,
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
@@ -339,8 +342,9 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         failures.describe(self.global_rank, list(self.runtime.stages))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._settings.init_weights is not None and self._load_peak is None:  # once (see load_initial_weights)
-            self._load_peak = self.load_initial_weights(self._settings.init_weights, split.prefix)
+        initial = self._settings.init_weights, self._settings.init_adapter
+        if initial != (None, None) and self._load_peak is None:  # once (see load_initial_weights)
+            self._load_peak = self.load_initial_weights(*initial, split.prefix)
         self._wrap_stages(split)
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
         ties = self._tie_groups.copies(self._mesh, self._meshes.layout, split, module)

@@ -94,3 +94,30 @@ def fine_tune(
     trainer.limit_val_batches = 1.0
     (metrics,) = trainer.validate(model, verbose=False)
     return model, trainer, float(metrics["val_loss"])
+
+
+def save_adapter(base_dir: Path, out: Path, config, seed: int = 1) -> Path:
+    """An adapter directory as ``PeftModel.save_pretrained`` writes it after some training: ``config``'s adapters
+    on the directory's model, every trainable tensor drawn at random (the second factors non-zero)."""
+    import peft
+    import transformers
+
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(p + 0.02 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(out)
+    return Path(out)
+
+
+def peft_start(base_dir: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    """The trainable tensors ``PeftModel.from_pretrained(base, adapter, is_trainable=True)`` starts from, under the
+    LightningModule's names (``model.``)."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import yaml
@@ -65,6 +66,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "timeout": "0:10:00",
         "eval_microbatches": 2,
         "init_weights": None,
+        "init_adapter": "adapters/my-lora",
         "data_parallel": "fsdp",
         "inner_axis": "pp",
         "activation_checkpointing": 2,
@@ -88,6 +90,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     assert (settings.tensor_parallel, settings.loss_parallel) == (1, True)
     assert settings.compile == {"mode": "max-autotune-no-cudagraphs"}
     assert settings.model_plan == {"model.layers": (["hidden_states"], ["hidden_states"])}
+    assert settings.init_adapter == Path("adapters/my-lora")
 
 
 def test_timeout_accepts_null(tmp_path) -> None:

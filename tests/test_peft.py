@@ -240,8 +240,9 @@ def test_export_of_a_peft_checkpoint_names_adapter_and_merge(tmp_path):
 
 @pytest.mark.slow
 def test_lora_loha_modules_to_save_1f1b_2_procs(work):
-    runs = ["llama-tied:lora", "llama-untied:lora-saved", "qwen2-tied:loha", "qwen2-untied:lora-late"]
+    runs = ["llama-tied:lora", "llama-untied:lora-saved:continue", "qwen2-tied:loha", "qwen2-untied:lora-late"]
     run_script("peft_adapters.py", str(work), "1F1B", "2", *runs, nprocs=2)
+    runs[1] = "llama-untied:lora-saved"
     _check(work, "1F1B", 2, runs)
     # the adapters start as on one process for the same seed (per-tensor seeds: whatever the layout)
     model, _, _ = fine_tune(
@@ -258,6 +259,26 @@ def test_lora_loha_modules_to_save_1f1b_2_procs(work):
         }
         reference = _reference_model(str(work / name), tuner, tuple(sorted(start.items())))
         _check_exports(work / f"ckpt-1F1B-{name}-{tuner}", work / name, work / f"export-{name}-{tuner}", reference)
+    _check_continued(work, "1F1B", 2, "llama-untied", "lora-saved")
+
+
+def _check_continued(work, schedule: str, nprocs: int, name: str, tuner: str) -> None:
+    """The second phase of a `:continue` run: started from the first phase's exported adapters (`init_adapter`),
+    its adapters are the first phase's trained ones, as `PeftModel.from_pretrained` loads them, and it trains as one
+    device does from that adapter directory."""
+    from tests.peft_models import peft_start
+
+    first = [torch.load(work / f"{schedule}-{name}-{tuner}.rank{r}.pt") for r in range(nprocs)]
+    ranks = [torch.load(work / f"continued-{schedule}-{name}-{tuner}.rank{r}.pt") for r in range(nprocs)]
+    initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
+    final = {k: v for rank in first for k, v in rank["final"].items()}
+    start = peft_start(work / name, work / f"adapter-{schedule}-{name}-{tuner}")
+    assert sorted(initial) == sorted(start) == sorted(final)
+    assert all(torch.equal(initial[k], v) and torch.equal(final[k], v) for k, v in start.items())
+    reference, _, val = fine_tune(work / name, tuner, start=start, max_steps=2)
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference.step_losses, rtol=TOL, atol=0)
+        torch.testing.assert_close(rank["val"], val, rtol=TOL, atol=0)
 
 
 @pytest.mark.extended

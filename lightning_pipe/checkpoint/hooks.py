@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save
+from lightning_pipe.checkpoint import fabric_state, io, optim, peft_adapters, resume, save
 from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.measure.memory import PeakMemory
@@ -84,20 +84,25 @@ class CheckpointHooks:
         if self._checkpoints is not None:
             self._checkpoints.failed = True  # no collective may run any more: pending saves are dropped
 
-    def load_initial_weights(self, source: Path, network_prefix: str) -> PeakMemory:
+    def load_initial_weights(self, source: Optional[Path], adapter: Optional[Path], network_prefix: str) -> PeakMemory:
         """Load ``init_weights`` into this rank's stages (each rank reads only its own tensors, in the precision's
-        dtype); returns the peak memory of the load. The strategy loads it once, at its first setup: a ``validate``
-        or ``predict`` after ``fit`` on the same Trainer uses the trained weights, not the start weights again."""
+        dtype), then the PEFT adapters of ``init_adapter``; returns the peak memory of the load. The strategy loads
+        them once, at its first setup: a ``validate`` or ``predict`` after ``fit`` on the same Trainer uses the
+        trained weights, not the start weights again."""
         module = self.lightning_module  # type: ignore[attr-defined]
+        topology = self.checkpoint_topology()
         with PeakMemory(self.root_device) as peak:  # type: ignore[attr-defined]
-            io.load_weights(
-                source,
-                self.checkpoint_topology(),
-                self.model,  # type: ignore[attr-defined]
-                network_prefix=network_prefix,
-                strict=module.strict_loading,
-                precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
-            )
+            if source is not None:
+                io.load_weights(
+                    source,
+                    topology,
+                    self.model,  # type: ignore[attr-defined]
+                    network_prefix=network_prefix,
+                    strict=module.strict_loading,
+                    precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
+                )
+            if adapter is not None:
+                peft_adapters.load_adapters(adapter, topology, self.model, network_prefix=network_prefix)  # type: ignore[attr-defined]
         return peak
 
     @property

@@ -110,7 +110,7 @@ def read_directory(path: Path) -> Directory:
                 " is incomplete: fetch the missing files."
             )
     else:
-        files = dict.fromkeys(_stored_names(path / name, kind), name)
+        files = dict.fromkeys(stored_names(path / name, kind), name)
     config = _config(path / CONFIG)
     model_type, architectures = config.get("model_type"), config.get("architectures")
     return Directory(
@@ -136,7 +136,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     return dict(weight_map)
 
 
-def _stored_names(file: Path, kind: str) -> list[str]:
+def stored_names(file: Path, kind: str) -> list[str]:
     if kind == "bin":
         return list(_load_bin(file))
     with _open(file) as f:

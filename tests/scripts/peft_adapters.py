@@ -5,6 +5,11 @@ written by the pytest side with ``save_pretrained`` in several shards; tuners of
 Each rank saves per run its losses, validation loss, the trainable tensors it started from and whether its frozen
 tensors are bitwise unchanged, as ``<schedule>-<directory>-<tuner>.rank<r>.pt``, and the run's checkpoint as
 ``ckpt-<schedule>-<directory>-<tuner>``.
+
+A RUN ``<directory>:<tuner>:continue`` then continues the fine-tune in a second Trainer: rank 0 exports the
+checkpoint's adapters (``export-hf --adapter``) to ``adapter-<schedule>-<directory>-<tuner>``, and a new run starts
+from the directory and that adapter directory (``init_adapter``) for 2 steps; each rank saves its losses, validation
+loss and the trainable tensors it started from as ``continued-<schedule>-<directory>-<tuner>.rank<r>.pt``.
 """
 
 import sys
@@ -19,7 +24,7 @@ from tests.peft_models import fine_tune
 def main() -> None:
     work, schedule, devices = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     for run in sys.argv[4:]:
-        name, tuner = run.split(":")
+        name, tuner, *then = run.split(":")
         strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name)
         model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices)
         grads = {n for n, p in model.named_parameters() if p.grad is not None}
@@ -38,6 +43,21 @@ def main() -> None:
         result["final"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         torch.save(result, work / f"{schedule}-{name}-{tuner}.rank{trainer.global_rank}.pt")
         trainer.save_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}")
+        if then == ["continue"]:
+            _continue(work, schedule, devices, name, tuner, trainer)
+
+
+def _continue(work: Path, schedule: str, devices: int, name: str, tuner: str, trainer) -> None:
+    from lightning_pipe.checkpoint import hf_export
+
+    adapter = work / f"adapter-{schedule}-{name}-{tuner}"
+    if trainer.global_rank == 0:
+        hf_export.export(work / f"ckpt-{schedule}-{name}-{tuner}", adapter, adapter=True)
+    trainer.strategy.barrier()
+    strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name, init_adapter=adapter)
+    model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices, max_steps=2)
+    result = {"losses": model.step_losses, "val": val, "initial": model.initial}
+    torch.save(result, work / f"continued-{schedule}-{name}-{tuner}.rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
