@@ -165,8 +165,7 @@ class InitRecording:
         """The root that ``root`` is a plain copy of (one ``clone``/``copy_``/``_to_copy`` of it sets all of ``root``'s
         values), when that root's values are drawn at random and it is not written after the copy; else None."""
         own = [i for i in needed if root.key in self.ops[i].writes | self.ops[i].creates]
-        func = self.ops[own[0]].func if len(own) == 1 else None
-        if not torch_compat.is_operator(func) or torch_compat.op_name(func) not in _COPIES:
+        if len(own) != 1 or not torch_compat.is_copy(self.ops[own[0]].func):
             return None
         out = self.ops[own[0]].outputs[0]  # the copy covers the whole tensor, not a slice of it
         if not root.whole or out.storage_offset() or out.numel() * out.element_size() != out.untyped_storage().nbytes():
@@ -217,10 +216,6 @@ class InitRecording:
                 " disagree. Share the Parameter itself (tied weights), or initialise it in `_init_weights(module)` /"
                 " `reset_parameters()`."
             )
-
-
-#: operators whose output is their input's values (``clone``; ``copy.deepcopy`` of a Parameter calls it)
-_COPIES = frozenset({"clone", "copy_", "_to_copy"})
 
 
 def _fills_nothing(op: _Op) -> bool:
