@@ -110,7 +110,8 @@ class HuggingFaceKind:
             yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
         older = {f"^{k}": v for k, v in OLDER_NAMES.get(type(network).__name__, {}).items()}
         for variant in tower_names(network, name):
-            yield variant
+            if variant != name:
+                yield variant
             for stored, ours in {**older, **hf_compat.legacy_names(network)}.items():
                 # only plain prefixes (`^language_model.model`) can be turned back into the stored name
                 plain = stored.removeprefix("^")
