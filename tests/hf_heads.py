@@ -95,13 +95,35 @@ def batches(task: str, samples: int, seed: int, side: str) -> TensorDataset:
     return TensorDataset(ids, mask, torch.stack([start, end], 1))
 
 
+def lora_config():
+    """The LoRA reward-model recipe: ``task_type="SEQ_CLS"`` puts the head (``score``) in ``modules_to_save``."""
+    import peft
+
+    return peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
 class LitHead(L.LightningModule):
     """Fine-tunes the task model of the directory ``path``; ``user_loss``: the step computes the loss from ``logits``
-    itself instead of passing ``labels=``."""
+    itself instead of passing ``labels=``; ``lora``: with :func:`lora_config`'s adapters, recording the trainable
+    tensors it starts from (``initial``) and whether the frozen ones stay bitwise unchanged (``frozen_unchanged``);
+    ``start``: values for the trainable tensors at the start (the pipeline run's adapters, for a reference)."""
 
-    def __init__(self, path: str, task: str, side: str = "right", pretrained: bool = False, user_loss: bool = False):
+    def __init__(
+        self,
+        path: str,
+        task: str,
+        side: str = "right",
+        pretrained: bool = False,
+        user_loss: bool = False,
+        lora: bool = False,
+        start: dict | None = None,
+    ):
         super().__init__()
         self.path, self.task, self.side, self.pretrained, self.user_loss = str(path), task, side, pretrained, user_loss
+        self.lora, self.start = lora, start
+        self.initial: dict[str, torch.Tensor] = {}
+        self.frozen: dict[str, torch.Tensor] = {}
+        self.frozen_unchanged: bool | None = None
         self.model = None
         self.step_losses: list[float] = []
         self.val_losses: list[float] = []  # the logged validation loss, after each validation
@@ -117,6 +139,22 @@ class LitHead(L.LightningModule):
             self.model.train()  # from_pretrained returns it in eval mode
         else:
             self.model = cls(transformers.AutoConfig.from_pretrained(self.path, attn_implementation="eager"))
+        if self.lora:
+            import peft
+
+            # one device draws the adapters from the global stream: kept apart, so the data order stays the same
+            with torch.random.fork_rng():
+                self.model = peft.get_peft_model(self.model, lora_config())
+
+    def on_train_start(self) -> None:
+        if not self.lora:
+            return
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.requires_grad and self.start is not None:
+                    p.copy_(self.start[name])
+        for name, p in self.named_parameters():
+            (self.initial if p.requires_grad else self.frozen)[name] = p.detach().clone()
 
     def _loss(self, batch) -> torch.Tensor:
         ids, mask, target = batch
@@ -150,6 +188,9 @@ class LitHead(L.LightningModule):
 
     def on_train_end(self) -> None:
         self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
+        if self.lora:
+            params = dict(self.named_parameters())
+            self.frozen_unchanged = all(torch.equal(params[n], v) for n, v in self.frozen.items())
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.step_losses.append(float(outputs["loss"]))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -139,6 +140,57 @@ def test_reading_another_parameter_is_refused_with_the_call():
         r" .*test_deferred_init.py:\d+ \(copy_from_embedding\)\), whose values are drawn at random \(`normal_",
     ):
         initialize(net, CPU, 0, recording=recording)
+
+
+class Saved(Net):
+    """The head and a trainable copy of it, as PEFT's ``modules_to_save`` keeps them (``copy.deepcopy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks.append(nn.Sequential(nn.Linear(64, 64)))
+        _init_any_way(self)
+        self.blocks[4].append(copy.deepcopy(self.blocks[4][0]))  # copies what the init drew
+
+
+def _saved() -> tuple[Saved, object]:
+    with torch.device("meta"), record_init() as recording:
+        net = Saved()
+    return net, recording.finish(net)
+
+
+def test_a_copy_of_a_parameter_drawn_at_random_takes_its_value():
+    net, recording = _saved()
+    initialize(net, CPU, 0, recording=recording)
+    original, copied = net.blocks[4][0], net.blocks[4][1]
+    assert original.weight.std().item() == pytest.approx(0.02, rel=0.2)  # gpt2_init's, not PyTorch's default
+    assert torch.equal(copied.weight, original.weight) and torch.equal(copied.bias, original.bias)
+    last, recording = _saved()
+    last.emb, last.blocks[0] = None, None  # another stage's units gone: the same values
+    initialize(last, CPU, 0, recording=recording)
+    assert torch.equal(last.blocks[4][1].weight, original.weight)
+
+
+def test_a_copy_whose_original_is_on_another_stage_is_refused():
+    net, recording = _saved()
+    net.blocks[4][0] = None  # the original pruned away, the copy kept
+    with pytest.raises(
+        PipelineModelError,
+        match=r"`blocks.4.1.weight` is initialised in `configure_model` as a copy of `blocks.4.0.weight`, whose"
+        r" values are drawn at random, but the two are on different pipeline stages.*Keep `blocks.4.1.weight` and"
+        r" `blocks.4.0.weight` in one unit",
+    ):
+        initialize(net, CPU, 0, recording=recording)
+
+
+def test_a_copy_changed_by_its_original_afterwards_is_refused():
+    with torch.device("meta"), record_init() as recording:
+        net = Saved()
+        net.blocks[4][0].weight.data.normal_()  # the copy keeps the value drawn before: not the original's final one
+    with pytest.raises(
+        PipelineModelError,
+        match=r"initialisation of `blocks.4.1.weight` in `configure_model` reads `blocks.4.0.weight` \(`clone",
+    ):
+        initialize(net, CPU, 0, recording=recording.finish(net))
 
 
 def test_a_view_into_a_larger_tensor_is_refused():

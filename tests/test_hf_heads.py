@@ -20,7 +20,7 @@ from lightning_pipe.checkpoint import hf_export  # noqa: E402
 from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
 from lightning_pipe.models import kind_of  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout  # noqa: E402
-from tests.hf_heads import TASKS, config, fine_tune, probe, save_pretrained  # noqa: E402
+from tests.hf_heads import TASKS, config, fine_tune, lora_config, probe, save_pretrained  # noqa: E402
 from tests.launch import run_script  # noqa: E402
 
 TOL = 1e-5
@@ -42,6 +42,12 @@ CONFIGS = [
     _cfg("reward-from-causal-lm", "reward", "1F1B", directory="reward-causal-lm"),
     _cfg("reward-user-plan-zbv", "reward", "ZBVZeroBubble", model_plan=True),
 ]
+#: the LoRA reward-model recipe (``task_type="SEQ_CLS"``: the head trains whole, in ``modules_to_save``)
+LORA_CONFIGS = [
+    _cfg("reward-lora-1f1b", "reward", "1F1B", lora=True),
+    _cfg("reward-lora-from-causal-lm", "reward", "1F1B", lora=True, directory="reward-causal-lm"),
+]
+HEAD = "model.base_model.model.score"
 
 
 @pytest.mark.parametrize(
@@ -75,6 +81,15 @@ def test_causal_lm_directory_into_a_classifier_is_a_new_head(tmp_path):
     assert "'model.score.weight'" in message and "_init_weights" in message
 
 
+def test_causal_lm_directory_into_a_lora_classifier_is_a_new_head_and_its_copy():
+    peft = pytest.importorskip("peft")
+    network = peft.get_peft_model(transformers.LlamaForSequenceClassification(config("reward")), lora_config())
+    head = "base_model.model.score"
+    missing = [f"{head}.original_module.weight", f"{head}.modules_to_save.default.weight", "base_model.model.model.x"]
+    ours, theirs = kind_of(network).new_weights(network, ("LlamaForCausalLM",), missing, ["lm_head.weight"])
+    assert ours == set(missing[:2]) and theirs == {"lm_head.weight"}
+
+
 def test_directory_of_the_same_class_has_no_new_head(tmp_path):
     path = save_pretrained(tmp_path / "cls", "classifier")
     network = transformers.LlamaForSequenceClassification(config("classifier"))
@@ -106,7 +121,7 @@ def reference(path: str, task: str, side: str, user_loss: bool, init_weights: st
 @pytest.mark.extended
 @pytest.mark.slow
 def test_task_heads_fine_tune_and_export_2_procs(work):
-    run_script("hf_heads.py", str(work), json.dumps(CONFIGS), nprocs=2)
+    run_script("hf_heads.py", str(work), json.dumps(CONFIGS + LORA_CONFIGS), nprocs=2)
     for cfg in CONFIGS:
         task, name = cfg["task"], cfg["name"]
         start = str(work / cfg["directory"]) if "directory" in cfg else None
@@ -124,3 +139,38 @@ def test_task_heads_fine_tune_and_export_2_procs(work):
         torch.testing.assert_close(probe(exported), logits, rtol=0, atol=TOL, msg=name)
     warned = [w for w in torch.load(work / "reward-from-causal-lm.rank0.pt")["warnings"] if "new head" in w]
     assert len(warned) == 1 and "'model.score.weight' are not in it" in warned[0]
+    _check_lora_reward_model(work)
+
+
+def _check_lora_reward_model(work) -> None:
+    """The LoRA reward model at 2 processes against one device (``from_pretrained`` + ``get_peft_model``, started
+    from the pipeline's adapters) and, from a causal LM's directory, against a one-stage pipeline (the new head
+    initialised, its ``modules_to_save`` copy equal to it); the frozen base unchanged; ``export-hf --adapter``."""
+    import peft
+
+    from lightning_pipe.checkpoint.__main__ import main
+
+    models = {}
+    for cfg in LORA_CONFIGS:
+        name = cfg["name"]
+        ranks = [torch.load(work / f"{name}.rank{r}.pt") for r in range(2)]
+        initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
+        frozen = {k: v for rank in ranks for k, v in rank["frozen"].items()}
+        assert all(rank["frozen_unchanged"] for rank in ranks), name
+        assert torch.equal(initial[f"{HEAD}.modules_to_save.default.weight"], frozen[f"{HEAD}.original_module.weight"])
+        strategy = PipelineParallelStrategy(init_weights=work / cfg["directory"]) if "directory" in cfg else None
+        start = None if strategy is not None else initial
+        model, _ = fine_tune(work / "reward", "reward", strategy, lora=True, start=start)
+        models[name] = model
+        if strategy is not None:  # the same initial tensors on one process as on two
+            assert model.initial.keys() == initial.keys()
+            assert all(torch.equal(v, initial[k]) for k, v in model.initial.items()), name
+        last = next(rank for rank in ranks if f"{HEAD}.original_module.weight" in rank["frozen"])
+        for rank in ranks:
+            torch.testing.assert_close(rank["losses"], model.step_losses, rtol=TOL, atol=0, msg=name)
+        torch.testing.assert_close(last["val_losses"], model.val_losses, rtol=TOL, atol=0, msg=name)
+    out = work / "export-reward-lora"
+    assert main(["export-hf", str(work / "ckpt-reward-lora-1f1b"), str(out), "--adapter", "--no-progress"]) == 0
+    base = transformers.LlamaForSequenceClassification.from_pretrained(work / "reward", attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(base, out)
+    torch.testing.assert_close(probe(loaded), probe(models["reward-lora-1f1b"].model), atol=TOL, rtol=0)

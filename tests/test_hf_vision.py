@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_pipe import PipelineParallelStrategy  # noqa: E402
 from lightning_pipe.checkpoint import hf_export  # noqa: E402
 from lightning_pipe.errors import PipelineModelError  # noqa: E402
 from lightning_pipe.models import kind_of  # noqa: E402
@@ -21,10 +23,12 @@ from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # 
 from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
 from lightning_pipe.models.huggingface.vision import later_stage_call  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
-from tests.hf_vision import LAYERS, batches, build, probe, run_vision, save_pretrained  # noqa: E402
+from tests.hf_vision import LAYERS, LitVision, batches, build, probe, run_vision, save_pretrained  # noqa: E402
 from tests.launch import run_script  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 TOL = 1e-5
+INDEX = "model.safetensors.index.json"
 FAMILIES = {
     "llava": ("model.vision_tower", "model.multi_modal_projector"),
     "qwen2_vl": ("model.visual",),
@@ -52,11 +56,51 @@ def test_later_stages_leave_the_pixels_out():
 
 def test_older_llava_names_on_disk():
     network = build("llava")
-    if not getattr(network, "_checkpoint_conversion_mapping", None):
-        pytest.skip("this transformers version converts older names elsewhere (5.x: conversion_mapping)")
     names = list(kind_of(network).disk_names(network, "model.language_model.norm.weight"))
     assert "language_model.model.norm.weight" in names
     assert "vision_tower.x.weight" in list(kind_of(network).disk_names(network, "model.vision_tower.x.weight"))
+
+
+def _other_major_version(path, out):
+    """The directory ``path`` as the other transformers major version writes it: the vision tower's weights with its
+    ``vision_model`` wrapper (4.x) removed, or added (5.x)."""
+    from safetensors.torch import load_file, save_file
+
+    wrapped = any(".vision_model." in n for n, _ in build("llava").named_parameters())
+    rename = (
+        (lambda k: k.replace("vision_tower.vision_model.", "vision_tower."))
+        if wrapped
+        else (lambda k: k.replace("vision_tower.", "vision_tower.vision_model."))
+    )
+    shutil.copytree(path, out)
+    for shard in out.glob("*.safetensors"):
+        save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    stored = json.loads(index.read_text())
+    stored["weight_map"] = {rename(k): v for k, v in stored["weight_map"].items()}
+    index.write_text(json.dumps(stored))
+    return out
+
+
+@pytest.mark.parametrize("written_by", ["this version", "the other major version"])
+def test_llava_directory_of_either_major_version_loads_as_from_pretrained(tmp_path, written_by):
+    """transformers 4.x and 5.x both write the older names (`language_model.model.*`); 4.x's vision tower keeps its
+    `vision_model` wrapper, 5.x's not: `init_weights` reads either directory, with the values `from_pretrained` of
+    this version's own directory gives."""
+    native = save_pretrained(tmp_path / "llava", "llava")
+    assert any(k.startswith("language_model.model.") for k in json.loads((native / INDEX).read_text())["weight_map"])
+    path = native if written_by == "this version" else _other_major_version(native, tmp_path / "other")
+
+    class Loaded(LitVision):
+        def on_train_start(self) -> None:
+            self.loaded = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    model = Loaded("llava", path=str(path))
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, strategy=PipelineParallelStrategy(init_weights=path))
+    trainer.fit(model)
+    want = transformers.LlavaForConditionalGeneration.from_pretrained(native).state_dict()
+    assert model.loaded.keys() == want.keys()
+    assert all(torch.equal(model.loaded[k], want[k]) for k in want), written_by
 
 
 def _split(network, stages: list[list[str]]):

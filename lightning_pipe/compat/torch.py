@@ -149,6 +149,12 @@ def fills_nothing(func: Any) -> bool:
     return is_operator(func) and op_name(func) in _UNINITIALISED
 
 
+def is_copy(func: Any) -> bool:
+    """Whether ``func`` is an operator whose output holds its input's values (``clone``, which ``copy.deepcopy`` of
+    a Parameter calls; ``copy_``; ``_to_copy``, behind ``.to(dtype)``)."""
+    return is_operator(func) and op_name(func) in ("clone", "copy_", "_to_copy")
+
+
 def is_random(func: Any) -> bool:
     """Whether ``func`` draws from a random generator: an operator tagged ``nondeterministic_seeded`` (``normal_``,
     ``uniform_``, ``randn``, ...), or one of the ``nn.init`` functions recorded whole (all but ``dirac_``)."""

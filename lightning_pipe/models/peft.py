@@ -164,8 +164,11 @@ class PeftKind:
     def new_weights(
         self, network: nn.Module, classes: Sequence[str], missing: Iterable[str], stored: Iterable[str]
     ) -> tuple[set[str], set[str]]:
-        # A directory of another class is not read into a PEFT model: its missing names are reported.
-        return set(), set()
+        """The wrapped model's (:meth:`HuggingFaceKind.new_weights`: a causal LM's directory into a classifier), a
+        new head's ``original_module`` and ``modules_to_save`` copy both new, as peft copies the initialised head."""
+        missing = list(missing)
+        ours, theirs = self.inner.new_weights(inner_model(network), classes, map(base_name, missing), stored)
+        return {name for name in missing if base_name(name) in ours}, theirs
 
     def directory_type(self, network: nn.Module) -> str | None:
         return self.inner.directory_type(inner_model(network))

@@ -11,9 +11,13 @@ Each parameter's operators run under their own seed, ``seed + crc32(name)`` with
 full model (:func:`lightning_pipe.split.initialization.unit_seed`), so its values do not depend on the layout or on
 which rank holds it. A recorded random operator with its own ``generator=`` draws from that seed too.
 
-A value that cannot be rebuilt from the parameter's own operators is refused, naming the parameter and the call
-(:class:`~lightning_pipe.errors.PipelineModelError`): one read from another parameter or buffer (``b.copy_(a)``;
-that parameter may live on another rank), or a parameter that is a view into a larger tensor.
+A parameter that is a plain copy of another one drawn at random (``b = a.clone()``, ``copy.deepcopy(module)``, as
+PEFT's ``modules_to_save`` copies the head it trains) is not replayed under its own seed: once the rank's tensors are
+initialised (replay, then the model's init hook), it takes the other's value (:meth:`InitRecording.copy_deferred`),
+as it did on one device. Other values that cannot be rebuilt from the parameter's own operators are refused, naming
+the parameter and the call (:class:`~lightning_pipe.errors.PipelineModelError`): one computed from another parameter
+or buffer drawn at random (``b.copy_(a * 2)``, a copy of ``a`` that ``a`` later changes, or a copy whose original
+lies on another rank), or a parameter that is a view into a larger tensor.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class InitRecording:
     writers: dict[int, list[int]] = field(default_factory=dict)
     #: whether :meth:`replay` replays PyTorch's default init (``reset_parameters()`` of ``torch.nn`` modules)
     defaults: bool = True
+    #: storage of a plain copy of another root drawn at random -> that root (set after initialisation)
+    copies: dict[int, _Root] = field(default_factory=dict)
 
     def add(self, op: _Op) -> None:
         for key in op.writes | op.creates:
@@ -111,7 +117,7 @@ class InitRecording:
                 continue
             done.add(root.key)
             needed = self._closure(root)
-            if not needed:
+            if not needed or root.key in self.copies:
                 continue
             if not root.whole:
                 raise PipelineModelError(
@@ -129,6 +135,10 @@ class InitRecording:
         sets no values of ``root``."""
         names = {r.key: r.name for r in self.roots.values()}
         needed = self._setting(root.key, len(self.ops), skip_empty=True)
+        original = self._copied_from(root, needed)
+        if original is not None:
+            self.copies[root.key] = original
+            return needed
         for index in needed:
             op = self.ops[index]
             for read in op.reads - op.writes - op.creates:  # another tensor's own operators read it too
@@ -150,6 +160,48 @@ class InitRecording:
                 needed.add(index)
                 pending += [(read, index) for read in op.reads]
         return sorted(needed)
+
+    def _copied_from(self, root: _Root, needed: list[int]) -> _Root | None:
+        """The root that ``root`` is a plain copy of (one ``clone``/``copy_``/``_to_copy`` of it sets all of ``root``'s
+        values), when that root's values are drawn at random and it is not written after the copy; else None."""
+        own = [i for i in needed if root.key in self.ops[i].writes | self.ops[i].creates]
+        if len(own) != 1 or not torch_compat.is_copy(self.ops[own[0]].func):
+            return None
+        out = self.ops[own[0]].outputs[0]  # the copy covers the whole tensor, not a slice of it
+        if not root.whole or out.storage_offset() or out.numel() * out.element_size() != out.untyped_storage().nbytes():
+            return None
+        index = own[0]
+        reads = self.ops[index].reads - {root.key}
+        originals = [r for r in self.roots.values() if r.key in reads]
+        if len(reads) != 1 or not originals or max(self.writers[originals[0].key]) > index:
+            return None
+        original = self.roots[originals[0].name]  # the first name of a tied one
+        if not any(torch_compat.is_random(self.ops[i].func) for i in self._setting(original.key, index)):
+            return None  # deterministic: replayed from its own operators like any value
+        return original
+
+    def copy_deferred(self, network: nn.Module, prefix: str) -> set[str]:
+        """Give each plain copy of a root drawn at random (:meth:`_copied_from`) the value that root has now, after
+        the replay and the model's init hook; returns the copies' names in ``network``. Refused when the original
+        is not on this rank (another stage)."""
+        tensors = {prefix + n: t for n, t in [*network.named_parameters(), *network.named_buffers()]}
+        by_key = {r.key: n for n, r in self.roots.items() if n in tensors}
+        copied = set()
+        for name, tensor in tensors.items():
+            root = self.roots.get(name)
+            if root is None or root.key not in self.copies:
+                continue
+            original = self.copies[root.key]
+            if original.key not in by_key:
+                raise PipelineModelError(
+                    f"`{root.name}` is initialised in `configure_model` as a copy of `{original.name}`, whose values"
+                    " are drawn at random, but the two are on different pipeline stages, so this rank cannot copy"
+                    f" it. Keep `{root.name}` and `{original.name}` in one unit (the same module), or initialise the"
+                    " copy in `_init_weights(module)` / `reset_parameters()`."
+                )
+            tensor.copy_(tensors[by_key[original.key]])
+            copied.add(name[len(prefix) :])
+        return copied
 
     def _check_deterministic(self, root: _Root, other: str, key: int, reader: int) -> None:
         """Reading another parameter or buffer replays its operators too; refused when they draw random numbers: the

@@ -217,6 +217,9 @@ def initialize(
         elif hook == "init_weights":
             _apply_unit_init_weights(network, units, seed, only_unset=replayed > 0)
         missing = _reset_unset(network, seed)
+        if recording is not None:  # plain copies of tensors drawn at random: the original's value, now it has one
+            copied = recording.copy_deferred(network, prefix)
+            missing = [name for name in missing if name not in copied]
     if missing:
         raise PipelineModelError(
             f"Tensors {missing[:5]} of the network built on the meta device (in `configure_model`) are not set by"

@@ -1,8 +1,10 @@
 """Fine-tune tiny Hugging Face task heads (tests/hf_heads.py) under pipeline configurations, from their directories.
 Usage: hf_heads.py WORK CONFIGS_JSON (a list of {"name", "task", "schedule", "side", "user_loss", "directory",
-"model_plan"}); one launch runs them all (``model_plan``: the classifier's plan given to the strategy, transformers'
-own removed). Each rank saves per config its losses, validation losses, and the head's parameters
-(``<name>.rank<r>.pt``); the run's checkpoint is saved as ``ckpt-<name>``, and the warnings the load raised."""
+"model_plan", "lora"}); one launch runs them all (``model_plan``: the classifier's plan given to the strategy,
+transformers' own removed; ``lora``: the LoRA reward-model recipe, the head in ``modules_to_save``). Each rank saves
+per config its losses, validation losses, and the head's parameters (``<name>.rank<r>.pt``; with ``lora`` also the
+tensors it started from and whether the frozen ones stayed unchanged); the run's checkpoint is saved as
+``ckpt-<name>``, and the warnings the load raised."""
 
 import contextlib
 import json
@@ -25,13 +27,22 @@ def main() -> None:
         with without_plan() if plan else contextlib.nullcontext(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model, trainer = fine_tune(
-                work / cfg["task"], cfg["task"], strategy, devices=2, side=cfg["side"], user_loss=cfg["user_loss"]
+                work / cfg["task"],
+                cfg["task"],
+                strategy,
+                devices=2,
+                side=cfg["side"],
+                user_loss=cfg["user_loss"],
+                lora=cfg.get("lora", False),
             )
         result = {
             "losses": model.step_losses,
             "val_losses": model.val_losses,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "warnings": [str(w.message) for w in caught],
+            "initial": model.initial,
+            "frozen": model.frozen,
+            "frozen_unchanged": model.frozen_unchanged,
         }
         torch.save(result, work / f"{cfg['name']}.rank{trainer.global_rank}.pt")
         trainer.save_checkpoint(work / f"ckpt-{cfg['name']}")

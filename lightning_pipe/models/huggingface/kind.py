@@ -33,6 +33,7 @@ from lightning_pipe.models.huggingface.plan import (
 )
 from lightning_pipe.models.huggingface.stage import hf_stage_call, prepare_call
 from lightning_pipe.models.huggingface.tensor_parallel import hf_tensor_parallel_plan
+from lightning_pipe.models.huggingface.vision import OLDER_NAMES, tower_names
 from lightning_pipe.models.units import Layout
 
 
@@ -101,16 +102,21 @@ class HuggingFaceKind:
     def disk_names(self, network: nn.Module, name: str) -> Iterator[str]:
         """``name``, then with the base model's prefix removed or added: a base model's directory loads into its task
         model and the other way round, as with ``from_pretrained``; then under the class's older names (a Llava
-        directory that transformers 4.x wrote)."""
+        directory that transformers wrote, 4.x or 5.x: :data:`.vision.OLDER_NAMES`), the vision tower's weights also
+        as the other major version names them (:func:`.vision.tower_names`)."""
         yield name
         base = base_prefix(network)
         if base:
             yield name[len(base) + 1 :] if name.startswith(base + ".") else f"{base}.{name}"
-        for stored, ours in hf_compat.legacy_names(network).items():
-            # only plain prefixes (`^language_model.model`) can be turned back into the stored name
-            plain = stored.removeprefix("^")
-            if stored.startswith("^") and re.fullmatch(r"[\w.]+", plain) and name.startswith(ours + "."):
-                yield plain + name[len(ours) :]
+        older = {f"^{k}": v for k, v in OLDER_NAMES.get(type(network).__name__, {}).items()}
+        for variant in tower_names(network, name):
+            if variant != name:
+                yield variant
+            for stored, ours in {**older, **hf_compat.legacy_names(network)}.items():
+                # only plain prefixes (`^language_model.model`) can be turned back into the stored name
+                plain = stored.removeprefix("^")
+                if stored.startswith("^") and re.fullmatch(r"[\w.]+", plain) and variant.startswith(ours + "."):
+                    yield plain + variant[len(ours) :]
 
     def ignored_on_load(self, network: nn.Module) -> tuple[list[str], list[str]]:
         return hf_compat.keys_to_ignore(network)

@@ -71,3 +71,33 @@ def later_stage_call(call: dict[str, Any]) -> dict[str, Any]:
     """The call of a stage after the first: without the pixels, whose features only reach the embeddings that the
     stage replaces by the hidden states it receives (checked once per stage, :mod:`.stage`)."""
     return {name: None if name in VISION_INPUTS else value for name, value in call.items()}
+
+
+#: Where a vision-language model's directory may store its weights (``{stored prefix: network prefix}``) besides the
+#: network's own names: what ``save_pretrained`` writes for Llava and Gemma3 in transformers 4.54-5.24 (4.x's
+#: ``_checkpoint_conversion_mapping``; 5.x writes the same names and reads them through its ``conversion_mapping``).
+OLDER_NAMES: dict[str, dict[str, str]] = {
+    cls: {
+        "language_model.model": "model.language_model",
+        "language_model.lm_head": "lm_head",
+        "vision_tower": "model.vision_tower",
+        "multi_modal_projector": "model.multi_modal_projector",
+    }
+    for cls in ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
+}
+#: the submodule of a vision tower (``CLIPVisionModel``, ``SiglipVisionModel``) that transformers 4.x builds and 5.x
+#: leaves out (5.x builds the vision transformer itself): ``vision_tower.vision_model.*`` in 4.x, ``vision_tower.*``
+#: in 5.x; each reads the other's directory
+TOWER_WRAPPER = "vision_model"
+
+
+def tower_names(network: nn.Module, name: str) -> list[str]:
+    """``name``, and, for a weight of the vision tower, its name with the vision tower's wrapper (:data:`TOWER_WRAPPER`)
+    removed or added: the name a directory written by the other transformers major version stores it under."""
+    tower = next((p for p in OLDER_NAMES.get(type(network).__name__, {}).values() if p.endswith(".vision_tower")), None)
+    if tower is None or not name.startswith(tower + "."):
+        return [name]
+    rest = name[len(tower) + 1 :]
+    if rest.startswith(TOWER_WRAPPER + "."):
+        return [name, f"{tower}.{rest[len(TOWER_WRAPPER) + 1 :]}"]
+    return [name, f"{tower}.{TOWER_WRAPPER}.{rest}"]
