@@ -112,7 +112,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         init_weights: Weights to start from: a ``.ckpt``, a ``state_dict`` file, a lightning-pipe checkpoint
             directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
             tensors. Default ``None``: the model's own init.
-        init_adapter: A PEFT adapter directory to load after ``init_weights``: continue a LoRA fine-tune (pretrained.md).
+        init_adapter: A PEFT adapter directory loaded after ``init_weights``: continue a LoRA fine-tune (pretrained.md).
         eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one per
             process of the pipeline.
         data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
