@@ -71,10 +71,10 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
     return losses, weights, norms
 
 
-def build_litgpt(fabric: Any, meta: bool = False, lora: bool = False) -> torch.nn.Module:
+def build_litgpt(fabric: Any, meta: bool = False, lora: bool = False, n_layer: int = 4) -> torch.nn.Module:
     """litgpt's ``GPT``; with ``lora``, ``litgpt.lora.GPT`` with adapters on every projection, its base frozen (as
     litgpt's LoRA fine-tune script sets it up; no LoRA dropout, whose draws differ with the microbatch split)."""
-    sizes = dict(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32)
+    sizes = dict(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=32)
     if not lora:
         from litgpt import GPT, Config
 
@@ -97,11 +97,14 @@ def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[lis
 
     fabric.seed_everything(0)
     accumulate, steps, chunk = cfg.get("accumulate", 1), cfg.get("steps", 4), cfg.get("chunk", 0)
-    model = fabric.setup_module(build_litgpt(fabric, cfg.get("meta", False), cfg.get("lora", False)))
+    built = build_litgpt(fabric, cfg.get("meta", False), cfg.get("lora", False), cfg.get("n_layer", 4))
+    model = fabric.setup_module(built)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = fabric.setup_optimizers(torch.optim.SGD(trainable, lr=0.05, momentum=0.9))
-    data = dataset(steps * accumulate)
-    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH))
+    # `batch`: the global batch (its samples are shared out over data-parallel replicas by the sampler).
+    batch, replicas = cfg.get("batch", BATCH), cfg.get("replicas", 1)
+    data = dataset(steps * accumulate * batch // BATCH)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch // replicas))
 
     def forward_and_loss(batch: Any) -> torch.Tensor:
         input_ids, targets = batch

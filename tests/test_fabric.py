@@ -31,7 +31,10 @@ CONFIGS = [
     {**LITGPT, "name": "litgpt-ZBV-acc2-clip-chunks", "schedule": "ZBVZeroBubble", "chunk": 4},
     {**LITGPT, "name": "litgpt-meta", "schedule": "1F1B", "meta": True},
     # litgpt's LoRA fine-tune: `litgpt.lora.GPT`, its base frozen (a smaller clip: LoRA's gradients are small).
-    {**LITGPT, "name": "litgpt-lora-1F1B-acc2-clip", "schedule": "1F1B", "lora": True, "clip": 0.1},
+    *(
+        {**LITGPT, "name": f"litgpt-lora-{s}-acc2-clip", "schedule": s, "lora": True, "clip": 0.1}
+        for s in ("1F1B", "ZBVZeroBubble")
+    ),
     # Fabric's precision plugins: compared with Fabric(devices=1) at the same precision, to that precision's tolerance.
     *(
         {"name": f"{p}-1F1B-acc2-clip", "schedule": "1F1B", "devices": 2, "accumulate": 2, "clip": CLIP, "precision": p}
@@ -139,6 +142,11 @@ DATA_PARALLEL = [
     {"name": "pp4-interleaved", "schedule": "Interleaved1F1B", "devices": 4, "n_layer": 8, "data_parallel": "ddp"}
     | {"accumulate": 2, "clip": CLIP}
 ]
+#: litgpt's LoRA fine-tune likewise: 2 x 2 under DDP and FSDP, and one pipeline of 4 processes
+DATA_PARALLEL += [
+    {**cfg, "name": f"litgpt-lora-{cfg['name']}", "model": "litgpt", "frontend": "dataflow", "lora": True, "clip": 0.1}
+    for cfg in DATA_PARALLEL
+]
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +162,10 @@ def four_procs(tmp_path_factory):
 def test_four_processes_match_one_device_on_the_global_batch(four_procs, cfg):
     ranks = [torch.load(four_procs / f"{cfg['name']}.rank{r}.pt") for r in range(4)]
     fabric = Fabric(accelerator="cpu", devices=1)
-    reference = {"accumulate": 2, "clip": CLIP, "batch": cfg.get("batch", 8), "n_layer": cfg.get("n_layer", 4)}
-    losses, weights, norms = train(fabric, reference, pipelined=False)
+    reference = {"accumulate": 2, "clip": cfg["clip"], "batch": cfg.get("batch", 8), "n_layer": cfg.get("n_layer", 4)}
+    loop = train_litgpt if cfg.get("model") == "litgpt" else train
+    losses, weights, norms = loop(fabric, reference | {"lora": cfg.get("lora", False)}, pipelined=False)
+    assert max(norms) > cfg["clip"], "the clip is active in the reference"
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
@@ -170,6 +180,9 @@ def test_four_processes_match_one_device_on_the_global_batch(four_procs, cfg):
     assert merged.keys() == weights.keys()
     for key, value in weights.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+    if cfg.get("lora"):  # the frozen base: bitwise its start weights
+        frozen = [k for k in weights if "lora_" not in k]
+        assert frozen and all(torch.equal(merged[k], weights[k]) for k in frozen)
 
 
 def _ranks(out, name: str) -> list[dict]:
