@@ -202,8 +202,11 @@ def _adapter_plan(path: Path, network: nn.Module, adapter: str, prefix: str) -> 
             " Build the PEFT model with the adapter directory's config (`peft.PeftConfig.from_pretrained(path)`)"
         )
     shapes = hf.stored_shapes(directory, local)
-    wrong = [f"{n!r} is {list(shapes[n])} there but {list(t.shape)} in the model" for n, t in local.items()]
-    wrong = [w for w, (n, t) in zip(wrong, local.items()) if shapes[n] != tuple(t.shape)]
+    wrong = [
+        f"{n!r} is {list(shapes[n])} there but {list(t.shape)} in the model"
+        for n, t in local.items()
+        if shapes[n] != tuple(t.shape)
+    ]
     if wrong:
         raise PipelineCheckpointError(f"shape mismatch in {_where(path)}: " + "; ".join(wrong[:4]))
     return hf.LoadPlan(directory, {n: [t] for n, t in local.items()}, [], set())
