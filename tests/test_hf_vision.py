@@ -75,7 +75,7 @@ def _other_major_version(path, out):
     shutil.copytree(path, out)
     for shard in out.glob("*.safetensors"):
         save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
-    index = out / "model.safetensors.index.json"
+    index = out / INDEX
     stored = json.loads(index.read_text())
     stored["weight_map"] = {rename(k): v for k, v in stored["weight_map"].items()}
     index.write_text(json.dumps(stored))
