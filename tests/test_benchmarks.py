@@ -49,6 +49,20 @@ def test_the_generated_section_replaces_only_itself(tmp_path):
     assert "old" not in text and "| 1F1B | 4.00 (4.00-4.00) | 5.00 (5.00-5.00) | 1.00 (1.00-1.00) |" in text
 
 
+def test_the_frontend_table_pairs_neighbouring_trainers_round_by_round():
+    from benchmarks.frontends import table
+
+    rows = []
+    for round_, (modules, dataflow) in enumerate([(100.0, 110.0), (200.0, 200.0), (100.0, 90.0)]):
+        rows.append({"round": round_, "frontend": "modules", "wall_ms": modules, "cpu_ms": 2 * modules})
+        rows.append({"round": round_, "frontend": "dataflow", "wall_ms": dataflow, "cpu_ms": 2 * dataflow})
+    rows.append({"round": 3, "frontend": "modules", "wall_ms": 500.0, "cpu_ms": 1000.0})  # no partner: left out
+    line = table({"gpt": rows}).splitlines()[-1]
+    # medians (lowest to highest); ratios 1.1, 1.0, 0.9; geometric mean 0.997; CPU differences 20, 0, -20
+    assert line.startswith("| gpt | 100.00 (100.00 to 200.00) | 110.00 (90.00 to 200.00) | 1.00 (0.90 to 1.10) |")
+    assert "| 0.997 [0.890, 1.117] |" in line and line.endswith("| 0.00 (-20.00 to 20.00) |")
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_quick_run_writes_every_output(tmp_path):

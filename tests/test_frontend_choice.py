@@ -46,7 +46,11 @@ def test_auto_chooses_by_what_the_forward_can_run(network, chosen, why):
 
 
 def test_auto_gives_way_to_tensor_parallelism_several_stacks_and_an_explicit_frontend():
-    assert choose_frontend(SimpleDenseNet(), "auto", 2, False) == (
+    chosen, why = choose_frontend(SimpleDenseNet(), "auto", 2, False)
+    assert chosen == "modules" and why.startswith("`tensor_parallel=2` needs the modules frontend (the dataflow")
+    assert "SimpleDenseNet.forward must skip the units other stages hold" in why
+    assert "tests none of its units against None" in why
+    assert choose_frontend(TinyLM(n_layers=2), "auto", 2, False) == (
         "modules",
         "`tensor_parallel=2` needs the modules frontend",
     )
@@ -63,3 +67,31 @@ def test_the_cut_resolves_auto_and_says_so_once():
     assert line.startswith("lightning-pipe: `frontend='auto'` chose 'dataflow': SimpleDenseNet.forward calls")
     # the stage runs the unchanged forward on the previous stage's output (no unpacking error)
     assert type(split.network.model[0]).__name__ == "StandIn"
+
+
+def test_a_stage_failure_under_tensor_parallelism_points_to_none_checks_not_to_dataflow(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_pipe.step.interception import Call
+    from lightning_pipe.step.stage import StageModule
+
+    def note(body: nn.Module) -> str:
+        stage = StageModule(body, 1, 2, stage_call=None, absent_units=("embed",))
+        return stage.describe_failure(Call(args=(torch.zeros(1, 2),), kwargs={}), (torch.zeros(1, 2),), 0)
+
+    plain = note(nn.Linear(2, 2))
+    assert "Units held by other stages are absent (None) here: embed." in plain
+    assert "runs unchanged with `frontend='dataflow'`" in plain
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        body = parallelize_module(
+            nn.Linear(2, 2), init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), ColwiseParallel()
+        )
+        split = note(body)
+    finally:
+        dist.destroy_process_group()
+    assert "(e.g. `if self.embed is not None:`)" in split
+    assert "With tensor parallelism it must: the dataflow frontend" in split and "does not take" in split
+    assert "frontend='dataflow'`." not in split

@@ -31,6 +31,13 @@ def _forward_skips_absent_units(network: nn.Module) -> bool:
     return any(match in children for match in _NONE_CHECK.findall(source))
 
 
+def _runs_only_unchanged(network: nn.Module) -> bool:
+    """Whether ``network`` is a plain module whose forward shows no sign of skipping absent units."""
+    if type(network).forward is nn.Sequential.forward or not isinstance(kind_of(network), PlainKind):
+        return False
+    return not _forward_skips_absent_units(network)
+
+
 def choose_frontend(network: nn.Module, frontend: str, tensor_parallel: int, several_stacks: bool) -> tuple[str, str]:
     """The frontend for ``network`` and why, for the ``frontend`` setting (``"auto"`` is resolved here)."""
     name = type(network).__name__
@@ -39,7 +46,14 @@ def choose_frontend(network: nn.Module, frontend: str, tensor_parallel: int, sev
     if several_stacks:
         return "dataflow", "`blocks` names several block stacks, which only the dataflow frontend pipelines"
     if tensor_parallel > 1:
-        return "modules", f"`tensor_parallel={tensor_parallel}` needs the modules frontend"
+        why = f"`tensor_parallel={tensor_parallel}` needs the modules frontend"
+        if _runs_only_unchanged(network):
+            why += (
+                f" (the dataflow frontend, which runs a forward unchanged, does not take tensor parallelism), so"
+                f" {name}.forward must skip the units other stages hold (`if self.embed is not None:`) and take the"
+                " previous stage's activation as its input; it tests none of its units against None"
+            )
+        return "modules", why
     if type(network).forward is nn.Sequential.forward:
         return "modules", f"{name} is an nn.Sequential: its forward runs whatever units a stage holds"
     kind = kind_of(network)

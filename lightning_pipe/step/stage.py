@@ -33,6 +33,7 @@ from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.base import StageCall
 from lightning_pipe.models.plain import activation_argument
 from lightning_pipe.step.interception import Call
+from lightning_pipe.structures import is_dtensor
 
 DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"
 #: the keyword arguments under which a stage's forward receives the step and the microbatch
@@ -187,9 +188,18 @@ class StageModule(nn.Module):
             )
         parts.append(
             "The network's forward must skip absent units and code that only applies to the network's input"
-            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}. A forward that cannot (an nn.Transformer,"
-            " later units reading earlier units' outputs) runs unchanged with `frontend='dataflow'`."
+            f" (e.g. `if self.embed is not None:`); see {DOCS_STAGE_ERRORS}."
         )
+        if any(is_dtensor(p) for p in self.body.parameters()):
+            parts.append(
+                "With tensor parallelism it must: the dataflow frontend, which runs a forward unchanged, does not take"
+                " `tensor_parallel > 1`."
+            )
+        else:
+            parts.append(
+                "A forward that cannot (an nn.Transformer, later units reading earlier units' outputs) runs unchanged"
+                " with `frontend='dataflow'`."
+            )
         return " ".join(parts)
 
 
