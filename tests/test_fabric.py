@@ -128,8 +128,11 @@ def test_litgpt_under_the_modules_frontend_is_refused_by_name():
     strategy = lightning_pipe.PipelineFabricStrategy(frontend="modules")
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     fabric.launch()
-    with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`"):
+    with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`") as e:
         fabric.setup_module(build_litgpt(fabric))
+    assert "does not take `tensor_parallel > 1`, so a litgpt GPT is pipelined without tensor parallelism" in str(
+        e.value
+    )
 
 
 #: 2 pipelines of 2 stages; the global batch of 16 shared out by the sampler, as one device's batch of 16

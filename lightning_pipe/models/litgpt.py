@@ -43,7 +43,9 @@ class LitGPTKind(PlainKind):
     def placeholder(self, network: nn.Module) -> Placeholder | None:
         raise PipelineConfigError(
             f"litgpt's {type(network).__name__} runs its forward whole on every stage (it does not skip the units"
-            " other stages hold): pass `frontend='dataflow'` to the pipeline strategy."
+            " other stages hold): pass `frontend='dataflow'` to the pipeline strategy. The dataflow frontend does not"
+            " take `tensor_parallel > 1`, so a litgpt GPT is pipelined without tensor parallelism (data parallelism"
+            " instead)."
         )
 
 
