@@ -3,7 +3,7 @@ batch, shuffling, MetricCollection clones and MeanMetric, AdamW with a per-step 
 ModelCheckpoint, clipping, accumulation, then test from the best checkpoint and predict) under the pipeline with only
 ``import lightning_pipe``, ``devices`` and ``strategy``: every logged value of every step, the test metrics and the
 predictions equal one device within rtol 1e-5. The 4-process Interleaved1F1B run joins the metric parity's 4-process
-launch (tests/test_metrics.py)."""
+launch (tests/test_metrics.py); Lightning's demo transformer joins this file's 2-process launch."""
 
 from __future__ import annotations
 
