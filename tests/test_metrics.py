@@ -24,6 +24,8 @@ CONFIGS = {
     ],
 }
 TOL = 1e-5
+#: the acceptance project at 4 processes (tests/test_project.py), run by this file's 4-process launch
+PROJECT_4 = {"name": "project-Interleaved-4", "schedule": "Interleaved1F1B", "devices": 4, "n_layer": 8}
 
 
 @functools.cache
@@ -42,7 +44,7 @@ def two_procs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_procs(tmp_path_factory):
     out = tmp_path_factory.mktemp("metrics4")
-    run_script("metrics_parity.py", str(out), json.dumps(CONFIGS[4]), nprocs=4, launcher="torchrun")
+    run_script("metrics_parity.py", str(out), json.dumps([*CONFIGS[4], PROJECT_4]), nprocs=4, launcher="torchrun")
     return out
 
 
@@ -79,6 +81,15 @@ def test_metrics_two_processes(two_procs, name):
 @pytest.mark.parametrize("name", [c["name"] for c in CONFIGS[4]])
 def test_metrics_four_processes(four_procs, name):
     _assert_same(load_ranks(four_procs, name), _reference())
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_the_unmodified_project_under_interleaved_1f1b_equals_one_device(four_procs, tmp_path_factory):
+    from tests.test_project import assert_same_as_one_device, reference
+
+    expected = reference(str(tmp_path_factory.mktemp("project-reference-8")), PROJECT_4["n_layer"])
+    assert_same_as_one_device(load_ranks(four_procs, PROJECT_4["name"]), expected)
 
 
 def test_step_values_would_differ_without_the_batch_value():

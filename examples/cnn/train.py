@@ -150,11 +150,10 @@ class Digits(L.LightningDataModule):
         self.train_set = TensorDataset(x[order[n_val:]], y[order[n_val:]])
 
     def train_dataloader(self) -> DataLoader:
-        # drop_last: every batch must split into equal microbatches.
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, drop_last=True)
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
 
 def main() -> None:

@@ -76,6 +76,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(n_embd, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # The `None` checks are optional (without them `frontend="auto"` picks the dataflow frontend, which runs this
+        # forward unchanged); with them it picks the modules frontend, which skips the units other stages hold.
         if self.wte is not None:
             pos = torch.arange(idx.shape[1], device=idx.device)
             x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
@@ -222,11 +224,10 @@ class StdlibBytes(L.LightningDataModule):
         self.val_set = Windows(val, self.hparams.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        # drop_last: every batch must split into equal microbatches.
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, drop_last=True)
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
 
 
 def main() -> None:

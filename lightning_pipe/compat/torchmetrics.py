@@ -16,6 +16,12 @@ def is_metric(value: Any) -> bool:
     return any(cls.__name__ == "Metric" and cls.__module__.startswith("torchmetrics") for cls in type(value).__mro__)
 
 
+def is_mean_metric(value: Any) -> bool:
+    """Whether ``value`` is a ``torchmetrics.MeanMetric`` (public class; tested by name like :func:`is_metric`)."""
+    mro = type(value).__mro__
+    return any(cls.__name__ == "MeanMetric" and cls.__module__.startswith("torchmetrics") for cls in mro)
+
+
 def is_metric_container(value: Any) -> bool:
     """A torchmetrics object of any kind (a metric or a ``MetricCollection``): holds state, never a pipeline unit."""
     return any(cls.__module__.startswith("torchmetrics") for cls in type(value).__mro__)

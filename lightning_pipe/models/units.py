@@ -85,6 +85,14 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
         for name, sub in module.named_modules()
         if isinstance(sub, CONTAINERS) and len(sub) >= 2 and not is_metric_container(sub)
     ]
+    if not candidates and not any(module.children()):
+        # Lightning's BoringModel and DemoModel: one Linear. A stage that only passes its input on would run as
+        # slowly as one device while holding a process; say so instead of running it.
+        raise PipelineModelError(
+            f"The network is a single {type(module).__name__} with no submodules: there is nothing to split across"
+            " pipeline stages, every stage but one would only pass its input on. Train it with `devices=1` (or"
+            " data parallelism, `strategy='ddp'`); a pipeline needs at least as many units as stages."
+        )
     if not candidates:
         raise PipelineModelError(
             f"{type(module).__name__} has no splittable block stack: pipelining needs the network's repeated blocks"

@@ -8,6 +8,11 @@ The user's step runs, once per microbatch, only on the rank holding the last sta
   whose repeated updates equal one update on the concatenated inputs (all of torchmetrics' own, including
   ``full_state_update=True`` metrics, max/min/mean reductions and wrappers). That value becomes the metric's step value,
   and a logged forward output of the metric is replaced by it.
+- **One observation per call.** ``MeanMetric`` called with one scalar and no weight (``self.train_loss(loss)``) counts
+  one observation per call: on one device one per batch, here one per microbatch, so a batch split into more
+  microbatches (a short last batch) would weigh more in the epoch mean. During a step each such call is weighted by
+  its microbatch's share of the batch's samples: the batch adds the sample mean of its microbatches' values with
+  weight 1, as one call on the full batch. (A step returning ``num_items`` is weighted by samples too, not by items.)
 - **Mirroring.** After the step the last stage sends the state of every metric that changed (:class:`MetricUpdate`);
   the other ranks assign it, so ``self.log("acc", self.acc)``, ``self.acc.compute()`` in an epoch-end hook and
   callbacks see the same values on every rank. Logged metric objects travel as :class:`MetricRef` (their attribute
@@ -19,6 +24,7 @@ The user's step runs, once per microbatch, only on the rank holding the last sta
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,6 +139,8 @@ class MetricMirror:
         self._outputs: dict[int, tuple[str, Any]] = {}
         self._keep: list[Any] = []  # forward outputs, alive while their ids are in use
         self._called: set[str] = set()
+        self._fractions: list[float] = [1.0]  # each microbatch's share of the step's samples
+        self._microbatch = 0  # the microbatch the user's step runs on
 
     def close(self) -> None:
         """Nothing to undo: the forward hooks live only during a step that records step values (so that the user's
@@ -150,8 +158,38 @@ class MetricMirror:
             self._shadows[name] = shadow
         return shadow
 
+    def enter(self, microbatch: int) -> None:
+        """The user's step is about to run on microbatch ``microbatch`` of the current step."""
+        self._microbatch = microbatch
+
+    def _weighed(self, metric: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments of a ``MeanMetric`` call with one scalar and no weight, weighted by the microbatch's share
+        of the batch (see the module docstring); any other call's arguments as they are."""
+        if not tm_compat.is_mean_metric(metric) or len(self._fractions) == 1 or len(args) > 1 or "weight" in kwargs:
+            return args, kwargs
+        value = args[0] if args else kwargs.get("value")
+        scalar = isinstance(value, numbers.Number) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        return (args, {**kwargs, "weight": self._fractions[self._microbatch]}) if scalar else (args, kwargs)
+
+    def _weigh_calls(self, metric: Any) -> Callable[[], None]:
+        """Weigh ``metric``'s updates (its ``forward`` updates through the same attribute) until the returned undo.
+        Copies made meanwhile do not keep the wrapper: torchmetrics re-wraps ``update`` when it unpickles."""
+        update = metric.__dict__["update"]
+
+        def weighed(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = self._weighed(metric, args, kwargs)
+            return update(*args, **kwargs)
+
+        metric.update = weighed
+
+        def undo() -> None:
+            metric.update = update
+
+        return undo
+
     def _after_forward(self, name: str) -> Any:
         def hook(metric: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            args, kwargs = self._weighed(metric, args, kwargs)
             self._shadow(name).update(*args, **kwargs)
             self._called.add(name)
             self._keep.append(output)
@@ -164,21 +202,28 @@ class MetricMirror:
         return hook
 
     @contextmanager
-    def step(self, record_step_values: bool) -> Iterator[StepMetrics]:
+    def step(self, record_step_values: bool, sizes: Sequence[int] = (1,)) -> Iterator[StepMetrics]:
         """The metrics during one step on the last-stage rank; ``record_step_values`` when it has several
-        microbatches (with one, ``forward`` already returns the batch's value)."""
+        microbatches (with one, ``forward`` already returns the batch's value); ``sizes``: the microbatches'
+        sample counts (:meth:`StepMetrics.enter` names the one the user's step runs on)."""
         before = {name: _before(m) for name, m in self.metrics.items()}
         self._outputs, self._keep, self._called = {}, [], set()
+        self._fractions, self._microbatch = [s / sum(sizes) for s in sizes], 0
         step = StepMetrics(self, before)
         handles = [
             metric.register_forward_hook(self._after_forward(name), with_kwargs=True)
             for name, metric in (self.metrics.items() if record_step_values else ())
         ]
+        weighing = len(sizes) > 1
+        undos = [self._weigh_calls(m) for m in self.metrics.values() if weighing and tm_compat.is_mean_metric(m)]
         try:
             yield step
         finally:
             for handle in handles:
                 handle.remove()
+            for undo in undos:
+                undo()
+            self._fractions = [1.0]
 
     def settle_step_values(self) -> dict[str, Any]:
         """Step values of the metrics called this step; their forward values become them, shadows are reset."""
@@ -235,6 +280,10 @@ class StepMetrics:
     def __init__(self, mirror: MetricMirror, before: Mapping[str, _Before]) -> None:
         self._mirror, self._before = mirror, before
         self.step_values: dict[str, Any] = {}
+
+    def enter(self, microbatch: int) -> None:
+        """The user's step is about to run on microbatch ``microbatch`` (its index in the step's ``sizes``)."""
+        self._mirror.enter(microbatch)
 
     def settle(self) -> None:
         self.step_values = self._mirror.settle_step_values()

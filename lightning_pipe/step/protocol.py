@@ -133,9 +133,10 @@ class StepProtocol:
             elif runtime.has_last:
                 record = _Record()
                 scale = 1.0 / (n * accumulate)
-                with self.mirror.step(record_step_values=n > 1) as metrics:
+                with self.mirror.step(record_step_values=n > 1, sizes=sizes) as metrics:
 
                     def on_output(m: int, output: Any) -> Any:
+                        metrics.enter(m)
                         return self._microbatch(user_step, microbatches[m], output, m, record, scale, accumulate)
 
                     step.on_output = on_output

@@ -1,6 +1,7 @@
 """Train LitMetricsLM under several pipeline configurations; each rank saves its per-step and final logged values.
 
-Usage: metrics_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", ...}).
+Usage: metrics_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", ...}). A config with
+"n_layer" runs the acceptance project instead (tests/test_project.py; joined here to share the 4-process launch).
 """
 
 import json
@@ -11,11 +12,17 @@ import torch
 
 import lightning_pipe
 from tests.metric_models import fit_metrics_model
+from tests.project_models import run_project
 
 
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     for cfg in configs:
+        if "n_layer" in cfg:
+            strategy = lightning_pipe.PipelineParallelStrategy(schedule=cfg["schedule"])
+            found = run_project(out / cfg["name"], cfg["n_layer"], strategy=strategy, devices=cfg["devices"])
+            torch.save(found, out / f"{cfg['name']}.rank{found['global_rank']}.pt")
+            continue
         strategy = lightning_pipe.PipelineParallelStrategy(
             schedule=cfg["schedule"], microbatches=cfg.get("microbatches", "auto")
         )

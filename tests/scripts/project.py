@@ -1,0 +1,33 @@
+"""The acceptance project (tests/project_models.py) under the pipeline with only ``strategy`` and ``devices``; each
+rank saves what the user would look at.
+
+Usage: project.py OUT_DIR CONFIGS_JSON  (a list of {"name", "devices", "n_layer"?, "schedule"?, "microbatches"?};
+without a schedule the strategy is the string "pipeline", the argument the project gets and nothing else). A config
+with "demo" runs Lightning's demo transformer instead (tests/demo_models.py).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import lightning_pipe
+from tests.demo_models import fit_demo_transformer
+from tests.project_models import run_project
+
+
+def main() -> None:
+    out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    for cfg in configs:
+        name, devices, n_layer, demo = cfg.pop("name"), cfg.pop("devices"), cfg.pop("n_layer", 4), cfg.pop("demo", 0)
+        strategy = lightning_pipe.PipelineParallelStrategy(**cfg) if cfg else "pipeline"
+        if demo:
+            found = fit_demo_transformer(strategy=strategy, devices=devices)
+        else:
+            found = run_project(out / name, n_layer, strategy=strategy, devices=devices)
+        torch.save(found, out / f"{name}.rank{found['global_rank']}.pt")
+
+
+if __name__ == "__main__":
+    main()

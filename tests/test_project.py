@@ -1,0 +1,118 @@
+"""The issue's acceptance project (tests/project_models.py: a char-level GPT written for one device, a short last
+batch, shuffling, MetricCollection clones and MeanMetric, AdamW with a per-step LambdaLR, LearningRateMonitor,
+ModelCheckpoint, clipping, accumulation, then test from the best checkpoint and predict) under the pipeline with only
+``import lightning_pipe``, ``devices`` and ``strategy``: every logged value of every step, the test metrics and the
+predictions equal one device within rtol 1e-5. The 4-process Interleaved1F1B run joins the metric parity's 4-process
+launch (tests/test_metrics.py); Lightning's demo transformer joins this file's 2-process launch."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.demo_models import fit_demo_transformer
+from tests.launch import run_script
+from tests.project_models import TRAIN, run_project
+from tests.reference import load_ranks, merged_state
+
+TOL = 1e-5
+CONFIGS = [
+    {"name": "default", "devices": 2},  # strategy="pipeline": frontend "auto" (dataflow here), 1F1B
+    {"name": "1F1B-4", "devices": 2, "schedule": "1F1B", "microbatches": 4},
+    {"name": "ZBV", "devices": 2, "schedule": "ZBVZeroBubble"},
+    # Lightning's demo transformer: batches of one sample, which only GPipe runs on 2 stages (1F1B needs 2)
+    {"name": "demo-transformer", "devices": 2, "demo": 1, "schedule": "GPipe"},
+]
+
+
+@functools.cache
+def reference(root: str, n_layer: int = 4) -> dict:
+    """The project on one device (in the pytest process)."""
+    return run_project(Path(root), n_layer, devices=1)
+
+
+def assert_same_as_one_device(ranks: list[dict], expected: dict) -> None:
+    """Every rank's logged history (step by step), final callback metrics, best checkpoint, test metrics; rank 0's
+    predictions (the other ranks return Nones, as documented)."""
+    assert TRAIN % 16 and len(expected["history"]) == 22  # a short last batch; lr, step, epoch and test records
+    for rank in ranks:
+        assert [s for s, _ in rank["history"]] == [s for s, _ in expected["history"]]
+        for index, ((_, got), (_, want)) in enumerate(zip(rank["history"], expected["history"])):
+            assert got.keys() == want.keys(), index
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=TOL, abs=1e-7), (index, key)
+        for found in ("fitted", "test"):
+            assert rank[found].keys() == expected[found].keys()
+            for key in expected[found]:
+                assert rank[found][key] == pytest.approx(expected[found][key], rel=TOL, abs=1e-7), (found, key)
+        assert rank["best_name"] == expected["best_name"]
+        assert rank["best_score"] == pytest.approx(expected["best_score"], rel=TOL)
+    torch.testing.assert_close(ranks[0]["predictions"], expected["predictions"], rtol=TOL, atol=1e-7)
+    assert all(rank["predictions"] is None for rank in ranks[1:])
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("project2")
+    run_script("project.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c["name"] for c in CONFIGS if "demo" not in c])
+def test_the_unmodified_project_equals_one_device(two_procs, name, tmp_path_factory):
+    expected = reference(str(tmp_path_factory.mktemp("project-reference")))
+    assert {"train/loss_step", "train/acc_epoch", "val/loss", "val/acc", "lr-AdamW"} <= {
+        key for _, logged in expected["history"] for key in logged
+    }
+    assert_same_as_one_device(load_ranks(two_procs, name), expected)
+
+
+@pytest.mark.slow
+def test_lightning_demo_transformer_under_gpipe_equals_one_device_bitwise(two_procs):
+    expected = fit_demo_transformer(devices=1)
+    ranks = load_ranks(two_procs, "demo-transformer")
+    assert all(rank["losses"] == expected["losses"] for rank in ranks) and len(expected["losses"]) == 4
+    state = merged_state([{**rank, "dp_rank": 0} for rank in ranks])
+    assert state.keys() == expected["state"].keys()
+    assert all(torch.equal(state[k], v) for k, v in expected["state"].items())
+
+
+# ------------------------------------------------------------------------------------------------ one process
+def _epoch_mean(batches: list[list[float]], sizes_of: list[list[int]], weighted: bool = False) -> tuple:
+    """A ``MeanMetric`` called once per microbatch (as the pipeline's last stage calls the user's step) inside
+    :meth:`MetricMirror.step`; its epoch value and each step's settled value."""
+    from torch import nn
+    from torchmetrics import MeanMetric
+
+    from lightning_pipe.step.metrics import MetricMirror
+
+    module = nn.Module()
+    module.loss = MeanMetric()
+    mirror = MetricMirror(module)
+    step_values = []
+    for values, sizes in zip(batches, sizes_of):
+        with mirror.step(record_step_values=len(sizes) > 1, sizes=sizes) as metrics:
+            for m, value in enumerate(values):
+                metrics.enter(m)
+                weight = (float(sizes[m]),) if weighted else ()
+                module.loss(torch.tensor(value), *weight)
+            metrics.settle()
+        step_values.append(float(metrics.step_values.get("loss", module.loss.compute())))
+        assert module.loss.__dict__["update"].__name__ != "weighed"  # torchmetrics' own again after the step
+    return float(module.loss.compute()), step_values
+
+
+def test_a_mean_metric_of_the_loss_counts_one_observation_per_batch_whatever_its_microbatches():
+    # Two full batches in 2 microbatches of 8 and a short last batch of 9 in 9 microbatches of 1: on one device the
+    # epoch mean is the mean of the 3 batch losses; counting microbatches would weigh the last batch 9/13.
+    batches = [[1.0, 3.0], [2.0, 2.0], [float(v) for v in range(9)]]
+    epoch, steps = _epoch_mean(batches, [[8, 8], [8, 8], [1] * 9])
+    assert steps == pytest.approx([2.0, 2.0, 4.0])
+    assert epoch == pytest.approx((2.0 + 2.0 + 4.0) / 3)
+    # An explicit weight (the microbatch's sample count) is the user's: kept, and exact as it was.
+    assert _epoch_mean([[1.0, 3.0], [5.0]], [[4, 4], [2]], weighted=True)[0] == pytest.approx((2 * 8 + 5 * 2) / 10)
