@@ -1,6 +1,6 @@
 """A Llama-style decoder (masks and rope tables on every stage, tied embedding/head, token-weighted loss, shuffled
-data, a short last batch that no microbatch count above 1 divides) trains, validates, tests and predicts as on one
-device under all 7 schedules at 2 processes and the main four at 4."""
+data, a short last batch that some schedules run only under their fallback) trains, validates, tests and predicts as
+on one device under all 7 schedules at 2 processes and the main four at 4."""
 
 from __future__ import annotations
 

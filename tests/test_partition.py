@@ -11,7 +11,7 @@ from torch import nn
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineModelError
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, signature, split_batch, training_microbatches
 from lightning_pipe.models.units import Layout, find_block_stack, find_layout
-from lightning_pipe.settings import canonical_schedule, resolve_pipeline_size, resolve_schedule
+from lightning_pipe.settings import PipelineSettings, canonical_schedule, resolve_pipeline_size, resolve_schedule
 from lightning_pipe.split.partition import (
     balance_blocks,
     check_balance,
@@ -204,6 +204,22 @@ def test_a_batch_the_count_does_not_divide_runs_as_the_fewest_accepted_equal_mic
     # Interleaved1F1B needs whole rounds: 9 microbatches on 2 ranks are refused, 3 are not
     assert _count(9, microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2) == 3
     assert _count(8, microbatches=3, schedule="DualPipeV", stages_per_rank=2) == 4  # DualPipeV: at least 4 here
+
+
+def test_a_batch_the_schedule_runs_as_no_count_goes_to_its_fallback_on_the_same_stages():
+    from lightning_pipe.step.executors.schedule import microbatch_plan
+
+    def plan(size, **kwargs):
+        settings = PipelineSettings(**kwargs).resolve(2)
+        return microbatch_plan(settings, size)
+
+    assert plan(1, schedule="1F1B", microbatches=2) == (1, "GPipe")
+    assert plan(3, schedule="DualPipeV", microbatches=4) == (3, "ZBVZeroBubble")  # DualPipeV: at least 4 here
+    assert plan(9, schedule="1F1B", microbatches=2) == (3, "1F1B")  # a count 1F1B takes: no fallback
+    assert plan(8, schedule="1F1B", microbatches=1) == (1, "1F1B")  # the configured count is kept: torch names it
+    # microbatches="auto" (one per stage) on a batch smaller than the stages: one sample each, under the fallback
+    assert plan(3, schedule="DualPipeV") == (3, "ZBVZeroBubble") and plan(1, schedule="1F1B") == (1, "GPipe")
+    assert plan(4, schedule="DualPipeV") == (4, "DualPipeV")
 
 
 def test_a_batch_no_count_can_run_is_refused_naming_the_schedule_and_the_fix():

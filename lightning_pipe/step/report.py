@@ -15,7 +15,7 @@ from lightning_pipe.microbatch import epoch_batch_sizes
 from lightning_pipe.reliability.loaders import PassLoader
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import Split
-from lightning_pipe.step.executors.schedule import microbatch_count
+from lightning_pipe.step.executors.schedule import microbatch_count, microbatch_plan
 
 
 def _count(n: int) -> str:
@@ -62,7 +62,7 @@ def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank
         return
     for which, size in sizes:
         try:
-            n = microbatch_count(settings, size)
+            n, schedule = microbatch_plan(settings, size)
         except MicrobatchError as err:
             if global_rank != 0:
                 raise MicrobatchError(
@@ -71,7 +71,14 @@ def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank
             raise MicrobatchError(
                 f"The training DataLoader's {which} has {size} samples: {err} (Checked before the first step.)"
             ) from None
-        if n != _configured(settings, size):
+        if schedule != settings.schedule:
+            rank_zero_info(
+                f"lightning-pipe: the training DataLoader's {which} has {size} samples, which torch's"
+                f" {settings.schedule} schedule cannot run as equal microbatches on {settings.num_stages} stages: it"
+                f" runs as {n} microbatch{'es' if n > 1 else ''} of {size // n} under {schedule}, on the same stages"
+                " (losses and gradients as on one device)."
+            )
+        elif n != _configured(settings, size):
             rank_zero_info(
                 f"lightning-pipe: the training DataLoader's {which} has {size} samples, which the configured"
                 f" microbatches do not split equally: it runs as {n} microbatches of {size // n} (losses and"

@@ -10,7 +10,7 @@ import torch
 
 from lightning_pipe.comm.dtensor import local
 from lightning_pipe.compat import torch as torch_compat
-from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.errors import MicrobatchError, PipelineConfigError
 from lightning_pipe.microbatch import training_microbatches
 from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
 from lightning_pipe.step.runtime import PipelineRuntime
@@ -44,11 +44,38 @@ def schedule_accepts(schedule: str, pipeline_size: int, stages_per_rank: int, mi
     return True
 
 
+#: where a schedule accepts no count of equal microbatches that divides a batch (1F1B: fewer microbatches than
+#: stages, DualPipeV: fewer than twice the ranks), the schedule on the same stages that runs that batch: GPipe runs
+#: any count on 1F1B's stages, ZBVZeroBubble any count on DualPipeV's V placement. Each microbatch's forward and
+#: backward are the same; only their order differs, so the batch trains exactly as on one device.
+FALLBACK_SCHEDULES = {"1F1B": "GPipe", "DualPipeV": "ZBVZeroBubble"}
+
+
+def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, str]:
+    """How many equal microbatches a training batch of ``size`` samples runs as under ``settings`` (resolved), and
+    the schedule that runs them: the configured one, or (a batch it cannot run, such as a last batch of one sample
+    under 1F1B) its :data:`FALLBACK_SCHEDULES` entry."""
+    s = settings
+    other = FALLBACK_SCHEDULES.get(s.schedule)
+    accepts = functools.partial(schedule_accepts, s.schedule, s.pipeline_size, s.stages_per_rank)
+    try:
+        n = training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, s.schedule)
+    except MicrobatchError:
+        if other is None:
+            raise
+    else:
+        # `microbatches="auto"` on a batch smaller than the stages: one sample each, a count the user did not choose
+        # (a count they chose is kept, and torch's refusal names it)
+        auto = s.microbatches == "auto" and s.microbatch_size is None
+        if not (auto and other is not None and not accepts(n)):
+            return n, s.schedule
+    accepts = functools.partial(schedule_accepts, other, s.pipeline_size, s.stages_per_rank)
+    return training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, other), other
+
+
 def microbatch_count(settings: PipelineSettings, size: int) -> int:
     """How many equal microbatches a training batch of ``size`` samples runs as under ``settings`` (resolved)."""
-    s = settings
-    accepts = functools.partial(schedule_accepts, s.schedule, s.pipeline_size, s.stages_per_rank)
-    return training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, s.schedule)
+    return microbatch_plan(settings, size)[0]
 
 
 class ScheduleExecutor:
@@ -64,11 +91,16 @@ class ScheduleExecutor:
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         #: the step being run, for the schedule's loss function (torch 2.11 and 2.12 have no ``loss_kwargs``)
         self._step: StepContext | None = None
+        #: microbatch counts that the configured schedule does not run, planned under its fallback
+        self._fallback: set[int] = set()
 
     def plan(self, size: int) -> list[int]:
         """Equal microbatch sizes for a batch of ``size`` samples (torch's schedules need equal shapes); a batch the
-        configured count does not divide runs as another count (:func:`microbatch_count`)."""
-        n = microbatch_count(self.settings, size)
+        configured count does not divide runs as another count, under another schedule where the configured one
+        runs none (:func:`microbatch_plan`)."""
+        n, name = microbatch_plan(self.settings, size)
+        if name != self.settings.schedule:
+            self._fallback.add(n)
         return [size // n] * n
 
     def run(self, key: tuple, step: StepContext) -> None:
@@ -106,6 +138,8 @@ class ScheduleExecutor:
             for index, module in runtime.stages.items()
         ]
         name = self.settings.schedule
+        if n in self._fallback:
+            name = FALLBACK_SCHEDULES[name]
         cls = get_schedule_class(name)
         try:
             if name in SINGLE_STAGE:
