@@ -449,3 +449,22 @@ def test_refuses_a_forward_that_returns_before_the_next_stage():
     stages[0].config.num_hidden_layers = 2
     with pytest.raises(PipelineModelError, match=r"LlamaModel returned without calling the next stage's first block"):
         hf_stage_call(stages[0], (), {"input_ids": _batch("right")["input_ids"]}, None, True, False)
+
+
+def test_tuner_profiles_a_transformers_model_as_its_stages_call_it():
+    # The tuner (and `balance="auto"`) times each unit alone, calling it several times. The user's call leaves
+    # `use_cache` at the config's True, so the blocks were handed one cache that grew by a microbatch on every timed
+    # call (the Llama's tuner stopped at "size of tensor a (64) must match ... b (32)"). Stages call with
+    # `use_cache=False`, and so does the profiler now.
+    from lightning_pipe.settings import PipelineSettings
+    from lightning_pipe.tune.profile import profile_network
+    from tests.hf_models import LitHF, padded_batches
+
+    model = LitHF(layers=2)
+    assert model.model.config.use_cache
+    batch = padded_batches(8, 0, "right").tensors
+    profile = profile_network(model, PipelineSettings(), batch, [2, 4], torch.device("cpu"), repeats=2)
+    assert sorted(profile.times) == [2, 4]
+    for size in (2, 4):
+        block = profile.times[size]["model.layers.0"]
+        assert block.forward > 0 and block.backward > 0 and block.output_bytes == size * 9 * 32 * 4  # hidden states

@@ -15,7 +15,7 @@ from lightning_pipe.models.units import Layout
 PROTOCOL = [
     name
     for name in dir(ModelKind)
-    if not name.startswith("_") and name not in ("name", "stage_call", "prepare_dataflow_call")
+    if not name.startswith("_") and name not in ("name", "stage_call", "prepare_dataflow_call", "prepare_profile_call")
 ]
 
 
@@ -125,5 +125,6 @@ def test_every_kind_class_answers_every_question_of_the_protocol():
     from lightning_pipe.models.peft import PeftKind
 
     for cls in (PlainKind, HuggingFaceKind, PeftKind, LitGPTKind):
-        missing = [name for name in (*PROTOCOL, "stage_call", "prepare_dataflow_call") if not hasattr(cls, name)]
+        names = (*PROTOCOL, "stage_call", "prepare_dataflow_call", "prepare_profile_call")
+        missing = [name for name in names if not hasattr(cls, name)]
         assert missing == [], f"{cls.__name__} lacks {missing}"

@@ -297,3 +297,21 @@ def test_lora_interleaved_1f1b_4_procs(work):
     runs = ["llama-tied:lora", "qwen2-untied:loha"]
     run_script("peft_adapters.py", str(work), "Interleaved1F1B", "4", *runs, nprocs=4, launcher="torchrun")
     _check(work, "Interleaved1F1B", 4, runs)
+
+
+def test_units_of_a_peft_model_are_timed_as_its_stages_call_them():
+    # As for a transformers model (tests/test_hf.py): the wrapped model's cache, on by default, would grow with every
+    # timed call of a block; the PEFT kind's `prepare_profile_call` turns it off as its stages do.
+    from lightning_pipe.split.balance import profile_units
+    from tests.hf_models import SEQ, VOCAB, build
+    from tests.peft_models import peft_config
+
+    network = peft.get_peft_model(build("llama", tie=True, layers=2), peft_config("lora")).train()
+    assert network.base_model.model.config.use_cache
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    call = {"input_ids": ids, "labels": ids}
+    assert kind_of(network).prepare_profile_call(network, (), call)[1]["use_cache"] is False
+    layout = kind_of(network).layout(network)
+    profiles = profile_units(network, layout, (), call, torch.device("cpu"), repeats=2)
+    block = next(p for p in profiles if p.name == layout.blocks[0])
+    assert block.measured and block.time_s > 0

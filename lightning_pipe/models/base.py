@@ -84,6 +84,8 @@ class ModelKind(Protocol):
     stage_call: StageCall
     #: the network call as the dataflow frontend runs it (``None``: the call as made)
     prepare_dataflow_call: PrepareCall | None
+    #: the network call as a stage of the default frontend makes it, for measuring units alone (``None``: as made)
+    prepare_profile_call: PrepareCall | None
 
     def layout(self, network: nn.Module, blocks: str = "auto") -> Layout:
         """The network's units under the default frontend; ``blocks`` is the strategy's argument (``"auto"`` or the

@@ -34,7 +34,7 @@ from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface.kind import HuggingFaceKind
 from lightning_pipe.models.huggingface.plan import is_hf_model
-from lightning_pipe.models.huggingface.stage import run_stage
+from lightning_pipe.models.huggingface.stage import prepare_call, run_stage
 from lightning_pipe.models.units import Layout
 
 #: where a ``PeftModel`` of a LoRA-style tuner (``BaseTuner``) holds the transformers model
@@ -108,11 +108,17 @@ def peft_stage_call(
     return run_stage(view, inner_model(view), args, kwargs, received, first, last)
 
 
+def peft_profile_call(view: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The transformers kind's call as its stages make it (``use_cache=False``), for the wrapped model."""
+    return (), prepare_call(view, args, kwargs, inner_model(view))
+
+
 class PeftKind:
     """A ``peft.PeftModel`` around a transformers model (:class:`~lightning_pipe.models.base.ModelKind`)."""
 
     stage_call = staticmethod(peft_stage_call)
     prepare_dataflow_call = None
+    prepare_profile_call = staticmethod(peft_profile_call)
 
     def __init__(self, network: nn.Module) -> None:
         _refuse_dora(network)

@@ -68,6 +68,7 @@ class PlainKind:
     name = "plain module"
     stage_call = staticmethod(call_with_activation)
     prepare_dataflow_call = None
+    prepare_profile_call = None
 
     def layout(self, network: nn.Module, blocks: str = "auto") -> Layout:
         return find_layout(network, blocks)

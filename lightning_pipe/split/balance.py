@@ -32,6 +32,7 @@ from torch import nn
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.measure.memory import format_bytes
 from lightning_pipe.measure.profile import sync, time_unit
+from lightning_pipe.models import kind_of
 from lightning_pipe.models.units import Layout
 from lightning_pipe.split.partition import (
     UnitCosts,
@@ -189,8 +190,13 @@ def unit_calls(
     timings cannot make identical blocks look different. ``args``/``kwargs`` are real tensors (on any device) even
     when ``network`` is on the meta device: they fill the first units' inputs; inputs further in are found by
     running the network once (on the meta device if it is there) and are made real as random tensors of the same
-    shape (integers: zeros) where they come from a meta network.
+    shape (integers: zeros) where they come from a meta network. The call is first made as the network's stages make
+    it (the kind's ``prepare_profile_call``: a transformers model without its cache, which would grow with every
+    timed call of a unit).
     """
+    prepare = kind_of(network).prepare_profile_call
+    if prepare is not None:
+        args, kwargs = prepare(network, tuple(args), dict(kwargs))
     meta = any(t.is_meta for t in (*network.parameters(), *network.buffers()))
     net_device = torch.device("meta") if meta else next(network.parameters()).device
     real_of: dict[int, torch.Tensor] = {}

@@ -50,6 +50,12 @@ def prepare_dataflow_call(view: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     return (), call
 
 
+def prepare_profile_call(view: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A transformers model's call as its stages make it (by name, ``use_cache=False``): a unit measured alone and
+    called again then sees the same inputs (a cache from the user's call would grow by one microbatch per call)."""
+    return (), prepare_call(view, args, kwargs)
+
+
 def _has_submodule(network: nn.Module, name: str) -> bool:
     try:
         network.get_submodule(name)
@@ -63,6 +69,7 @@ class HuggingFaceKind:
 
     stage_call = staticmethod(hf_stage_call)
     prepare_dataflow_call = staticmethod(prepare_dataflow_call)
+    prepare_profile_call = staticmethod(prepare_profile_call)
 
     def __init__(self, network: nn.Module) -> None:
         self.name = f"transformers {type(network).__name__}"
