@@ -100,8 +100,12 @@ def test_stand_ins_by_kind_of_loader():
     assert [loader.index for loader in continuation.loaders] == [0, 1, 2, 3]
 
 
-def test_the_fit_start_batch_check_sees_through_the_stand_in():
+def test_the_fit_start_batch_check_sees_through_the_stand_in(monkeypatch):
     # Lightning hands the strategy the stand-in, not the user's DataLoader: the short last batch is still found.
+    from lightning_pipe.step import report
+
+    said: list[str] = []
+    monkeypatch.setattr(report, "rank_zero_info", said.append)
     continuation = loaders.Continuation(lambda: {}, lambda state: None, lambda: 0)
     settings = PipelineSettings(microbatches=8).resolve(2)
     for loader in (
@@ -109,9 +113,30 @@ def test_the_fit_start_batch_check_sees_through_the_stand_in():
         DataLoader(token_dataset(57), batch_size=8, shuffle=True),
     ):
         trainer = SimpleNamespace(train_dataloader=loaders.stand_in(loader, continuation))
-        # a 1-sample batch cannot run under 1F1B with 2 stages (it needs 2 microbatches)
-        with pytest.raises(MicrobatchError, match=r"last batch of each epoch \(57 samples in batches of 8\) has 1"):
-            check_training_batches(trainer, settings, global_rank=0)
+        # a 1-sample batch 1F1B cannot run with 2 stages (it needs 2 microbatches): GPipe runs it
+        check_training_batches(trainer, settings, global_rank=0)
+    assert len(said) == 2 and all(
+        "last batch of each epoch (57 samples in batches of 8) has 1 samples" in text and "under GPipe" in text
+        for text in said
+    )
+
+
+def test_a_batch_no_schedule_runs_is_refused_at_fit_start_on_rank_0_and_pointed_to_on_the_others(monkeypatch):
+    # No schedule of torch 2.11-2.14 refuses every count of a training batch (1F1B and DualPipeV hand theirs to a
+    # fallback): a torch whose Interleaved1F1B accepted none is simulated.
+    from lightning_pipe.step.executors import schedule
+
+    monkeypatch.setattr(schedule, "schedule_accepts", lambda *args: False)
+    settings = PipelineSettings(schedule="Interleaved1F1B", microbatches=8).resolve(2)
+    trainer = SimpleNamespace(train_dataloader=DataLoader(token_dataset(57), batch_size=8))
+    with pytest.raises(MicrobatchError) as first:
+        check_training_batches(trainer, settings, global_rank=0)
+    text = str(first.value)
+    assert text.startswith("The training DataLoader's last batch of each epoch (57 samples in batches of 8) has 1")
+    assert "torch's Interleaved1F1B schedule with 4 stages accepts no count" in text
+    assert text.endswith("(Checked before the first step.)")
+    with pytest.raises(MicrobatchError, match=r"^The training DataLoader yields a batch that cannot be split into "):
+        check_training_batches(trainer, settings, global_rank=1)
 
 
 def test_a_resume_point_is_taken_at_the_next_batch_request():
