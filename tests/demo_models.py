@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch.demos import LightningTransformer, Transformer
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.models import quiet_trainer
+
 VOCAB = 50
 
 
@@ -35,15 +37,7 @@ def fit_demo_transformer(**trainer_kwargs: Any) -> dict[str, Any]:
     """Seed, fit 4 steps; the step losses and this rank's parameters."""
     L.seed_everything(0)
     model = GeneratedTokensTransformer()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(max_steps=4, **trainer_kwargs)
     trainer.fit(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": model.losses, "state": state, "global_rank": trainer.global_rank}

@@ -3,7 +3,6 @@ pipelined is refused by name, with the fix. (The demo transformer: see docs/gett
 
 from __future__ import annotations
 
-import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.demos import BoringModel, DemoModel
@@ -13,6 +12,7 @@ from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import split_module
+from tests.models import quiet_trainer
 
 
 @pytest.mark.parametrize("demo", [BoringModel, DemoModel])
@@ -23,15 +23,6 @@ def test_a_demo_whose_network_is_one_linear_is_refused_with_devices_1_as_the_fix
 
 
 def test_the_manual_optimization_demo_is_refused_naming_automatic_optimization():
-    trainer = L.Trainer(
-        strategy=PipelineParallelStrategy(),
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=PipelineParallelStrategy(), devices=1, max_steps=1)
     with pytest.raises(PipelineUsageError, match=r"needs automatic optimization.*automatic_optimization = False"):
         trainer.fit(ManualOptimBoringModel())

@@ -56,21 +56,24 @@ def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, str]:
     the schedule that runs them: the configured one, or (a batch it cannot run, such as a last batch of one sample
     under 1F1B) its :data:`FALLBACK_SCHEDULES` entry."""
     s = settings
+
+    def count(schedule: str) -> int:
+        accepts = functools.partial(schedule_accepts, schedule, s.pipeline_size, s.stages_per_rank)
+        return training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, schedule)
+
     other = FALLBACK_SCHEDULES.get(s.schedule)
-    accepts = functools.partial(schedule_accepts, s.schedule, s.pipeline_size, s.stages_per_rank)
     try:
-        n = training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, s.schedule)
+        n = count(s.schedule)
     except MicrobatchError:
         if other is None:
             raise
-    else:
-        # `microbatches="auto"` on a batch smaller than the stages: one sample each, a count the user did not choose
-        # (a count they chose is kept, and torch's refusal names it)
-        auto = s.microbatches == "auto" and s.microbatch_size is None
-        if not (auto and other is not None and not accepts(n)):
-            return n, s.schedule
-    accepts = functools.partial(schedule_accepts, other, s.pipeline_size, s.stages_per_rank)
-    return training_microbatches(size, s.microbatches, s.microbatch_size, s.num_stages, accepts, other), other
+        return count(other), other
+    # `microbatches="auto"` on a batch smaller than the stages gives one sample each, a count the user did not choose
+    # (a count they chose is kept, and torch's refusal names it)
+    auto = s.microbatches == "auto" and s.microbatch_size is None
+    if auto and other is not None and not schedule_accepts(s.schedule, s.pipeline_size, s.stages_per_rank, n):
+        return count(other), other
+    return n, s.schedule
 
 
 def microbatch_count(settings: PipelineSettings, size: int) -> int:
