@@ -209,7 +209,11 @@ def make_strategy(config: str, processes: int):
 
 def worker(args: argparse.Namespace) -> None:
     import lightning_pipe
+    from benchmarks.common import pin_to_core
 
+    # Rank 0 is this process (LOCAL_RANK unset until Lightning's launcher sets it); ranks 1..N-1 are its re-runs,
+    # which inherit rank 0's core and pin themselves again. With more processes than cores they share cyclically.
+    core = None if args.no_pin else pin_to_core(int(os.environ.get("LOCAL_RANK", 0)))
     torch.set_num_threads(1)
     L.seed_everything(0)
     batch = args.global_batch // replicas(args.config, args.processes)
@@ -247,6 +251,7 @@ def worker(args: argparse.Namespace) -> None:
         "state": stamps.state,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "chosen": chosen,
+        "pinned": core is not None,
         "layout": None
         if settings is None
         else f"pp={settings.pipeline_size} dp={settings.data_parallel_size} {settings.data_parallel}"
@@ -276,6 +281,7 @@ def launch(args: argparse.Namespace, config: str, processes: int, model: str) ->
         cmd = [sys.executable, __file__, "--worker", "--config", config, "--model", model, "--out", out]
         cmd += [f"--processes={processes}", f"--size={args.size}", f"--global-batch={args.global_batch}"]
         cmd += [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--trials={args.trials}"]
+        cmd += ["--no-pin"] if args.no_pin else []
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
@@ -341,6 +347,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4, help="the tuned configurations' max_trials")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     parser.add_argument("--out", default="benchmarks/results/alternatives")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="leave the processes free to run on every core (default: one core each)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -352,17 +361,19 @@ def main() -> None:
     from benchmarks.common import machine
 
     results: dict = {"machine": machine(), "arguments": vars(args), "configs": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for _ in range(args.runs):
         for processes in (int(p) for p in args.processes.split(",")):
             for model in args.models.split(","):
                 for config in args.configs.split(","):
-                    found = launch(args, config, processes, model)
+                    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+                    found = {**launch(args, config, processes, model), "load_at_start": load}
                     results["configs"].setdefault(f"{model}/{processes}/{config}", []).append(found)
                     print(f"{model} x{processes} {config}: {json.dumps(found)[:200]}", file=sys.stderr)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "alternatives.json").write_text(json.dumps(results, indent=1))
-    (out / "alternatives.md").write_text(markdown(results))
+                    # Written after every launch, so that a long run stopped early keeps what it measured.
+                    (out / "alternatives.json").write_text(json.dumps(results, indent=1))
+                    (out / "alternatives.md").write_text(markdown(results))
     print(markdown(results))
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/tune.py            # the full run (see docs/benchmarks.md for its duration), rewrites its section
     python benchmarks/tune.py --quick    # every code path once on tiny workloads, docs untouched (CI smoke)
+    python benchmarks/tune.py --layouts  # the same with the layout searched: pipeline x data parallelism, or neither
 
 On each workload of benchmarks/tune_models.py (2 processes, 1 thread each, each pinned to a core of its own unless
 ``--no-pin``, a fresh pair of processes per run and workload), run by run (``--runs``), interleaved so that a slower
@@ -14,6 +15,12 @@ moment of the machine hits every case alike:
   its own wall and CPU time, its table;
 - **compile** (``mlp``, ``gpt``; ``--quick``: ``mlp``): 1F1B with ``compile=True`` against eager, and the first
   step's time (compilation).
+
+With ``--layouts`` (default workloads ``small``, ``gpt``, ``gpt-vocab``), the space also holds the layout
+(``pipeline_sizes="auto"``, ``data_parallel=("ddp", "fsdp")``: at 2 processes a 2-stage pipeline, or no pipeline
+with DDP or FSDP over both) under four schedules (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble) without activation
+checkpointing; a sweep case with 2 replicas trains on half the batch per replica (the global batch kept, as the
+tuner keeps it); no compiled cases. Its section of the docs is its own.
 
 The report takes medians over runs of each run's median step time. Per workload: the sweep's best candidate, each
 tuner run's choice and where it lands in the sweep (its sweep median over the best), and the tuning's cost in
@@ -46,34 +53,73 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BEGIN = "<!-- benchmarks/tune.py: begin (generated, do not edit by hand) -->"
-END = "<!-- benchmarks/tune.py: end -->"
+MARKERS = {
+    False: ("<!-- benchmarks/tune.py: begin (generated, do not edit by hand) -->", "<!-- benchmarks/tune.py: end -->"),
+    True: (
+        "<!-- benchmarks/tune.py --layouts: begin (generated, do not edit by hand) -->",
+        "<!-- benchmarks/tune.py --layouts: end -->",
+    ),
+}
+BEGIN, END = MARKERS[False]
 #: batch size per pipeline and blocks of each workload (full, quick)
-SHAPES = {"mlp": ((512, 8), (32, 8)), "gpt": ((16, 4), (8, 4)), "gpt-vocab": ((16, 4), (8, 4))}
+SHAPES = {
+    "mlp": ((512, 8), (32, 8)),
+    "gpt": ((16, 4), (8, 4)),
+    "gpt-vocab": ((16, 4), (8, 4)),
+    "small": ((64, 4), (32, 8)),
+}
 COMPILED = ("mlp", "gpt")
+#: the schedules of the layout run (the single-stage, interleaved and V-shaped families, one zero-bubble)
+LAYOUT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
-def space(quick: bool) -> Any:
+def space(quick: bool, layouts: bool = False) -> Any:
     from lightning_pipe import SearchSpace
 
+    if layouts:
+        return SearchSpace(
+            schedules=("1F1B",) if quick else LAYOUT_SCHEDULES,
+            microbatches=(1, 2) if quick else "auto",
+            activation_checkpointing=(0,),
+            pipeline_sizes="auto",
+            data_parallel=("ddp", "fsdp"),
+        )
     if quick:
         return SearchSpace(schedules=("1F1B", "ZBVZeroBubble"), microbatches=(2, 4), activation_checkpointing=(0,))
     return SearchSpace()
 
 
-def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+def sweep_candidates(args: argparse.Namespace, batch: int, blocks: int) -> list[tuple[dict[str, Any], int | None]]:
+    """Every candidate of the space at 2 processes, with the per-replica batch it trains on (``None``: the
+    workload's own, one replica). With ``--layouts``, every layout's candidates, as the tuner lists them."""
+    from lightning_pipe.tune.layout import ProcessLayout, layouts
     from lightning_pipe.tune.space import candidates
 
+    found = space(args.quick, args.layouts)
+    if not args.layouts:
+        return [(c.settings(), None) for c in candidates(found, 2, batch, blocks)]
+    out = []
+    for layout in layouts(found, 2, ProcessLayout(2, 1), batch)[0]:
+        replica = batch // layout.data_parallel_size
+        for c in candidates(found, layout.pipeline_size, replica, blocks, layout):
+            out.append((c.settings(), replica if layout.data_parallel_size > 1 else None))
+    return out
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     cases = []
     for run in range(args.runs):
         order = random.Random(run)
         for workload in args.workloads:
             batch, blocks = SHAPES[workload][1 if args.quick else 0]
-            found = [c.settings() for c in candidates(space(args.quick), 2, batch, blocks)]
+            found = sweep_candidates(args, batch, blocks)
             order.shuffle(found)
-            cases += [{"kind": "sweep", "workload": workload, "run": run, "settings": s} for s in found]
+            cases += [
+                {"kind": "sweep", "workload": workload, "run": run, "settings": s, "batch_size": b} for s, b in found
+            ]
             cases.append({"kind": "tune", "workload": workload, "run": run})
-            if workload in (COMPILED[:1] if args.quick else COMPILED) and not args.no_compile:
+            compiled = COMPILED[:1] if args.quick else COMPILED
+            if workload in compiled and not (args.no_compile or args.layouts):
                 for compiled in order.sample([False, True], 2):
                     settings = {"schedule": "1F1B", "microbatches": 4, "compile": compiled}
                     cases.append({"kind": "compile", "workload": workload, "run": run, "settings": settings})
@@ -81,7 +127,9 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------ the worker
-def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int, pin: bool) -> None:
+def work(
+    cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int, pin: bool, layouts: bool = False
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -89,6 +137,7 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
     from benchmarks.common import machine, pin_to_core, proc_status_bytes
     from benchmarks.lit import StepClock, trainer
     from benchmarks.tune_models import build
+    from lightning_pipe.tune.layout import find_batch_knob
 
     # Before the process group starts its threads, which inherit the core.
     core = pin_to_core(int(os.environ["LOCAL_RANK"])) if pin else None
@@ -103,6 +152,8 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
         model, fit_kwargs = build(case["workload"], quick, batches=64)
         record: dict[str, Any] = {"case": case}
         if case["kind"] in ("sweep", "compile"):
+            if case.get("batch_size"):  # more replicas: the global batch kept, as the tuner keeps it
+                find_batch_knob(model, fit_kwargs.get("datamodule")).set(case["batch_size"])
             clock = StepClock()
             strategy = lightning_pipe.PipelineParallelStrategy(**case["settings"])
             trainer(strategy, 2, warmup + steps, [clock]).fit(model, **fit_kwargs)
@@ -113,8 +164,8 @@ def work(cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: 
         else:
             path = results_file.parent / f"tune-{case['workload']}-{case['run']}"
             result = lightning_pipe.tune(
-                trainer("pipeline", 2, 1, []), model, space=space(quick), steps=steps, warmup_steps=warmup, path=path,
-                retune=True, **fit_kwargs,
+                trainer("pipeline", 2, 1, []), model, space=space(quick, layouts), steps=steps, warmup_steps=warmup,
+                path=path, retune=True, **fit_kwargs,
             )  # fmt: skip
             record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
             record["table"] = result.table
@@ -253,7 +304,13 @@ def _label(settings: dict[str, Any]) -> str:
     from lightning_pipe.tune.space import Candidate
 
     keys = ("schedule", "microbatches", "stages_per_rank", "activation_checkpointing")
-    return Candidate(*(settings[k] for k in keys), bool(settings.get("compile"))).label
+    layout = {k: settings[k] for k in ("pipeline_size", "data_parallel", "tensor_parallel") if k in settings}
+    return Candidate(*(settings[k] for k in keys), bool(settings.get("compile")), **layout).label
+
+
+def _cell(text: str) -> str:
+    """``text`` inside a markdown table's cell: a layout's label (``pp=2 ddp tp=1 | 1F1B ...``) has a bar."""
+    return text.replace("|", "\\|")
 
 
 def _duration(results: dict[str, Any]) -> str:
@@ -270,12 +327,15 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         dates = ", ".join(f"{b['runs']} run{'s' * (b['runs'] != 1)} ending {b['date']}" for b in results["batches"])
         total = sum(b["runs"] for b in results["batches"])
         runs = f"{total} runs in {len(results['batches'])} batches ({dates}), interleaved within each batch"
+    layouts = bool(getattr(args, "layouts", False))
+    begin, end = MARKERS[layouts]
+    flags = " --quick" * bool(args.quick) + " --layouts" * layouts
     lines = [
-        BEGIN,
+        begin,
         "",
-        "### Results",
+        "### Results, the layout searched too" if layouts else "### Results",
         "",
-        f"`python benchmarks/tune.py{' --quick' if args.quick else ''}`, {results['date']}, {_duration(results)};"
+        f"`python benchmarks/tune.py{flags}`, {results['date']}, {_duration(results)};"
         f" {m.get('cpu')}, {m.get('cpu_cores')} cores, torch {m.get('torch')};"
         f" {'each process pinned to a core of its own' if m.get('pinned') else 'the processes free to use every core'};"
         " load average at the start:"
@@ -292,11 +352,12 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         top = w["top"][0] if w["top"] else None
         worst = w["worst"]
         choices = "; ".join(f"{t['label']} ({t['ratio']:.3f})" if t["ratio"] else t["label"] for t in w["tunes"])
+        top_cell = _cell(_label(top[0]) + f" ({top[1]:.1f})") if top else "-"
+        worst_cell = _cell(_label(worst[0]) + f" ({worst[1]:.1f})") if worst else "-"
         cost = "; ".join(f"{t['wall_s']:.1f} ({t['cpu_s']:.1f}), {t['trials']:.0f}" for t in w["tunes"])
         sweeps = "; ".join(f"{t['sweeps']:.2f}" for t in w["tunes"] if t["sweeps"] is not None)
         lines.append(
-            f"| {name} | {w['candidates']} | {_label(top[0]) + f' ({top[1]:.1f})' if top else '-'} |"
-            f" {_label(worst[0]) + f' ({worst[1]:.1f})' if worst else '-'} | {choices} | {cost} | {sweeps} |"
+            f"| {name} | {w['candidates']} | {top_cell} | {worst_cell} | {_cell(choices)} | {cost} | {sweeps} |"
         )
     lines += [
         "",
@@ -310,7 +371,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     for name, w in results["workloads"].items():
         picks = "; ".join(f"{p['label']} ({p['ratio']:.3f})" for p in w.get("sweep_picks") or [])
         spread = f"{w['run_spread']:.3f}" if w.get("run_spread") else "-"
-        lines.append(f"| {name} | {picks or '-'} | {spread} |")
+        lines.append(f"| {name} | {_cell(picks) or '-'} | {spread} |")
     lines += ["", "The five fastest candidates of each sweep (ms per step):", ""]
     for name, w in results["workloads"].items():
         lines.append(f"- **{name}**: " + ", ".join(f"{_label(s)} {ms:.1f}" for s, ms in w["top"]))
@@ -338,7 +399,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
             first["table"],
             "```",
         ]
-    lines += ["", END]
+    lines += ["", end]
     return "\n".join(lines)
 
 
@@ -361,12 +422,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="every code path once on tiny workloads (CI smoke)")
     parser.add_argument("--runs", type=int, default=None, help="runs per case (default 3; 1 with --quick)")
-    parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt", "gpt-vocab"])
+    parser.add_argument("--workloads", nargs="+", default=None, help="default: mlp gpt gpt-vocab (--layouts: small)")
+    parser.add_argument(
+        "--layouts", action="store_true", help="search the layout too (pipeline x data parallelism, or none)"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled cases")
     parser.add_argument(
         "--no-pin", action="store_true", help="leave the worker processes free to run on every core (default: one each)"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default benchmarks/results/tune (--layouts: tune-layouts)"
+    )
     parser.add_argument(
         "--docs", type=Path, default=None, help="page to update (default docs/benchmarks.md; '-': none)"
     )
@@ -384,9 +450,11 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
+    args.workloads = args.workloads or (["small", "gpt", "gpt-vocab"] if args.layouts else ["mlp", "gpt", "gpt-vocab"])
+    args.out = args.out or ROOT / "benchmarks" / "results" / ("tune-layouts" if args.layouts else "tune")
     steps, warmup = (1, 1) if args.quick else (6, 2)
     if args.worker:
-        return work(args.worker[0], args.worker[1], args.quick, steps, warmup, not args.no_pin)
+        return work(args.worker[0], args.worker[1], args.quick, steps, warmup, not args.no_pin, args.layouts)
     if args.docs is None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -424,7 +492,7 @@ def main() -> None:
     if str(args.docs) != "-":
         from benchmarks.report import write_section
 
-        write_section(args.docs, text, BEGIN, END)
+        write_section(args.docs, text, *MARKERS[bool(args.layouts)])
     print(text)
 
 
@@ -434,6 +502,7 @@ def _run_worker(args: argparse.Namespace, cases_file: Path, records_file: Path, 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
     cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
     cmd += ["--no-pin"] if args.no_pin else []
+    cmd += ["--layouts"] if args.layouts else []
     with (args.out / "worker.log").open("a") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
     if proc.returncode != 0:

@@ -135,6 +135,41 @@ def test_tune_report_compares_the_choice_with_the_sweep():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the OS does not pin threads")
+def test_the_layout_sweep_lists_every_layout_with_its_replica_batch_and_keeps_the_table_whole():
+    """``tune.py --layouts``: at 2 processes, a 2-stage pipeline on the whole batch and no pipeline (DDP, FSDP) on half
+    of it each, the candidates the tuner would list; a layout's label (which has a bar) stays in its table cell."""
+    from benchmarks import tune as tune_bench
+
+    args = Namespace(quick=False, layouts=True)
+    found = tune_bench.sweep_candidates(args, 16, 4)
+    layouts = {(s["pipeline_size"], s["data_parallel"]): b for s, b in found}
+    assert layouts == {(2, "ddp"): None, (1, "ddp"): 8, (1, "fsdp"): 8}
+    # No pipeline: the single-stage schedules only, microbatches dividing the replica's 8 samples, one stage.
+    alone = [s for s, _ in found if s["pipeline_size"] == 1]
+    assert {s["schedule"] for s in alone} == {"GPipe", "1F1B"} and {s["stages_per_rank"] for s in alone} == {1}
+    assert {s["microbatches"] for s in alone} == {1, 2, 4, 8}
+    assert {s["schedule"] for s, _ in found} == set(tune_bench.LAYOUT_SCHEDULES)
+    assert all(not s["activation_checkpointing"] and not s["compile"] for s, _ in found)
+    # Without --layouts the sweep keeps the strategy's layout and the workload's batch.
+    assert {b for _, b in tune_bench.sweep_candidates(Namespace(quick=False, layouts=False), 16, 4)} == {None}
+    a, b = found[0][0], next(s for s, _ in found if s["pipeline_size"] == 1)
+    records = [{"machine": {"cpu": "x", "load_average": [0.1]}}]
+    for run in range(2):
+        records += [_sweep(run, a, [99.0, 12.0]), _sweep(run, b, [99.0, 10.0])]
+        cost = {"wall_s": 1.0, "launch_s": 0.1, "cpu_s": 1.0, "trials": 2.0}
+        records.append(
+            {"case": {"kind": "tune", "workload": "mlp", "run": run}, "choice": b, "cost": cost}
+            | {"label": tune_bench._label(b), "table": "t"}
+        )
+    results = tune_bench.collect(records, warmup=1) | {"date": "d", "elapsed_s": 1.0}
+    text = tune_bench.markdown(results, Namespace(quick=False, runs=2, layouts=True))
+    assert text.startswith(tune_bench.MARKERS[True][0]) and text.endswith(tune_bench.MARKERS[True][1])
+    assert "`python benchmarks/tune.py --layouts`" in text
+    assert (
+        "| mlp | 2 | no pipeline ddp tp=1 \\| GPipe M=1 v=1 (10.0) | pp=2 ddp tp=1 \\| GPipe M=2 v=1 (12.0) |" in text
+    )
+
+
 def test_pin_to_core_pins_every_thread_of_the_process():
     # In a process of its own: the pin must not outlive the check.
     code = (
