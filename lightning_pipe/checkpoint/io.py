@@ -85,12 +85,18 @@ def model_state(module: nn.Module, aliases: Mapping[str, str] | None = None) -> 
     """This rank's model entries under the full model's names; a tied parameter under its first name only."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if not _holds_tensors(module):
+        return {}  # a rank of pass-on stages only (a one-unit network); torch refuses an empty model state dict
     state = get_model_state_dict(module)
     for name, first in (aliases or {}).items():
         if name in state:
             value = state.pop(name)
             state.setdefault(first, value)
     return state
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def optimizer_state(
@@ -179,7 +185,8 @@ def load(
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
         raise PipelineCheckpointError(f"Reading checkpoint {str(path)!r} failed (corrupted shard?): {err}") from err
     loaded = _as_local(module, state["state_dict"], {k: rename[topo.aliases.get(k, k)] for k in rename})
-    set_model_state_dict(module, loaded, options=StateDictOptions(strict=strict))
+    if _holds_tensors(module):
+        set_model_state_dict(module, loaded, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
     if optimizers and schedulers is not None:
