@@ -303,7 +303,7 @@ def split_module(
     plan = _frontend(network, settings, device)
     layout = plan.layout
     if layout == ONE_UNIT and num_stages > 1:
-        counts = one_unit_counts(network, settings)
+        counts = one_unit_counts(network, attr, settings)
         plan = _Frontend(layout, plan.placeholder, call_passing_on(plan.stage_call))
     elif len(layout.blocks) < num_stages:
         raise PipelineConfigError(

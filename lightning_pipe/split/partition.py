@@ -71,10 +71,12 @@ def check_balance(balance: Sequence[int], num_blocks: int, num_stages: int) -> l
     return balance
 
 
-def one_unit_counts(network: nn.Module, settings: PipelineSettings) -> list[int]:
+def one_unit_counts(network: nn.Module, attribute: str, settings: PipelineSettings) -> list[int]:
     """Blocks per stage of a network that is one unit (:data:`~lightning_pipe.models.units.ONE_UNIT`): the first
-    stage runs it, the others pass its output on (said once, on rank 0, naming the processes held for nothing)."""
-    num_stages, name = settings.num_stages, type(network).__name__
+    stage runs it, the others pass its output on (said once, on rank 0, naming the processes held for nothing).
+    ``attribute``: the LightningModule's attribute holding the network, for messages."""
+    num_stages = settings.num_stages
+    name = f"`{attribute}`, a {type(network).__name__}" if attribute else type(network).__name__
     if settings.split_points is not None or not isinstance(settings.balance, str):
         given = (
             f"split_points={list(settings.split_points)!r}"
