@@ -79,11 +79,14 @@ def test_placing_a_one_unit_network_by_hand_is_refused_naming_the_argument(setti
     assert named in str(info.value) and "`devices=1`" in str(info.value)
 
 
-def test_the_dataflow_frontend_refuses_a_one_unit_network_naming_the_modules_frontend():
+@pytest.mark.parametrize("frontend", ["dataflow", "trace"])
+def test_the_frontends_that_cut_between_submodules_refuse_a_one_unit_network_naming_the_modules_frontend(frontend):
+    model = DemoModel()
+    model.example_input_array = torch.randn(4, 32)
     with pytest.raises(
         PipelineModelError, match=r"single Linear with no submodules.*`frontend='modules'`.*`devices=1`"
     ):
-        _split(DemoModel(), 0, frontend="dataflow")
+        _split(model, 0, frontend=frontend)
 
 
 def test_a_rank_without_parameters_builds_the_users_optimizer_and_scheduler_with_empty_groups():

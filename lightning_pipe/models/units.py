@@ -99,9 +99,9 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
         # Lightning's BoringModel and DemoModel: one Linear. Only the modules frontend runs it (find_layout).
         raise PipelineModelError(
             f"The network is a single {type(module).__name__} with no submodules: it has no block stack to cut"
-            " between stages. Use `frontend='modules'` (what `frontend='auto'` picks for it): the first stage runs"
-            " it whole and the others pass its output on; better, train it with `devices=1` (or data"
-            " parallelism, `strategy='ddp'`)."
+            " between stages (the dataflow and trace frontends cut there). Use `frontend='modules'` (what"
+            " `frontend='auto'` picks for it): the first stage runs it whole and the others pass its output on;"
+            " better, train it with `devices=1` (or data parallelism, `strategy='ddp'`)."
         )
     if not candidates:
         raise PipelineModelError(

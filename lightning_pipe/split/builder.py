@@ -20,7 +20,7 @@ from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.models import kind_of, use_plan
 from lightning_pipe.models.base import Placeholder, StageCall
-from lightning_pipe.models.units import ONE_UNIT, Layout, find_layout
+from lightning_pipe.models.units import ONE_UNIT, Layout, find_block_stack, find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.split.calls import call_traced
@@ -201,7 +201,10 @@ def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
     if settings.frontend == "dataflow":
         return dataflow_layout(network, settings.blocks)
     if settings.frontend == "trace":
-        return find_layout(network, settings.blocks)  # the tracer cuts at blocks, whatever the model's kind
+        layout = find_layout(network, settings.blocks)  # the tracer cuts at blocks, whatever the model's kind
+        if layout == ONE_UNIT:
+            find_block_stack(network, "auto")  # raises: a network of one module has no block to cut at
+        return layout
     return kind_of(network).layout(network, settings.blocks)
 
 
