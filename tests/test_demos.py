@@ -124,3 +124,21 @@ def test_the_manual_optimization_demo_is_refused_naming_automatic_optimization()
     trainer = quiet_trainer(strategy=PipelineParallelStrategy(), devices=1, max_steps=1)
     with pytest.raises(PipelineUsageError, match=r"needs automatic optimization.*automatic_optimization = False"):
         trainer.fit(ManualOptimBoringModel())
+
+
+def test_a_resumed_group_without_parameters_here_reads_the_saved_hyperparameters_of_its_full_model_group():
+    from lightning_pipe.checkpoint import optim
+
+    def empty() -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.empty(0))], lr=0.1, momentum=0.5)
+        optimizer.param_groups[0]["params"] = []  # as build_optimizers leaves a rank without parameters
+        return optimizer
+
+    flat = {"param_groups.layer.weight.lr": 0.001, "param_groups.layer.weight.momentum": 0.9}
+    optimizer = empty()
+    optimizer.load_state_dict(optim.unflatten(optimizer, {}, flat, {0: "layer.weight"}))
+    assert optimizer.param_groups[0]["lr"] == 0.001 and optimizer.param_groups[0]["momentum"] == 0.9
+    optimizer = empty()
+    optimizer.load_state_dict(optim.unflatten(optimizer, {}, flat))  # no parameter named: its own values stay
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert set(optim.target(optimizer, {}, {k: None for k in flat}, {0: "layer.weight"})) == set(flat)
