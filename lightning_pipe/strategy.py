@@ -38,7 +38,7 @@ from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.measure.memory import MemoryReport, PeakMemory, SavedBytesRecorder, state_bytes
 from lightning_pipe.measure.memory import tensor_parallel_share as tp_share
 from lightning_pipe.parallel import data_parallel as dp_modes
-from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
+from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, build_optimizers, stage_gradients
 from lightning_pipe.parallel.tensor_parallel import TensorParallel
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
 from lightning_pipe.reliability import failures, restart, watchdog
@@ -350,7 +350,7 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         self._gradients = stage_gradients(module, ties, self.device_mesh, self._wrapped)
         self.barrier()
         if fitting:
-            self.setup_optimizers(trainer)
+            build_optimizers(split.network, module, lambda: self.setup_optimizers(trainer), lambda: self.optimizers)
         self.setup_precision_plugin()
         if fitting:
             pl_compat.optimizers_to_device(self.optimizers, self.root_device)

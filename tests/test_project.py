@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.demo_models import fit_demo_transformer
+from tests.demo_models import fit_boring, fit_demo_model, fit_demo_transformer
 from tests.launch import run_script
 from tests.project_models import TRAIN, run_project
 from tests.reference import load_ranks, merged_state
@@ -27,6 +27,12 @@ CONFIGS = [
     # Lightning's demo transformer with only strategy="pipeline": batches of one sample, which 1F1B on 2 stages hands
     # to GPipe (1F1B needs a microbatch per stage)
     {"name": "demo-transformer", "devices": 2, "demo": 1},
+    # Lightning's one-Linear demos: the first stage runs the Linear, the second passes its output on
+    {"name": "boring", "devices": 2, "demo": "boring"},  # batches of one sample: GPipe, one microbatch
+    {"name": "demo-model", "devices": 2, "demo": "demo-model"},  # 1F1B, batches of 4 in 2 microbatches
+    {"name": "demo-model-GPipe", "devices": 2, "demo": "demo-model", "schedule": "GPipe", "microbatches": 2},
+    {"name": "demo-model-ZBV", "devices": 2, "demo": "demo-model", "schedule": "ZBVZeroBubble", "microbatches": 2},
+    {"name": "demo-model-I1F1B", "devices": 2, "demo": "demo-model", "schedule": "Interleaved1F1B", "microbatches": 2},
 ]
 
 
@@ -89,6 +95,53 @@ def test_lightning_demo_transformer_under_the_default_strategy_equals_one_device
     state = merged_state([{**rank, "dp_rank": 0} for rank in ranks])
     assert state.keys() == expected["state"].keys()
     assert all(torch.equal(state[k], v) for k, v in expected["state"].items())
+
+
+def _one_thread(fn, *args, **kwargs):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the launched ranks' op sequence (see the demo transformer's test)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_lightning_boring_model_fits_checkpoints_resumes_and_predicts_as_one_device_bitwise(two_procs, tmp_path):
+    # One Linear on 2 stages: the second passes the output on and holds no parameter (its optimizer's groups are
+    # empty, its checkpoint shard has no weights). Batches of one sample: one microbatch; one device is the reference.
+    expected = _one_thread(fit_boring, tmp_path, devices=1)
+    ranks = load_ranks(two_procs, "boring")
+    assert len(expected["first"]["losses"]) == 8 and len(expected["losses"]) == 4
+    for rank in ranks:
+        assert rank["first"]["losses"] == expected["first"]["losses"]
+        assert rank["losses"] == expected["losses"]  # resumed from the pipeline's own ModelCheckpoint
+        assert rank["test"] == expected["test"]
+        # StepLR resumed on both ranks: the pass-on rank's empty param group reads the Linear's saved hyperparameters
+        assert rank["lr"] == expected["lr"]
+    for found in ("first", None):
+        got = [(r["first"] if found else r) for r in ranks]
+        state = merged_state([{**r, "dp_rank": 0} for r in got])
+        want = expected["first"]["state"] if found else expected["state"]
+        assert state.keys() == want.keys() and all(torch.equal(state[k], v) for k, v in want.items())
+    assert ranks[1]["state"] == {}  # the pass-on stage holds nothing
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["predictions"], expected["predictions"], strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c["name"] for c in CONFIGS if c.get("demo") == "demo-model"])
+def test_lightning_demo_model_equals_one_device_accumulating_the_microbatches_bitwise(two_procs, name):
+    # DemoModel's loss is the batch's sum: the pipeline equals one device accumulating the same 2 microbatches (its
+    # loss the mean of theirs: Lightning's accumulation divides each by 2), parameters and predictions bitwise.
+    expected = _one_thread(fit_demo_model, batch_size=2, accumulate_grad_batches=2, devices=1)
+    per_step = [expected["losses"][2 * i] + expected["losses"][2 * i + 1] for i in range(4)]
+    ranks = load_ranks(two_procs, name)
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(per_step, rel=1e-6)
+    state = merged_state([{**r, "dp_rank": 0} for r in ranks])
+    assert state.keys() == expected["state"].keys()
+    assert all(torch.equal(state[k], v) for k, v in expected["state"].items())
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["predictions"], expected["predictions"], strict=True))
 
 
 # ------------------------------------------------------------------------------------------------ one process

@@ -85,12 +85,18 @@ def model_state(module: nn.Module, aliases: Mapping[str, str] | None = None) -> 
     """This rank's model entries under the full model's names; a tied parameter under its first name only."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if not _holds_tensors(module):
+        return {}  # a rank of pass-on stages only (a one-unit network); torch refuses an empty model state dict
     state = get_model_state_dict(module)
     for name, first in (aliases or {}).items():
         if name in state:
             value = state.pop(name)
             state.setdefault(first, value)
     return state
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def optimizer_state(
@@ -170,18 +176,21 @@ def load(
             " it into the model that wrote it, or set `strict_loading = False` on the LightningModule."
         )
     state: dict[str, Any] = {"state_dict": weights}
+    heads = _empty_group_heads(path, module, optimizers, topo)
     for i, optimizer in enumerate(optimizers):
         prefix = f"optimizer_{i}."
         own = {k[len(prefix) :]: v for k, v in stored.items() if k.startswith(prefix)}
-        state[f"optimizer_{i}"] = optim.target(optimizer, names, own)  # DTensor placeholders for sharded state
+        # DTensor placeholders for sharded state; the hyperparameters of groups without parameters here
+        state[f"optimizer_{i}"] = optim.target(optimizer, names, own, heads[i])
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # DCP wraps every rank's failure in CheckpointException, raised on all ranks
         raise PipelineCheckpointError(f"Reading checkpoint {str(path)!r} failed (corrupted shard?): {err}") from err
     loaded = _as_local(module, state["state_dict"], {k: rename[topo.aliases.get(k, k)] for k in rename})
-    set_model_state_dict(module, loaded, options=StateDictOptions(strict=strict))
+    if _holds_tensors(module):
+        set_model_state_dict(module, loaded, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"]))
+        optimizer.load_state_dict(optim.unflatten(optimizer, names, state[f"optimizer_{i}"], heads[i]))
     if optimizers and schedulers is not None:
         rest["lr_schedulers"] = schedulers
     if optimizers:
@@ -191,6 +200,27 @@ def load(
 
 #: Key of this rank's resume point in what :func:`load` returns (``None`` when the checkpoint has none for it).
 RESUME_POINT = "lightning_pipe_resume_point"
+
+
+def _empty_group_heads(
+    path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], topo: Topology
+) -> list[dict[int, str]]:
+    """Per optimizer, its param groups without parameters on this rank (a rank of pass-on stages has only such):
+    the stored name of a parameter each holds in the full model (recorded before the split), whose hyperparameters
+    are the group's, so a resumed group's learning rate is the saved one, as on the ranks that hold the parameters."""
+    recorded = optim.recorded_param_groups(module) or []
+    saved_prefix = fmt.read_manifest(path).get(fmt.NETWORK_PREFIX, topo.network_prefix)
+    heads: list[dict[int, str]] = []
+    for i, optimizer in enumerate(optimizers):
+        groups = recorded[i] if i < len(recorded) else []
+        first = {
+            g: groups[g][0]
+            for g, group in enumerate(optimizer.param_groups)
+            if not group["params"] and g < len(groups) and groups[g] and groups[g][0] is not None
+        }
+        stored = fmt.stored_names(first.values(), topo.network_prefix, saved_prefix)
+        heads.append({g: stored[name] for g, name in first.items()})
+    return heads
 
 
 def _stored_names(path: Path, module: nn.Module, topo: Topology) -> dict[str, str]:

@@ -74,16 +74,23 @@ def missing_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str], s
     return [fqn for group in ordered_names(optimizer, names) for fqn in group if fqn not in heads]
 
 
-def target(optimizer: torch.optim.Optimizer, names: Mapping[int, str], stored: Mapping[str, Any]) -> dict[str, Any]:
+def target(
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+    stored: Mapping[str, Any],
+    heads: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
     """Placeholders for the stored entries of this optimizer's parameters: empty tensors of the stored size and dtype
     (``stored`` maps flat keys to ``(size, dtype)``, or ``None`` for non-tensor entries, which DCP replaces).
 
     A state entry shaped like a sharded parameter (FSDP's DTensor) gets that parameter's sharding: DCP then reads
-    just this rank's shard, whatever the layout that wrote it.
+    just this rank's shard, whatever the layout that wrote it. ``heads``: for a param group without parameters on
+    this rank, the stored name of a parameter it holds in the full model: its hyperparameters are read too.
     """
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"] if id(p) in names}
     fqns = [fqn for group in ordered_names(optimizer, names) for fqn in group]
     prefixes = tuple(f"{kind}.{fqn}." for fqn in fqns for kind in ("state", "param_groups"))
+    prefixes += tuple(f"param_groups.{head}." for head in (heads or {}).values())
     out: dict[str, Any] = {}
     for key, meta in stored.items():
         if key.startswith(prefixes):
@@ -124,11 +131,15 @@ def _under(keys: Sequence[str], flat: Mapping[str, Any], prefix: str) -> dict[st
 
 
 def _native(
-    flat: Mapping[str, Any], groups: Sequence[Sequence[str | None]], defaults: Sequence[Mapping[str, Any]] | None
+    flat: Mapping[str, Any],
+    groups: Sequence[Sequence[str | None]],
+    defaults: Sequence[Mapping[str, Any]] | None,
+    heads: Mapping[int, str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Torch's native state dict of an optimizer whose param groups hold the parameters ``groups`` names, from flat
     name-keyed entries, and the parameters without stored hyperparameters. A group without parameters takes its
-    hyperparameters from ``defaults`` (the optimizer's own), when given."""
+    hyperparameters from those stored for ``heads[group]`` (a parameter it holds in the full model), else from
+    ``defaults`` (the optimizer's own), when given."""
     keys = sorted(flat)
     native: dict[str, Any] = {"state": {}, "param_groups": []}
     missing: list[str] = []
@@ -152,19 +163,25 @@ def _native(
                 native["state"][index] = _nest(state)
             index += 1
         if not fqns and defaults is not None:
-            group = {k: v for k, v in defaults[g].items() if k != "params"}
+            head = _under(keys, flat, f"param_groups.{heads[g]}.") if heads and g in heads else {}
+            group = dict(head) or {k: v for k, v in defaults[g].items() if k != "params"}
         group["params"] = list(range(index - len(fqns), index))
         native["param_groups"].append(group)
     return native, missing
 
 
-def unflatten(optimizer: torch.optim.Optimizer, names: Mapping[int, str], flat: Mapping[str, Any]) -> dict[str, Any]:
+def unflatten(
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+    flat: Mapping[str, Any],
+    heads: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
     """The native ``optimizer.state_dict()`` form of ``flat`` for this optimizer's parameters, in its own order.
 
     A parameter without stored ``state.*`` entries gets none (it had not been stepped; the optimizer creates its
     state lazily, as it would have). A param group without parameters on this rank keeps its own hyperparameters.
     """
-    return _native(flat, ordered_names(optimizer, names), optimizer.param_groups)[0]
+    return _native(flat, ordered_names(optimizer, names), optimizer.param_groups, heads)[0]
 
 
 # ---------------------------------------------------------------------------------------------------- one device

@@ -57,6 +57,16 @@ def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
+def is_one_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is a single unit: no submodules (Lightning's demos' one ``nn.Linear``), parameters of its
+    own. Its forward is the unit's, so nothing of it lies outside the unit."""
+    return not isinstance(module, CONTAINERS) and not any(module.children()) and _holds_state(module)
+
+
+#: the layout of a network that is one unit: the network itself (the name ``""``), as a single block
+ONE_UNIT = Layout(pre=(), blocks=("",), post=())
+
+
 def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
     """Return the name of the container whose entries are the pipeline's blocks.
 
@@ -85,13 +95,13 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
         for name, sub in module.named_modules()
         if isinstance(sub, CONTAINERS) and len(sub) >= 2 and not is_metric_container(sub)
     ]
-    if not candidates and not any(module.children()):
-        # Lightning's BoringModel and DemoModel: one Linear. A stage that only passes its input on would run as
-        # slowly as one device while holding a process; say so instead of running it.
+    if not candidates and is_one_unit(module):
+        # Lightning's BoringModel and DemoModel: one Linear. Only the modules frontend runs it (find_layout).
         raise PipelineModelError(
-            f"The network is a single {type(module).__name__} with no submodules: there is nothing to split across"
-            " pipeline stages, every stage but one would only pass its input on. Train it with `devices=1` (or"
-            " data parallelism, `strategy='ddp'`); a pipeline needs at least as many units as stages."
+            f"The network is a single {type(module).__name__} with no submodules: it has no block stack to cut"
+            " between stages (the dataflow and trace frontends cut there). Use `frontend='modules'` (what"
+            " `frontend='auto'` picks for it): the first stage runs it whole and the others pass its output on;"
+            " better, train it with `devices=1` (or data parallelism, `strategy='ddp'`)."
         )
     if not candidates:
         raise PipelineModelError(
@@ -112,6 +122,8 @@ def find_layout(module: nn.Module, blocks: str = "auto") -> Layout:
     The units around the block stack are the siblings of the stack and of each of its ancestors: those defined
     before the path to the stack run first, those after it run last. torchmetrics children are never units.
     """
+    if blocks == "auto" and is_one_unit(module):
+        return ONE_UNIT
     stack = find_block_stack(module, blocks)
     container = module.get_submodule(stack) if stack else module
     prefix = f"{stack}." if stack else ""

@@ -384,3 +384,33 @@ def stage_gradients(module: nn.Module, ties: Sequence[TiedCopy], mesh: Any, wrap
         counted=counted_once(coordinates, over),
         extra=TensorParallelGradients(module, tp_group, partial) if tensor_parallel else None,
     )
+
+
+#: the stand-in parameter's name on the network while a rank without parameters builds its optimizers
+STAND_IN = "lightning_pipe_no_parameters"
+
+
+def build_optimizers(
+    network: nn.Module, module: nn.Module, setup: Callable[[], None], optimizers: Callable[[], Sequence[Any]]
+) -> None:
+    """``setup()`` (Lightning's, which runs ``configure_optimizers``), also on a rank whose stages hold no parameter
+    (the pass-on stages of a one-unit network: Lightning's ``BoringModel`` on two devices).
+
+    torch's optimizers refuse an empty parameter list, and Lightning's loop and the learning-rate schedulers need
+    them: while ``setup`` runs, the network holds one zero-element stand-in parameter, then taken out of the network
+    and out of the ``optimizers()``' param groups, which stay empty. A step then changes nothing (this rank has
+    nothing to change), the schedulers step the groups' hyperparameters, and checkpoints treat the groups as any
+    param group without parameters on a rank.
+    """
+    if any(True for _ in module.parameters()):
+        setup()
+        return
+    stand_in = nn.Parameter(torch.empty(0))
+    network.register_parameter(STAND_IN, stand_in)
+    try:
+        setup()
+    finally:
+        delattr(network, STAND_IN)
+    for optimizer in optimizers():
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p is not stand_in]

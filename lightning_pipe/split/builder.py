@@ -20,7 +20,7 @@ from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.models import kind_of, use_plan
 from lightning_pipe.models.base import Placeholder, StageCall
-from lightning_pipe.models.units import Layout, find_layout
+from lightning_pipe.models.units import ONE_UNIT, Layout, find_block_stack, find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
 from lightning_pipe.split.calls import call_traced
@@ -28,8 +28,9 @@ from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataf
 from lightning_pipe.split.deferred_init import InitRecording
 from lightning_pipe.split.frontend import choose_frontend
 from lightning_pipe.split.initialization import initialize, warn_whole_model
-from lightning_pipe.split.partition import counts_from_split_points, stage_to_rank, stage_units
+from lightning_pipe.split.partition import counts_from_split_points, one_unit_counts, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
+    call_passing_on,
     check_ownership,
     has_meta_tensors,
     merge,
@@ -200,7 +201,10 @@ def _layout(network: nn.Module, settings: PipelineSettings) -> Layout:
     if settings.frontend == "dataflow":
         return dataflow_layout(network, settings.blocks)
     if settings.frontend == "trace":
-        return find_layout(network, settings.blocks)  # the tracer cuts at blocks, whatever the model's kind
+        layout = find_layout(network, settings.blocks)  # the tracer cuts at blocks, whatever the model's kind
+        if layout == ONE_UNIT:
+            find_block_stack(network, "auto")  # raises: a network of one module has no block to cut at
+        return layout
     return kind_of(network).layout(network, settings.blocks)
 
 
@@ -301,13 +305,17 @@ def split_module(
     num_stages = settings.num_stages
     plan = _frontend(network, settings, device)
     layout = plan.layout
-    if len(layout.blocks) < num_stages:
+    if layout == ONE_UNIT and num_stages > 1:
+        counts = one_unit_counts(network, attr, settings)
+        plan = _Frontend(layout, plan.placeholder, call_passing_on(plan.stage_call))
+    elif len(layout.blocks) < num_stages:
         raise PipelineConfigError(
             f"The pipeline needs {num_stages} stages ({settings.pipeline_size} ranks x {settings.stages_per_rank}"
             f" stages per rank) but the network has only {len(layout.blocks)} blocks; every stage needs at least one."
             " Use fewer processes per pipeline (`pipeline_size`), fewer `stages_per_rank`, or a deeper model."
         )
-    counts = _counts(lightning_module, network, layout, settings, device, agree, announce)
+    else:
+        counts = _counts(lightning_module, network, layout, settings, device, agree, announce)
     units_per_stage = stage_units(layout, counts)
     ranks = stage_to_rank(num_stages, int(settings.pipeline_size), settings.placement)
     local = [s for s in range(num_stages) if ranks[s] == pipeline_rank]

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_pipe.models import kind_of
 from lightning_pipe.models.plain import PlainKind
+from lightning_pipe.models.units import is_one_unit
 
 #: a forward written for the modules frontend tests its units against None (``self.head is not None``)
 _NONE_CHECK = re.compile(r"\bself\.(\w+)\s+is\s+(?:not\s+)?None\b")
@@ -45,6 +46,10 @@ def choose_frontend(network: nn.Module, frontend: str, tensor_parallel: int, sev
         return frontend, f"`frontend={frontend!r}` was given"
     if several_stacks:
         return "dataflow", "`blocks` names several block stacks, which only the dataflow frontend pipelines"
+    if is_one_unit(network):
+        return "modules", (
+            f"{name} is one module with no submodules: the first stage runs it whole, the others pass its output on"
+        )
     if tensor_parallel > 1:
         why = f"`tensor_parallel={tensor_parallel}` needs the modules frontend"
         if _runs_only_unchanged(network):

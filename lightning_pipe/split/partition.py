@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.models.units import Layout
+from lightning_pipe.settings import PipelineSettings
 
 
 def too_few_blocks(num_blocks: int, num_stages: int) -> PipelineConfigError:
@@ -68,6 +69,37 @@ def check_balance(balance: Sequence[int], num_blocks: int, num_stages: int) -> l
     if sum(balance) != num_blocks:
         raise PipelineConfigError(f"`balance={balance}` sums to {sum(balance)} but the model has {num_blocks} blocks.")
     return balance
+
+
+def one_unit_counts(network: nn.Module, attribute: str, settings: PipelineSettings) -> list[int]:
+    """Blocks per stage of a network that is one unit (:data:`~lightning_pipe.models.units.ONE_UNIT`): the first
+    stage runs it, the others pass its output on (said once, on rank 0, naming the processes held for nothing).
+    ``attribute``: the LightningModule's attribute holding the network, for messages."""
+    num_stages = settings.num_stages
+    name = f"`{attribute}`, a {type(network).__name__}" if attribute else type(network).__name__
+    if settings.split_points is not None or not isinstance(settings.balance, str):
+        given = (
+            f"split_points={list(settings.split_points)!r}"
+            if settings.split_points is not None
+            else f"balance={list(settings.balance)!r}"
+        )
+        raise PipelineConfigError(
+            f"`{given}`: the network ({name}) is one module with no submodules, a single unit, so there is nothing"
+            " to place: the first stage runs it and every other stage passes its output on. Leave `split_points`"
+            " and `balance` at their defaults, or better train it with `devices=1` (or data parallelism,"
+            " `strategy='ddp'`)."
+        )
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    idle = int(settings.pipeline_size) - 1
+    rank_zero_warn(
+        f"The network ({name}) is one unit (a module with no submodules) and the pipeline has {num_stages} stages:"
+        f" stage 0 runs it and the other {num_stages - 1} stage(s) hold no unit, they only pass its output on, so"
+        f" {idle} of the {idle + 1} pipeline processes are held for nothing (no speed-up, no memory saved). Train it"
+        " with `devices=1`, or with data parallelism (`strategy='ddp'`).",
+        category=UserWarning,
+    )
+    return [1] + [0] * (num_stages - 1)
 
 
 def stage_units(layout: Layout, counts: Sequence[int]) -> list[tuple[str, ...]]:

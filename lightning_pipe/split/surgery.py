@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.models.base import Placeholder
+from lightning_pipe.models.base import Placeholder, StageCall
 from lightning_pipe.models.units import CONTAINERS
 
 
@@ -79,10 +79,46 @@ def prune(
     for unit in units:
         if unit in keep:
             continue
+        if not unit:  # the network is one unit (models.units.ONE_UNIT): a stage without it holds none of its state
+            for name in [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]:
+                delattr(module, name)
+            continue
         parent, child = _split_name(unit)
         stand_in = placeholder(unit) if placeholder is not None else None
         _remove_child(module.get_submodule(parent) if parent else module, child, stand_in)
     return module
+
+
+class PassOn(nn.Module):
+    """The body of a stage that holds no unit of a one-unit network (:func:`call_passing_on` runs it)."""
+
+
+class _Contiguous(torch.autograd.Function):
+    """A copy of its input whose backward hands a contiguous gradient on: a pass-on stage's input gradient is its
+    output's, which a loss may make an expanded tensor (``sum``'s), and torch receives gradients into contiguous
+    buffers (a strided one fails ``irecv``)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def call_passing_on(stage_call: StageCall) -> StageCall:
+    """``stage_call``, except that a :class:`PassOn` stage returns the activation it received unchanged: the network
+    is one unit, so nothing of its forward lies after it."""
+
+    def call(body: nn.Module, args: tuple, kwargs: dict, received: tuple | None, is_first: bool, is_last: bool) -> Any:
+        if isinstance(body, PassOn):
+            assert received is not None  # the one unit is on the first stage
+            passed = tuple(_Contiguous.apply(t) if t.requires_grad else t for t in received)
+            return passed[0] if len(passed) == 1 else passed
+        return stage_call(body, args, kwargs, received, is_first, is_last)
+
+    return call
 
 
 def stage_view(
@@ -97,6 +133,8 @@ def stage_view(
     """
     keep = set(keep)
     unit_set = set(units)
+    if "" in unit_set:  # the network is one unit
+        return copy.copy(module) if "" in keep else PassOn()
     paths = _ancestors(unit_set)
 
     def view(mod: nn.Module, prefix: str) -> nn.Module:

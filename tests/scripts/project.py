@@ -3,7 +3,8 @@ rank saves what the user would look at.
 
 Usage: project.py OUT_DIR CONFIGS_JSON  (a list of {"name", "devices", "n_layer"?, "schedule"?, "microbatches"?};
 without a schedule the strategy is the string "pipeline", the argument the project gets and nothing else). A config
-with "demo" runs Lightning's demo transformer instead (tests/demo_models.py).
+with "demo" runs one of Lightning's demos instead (tests/demo_models.py): 1 the demo transformer, "boring" BoringModel
+(fit, checkpoint, resume, test, predict), "demo-model" DemoModel.
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 import lightning_pipe
-from tests.demo_models import fit_demo_transformer
+from tests.demo_models import fit_boring, fit_demo_model, fit_demo_transformer
 from tests.project_models import run_project
 
 
@@ -22,7 +23,11 @@ def main() -> None:
     for cfg in configs:
         name, devices, n_layer, demo = cfg.pop("name"), cfg.pop("devices"), cfg.pop("n_layer", 4), cfg.pop("demo", 0)
         strategy = lightning_pipe.PipelineParallelStrategy(**cfg) if cfg else "pipeline"
-        if demo:
+        if demo == "boring":
+            found = fit_boring(out / name, strategy=strategy, devices=devices)
+        elif demo == "demo-model":
+            found = fit_demo_model(strategy=strategy, devices=devices)
+        elif demo:
             found = fit_demo_transformer(strategy=strategy, devices=devices)
         else:
             found = run_project(out / name, n_layer, strategy=strategy, devices=devices)
