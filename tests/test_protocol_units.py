@@ -91,7 +91,7 @@ def test_outcome_encoding_round_trips_and_keeps_the_schema_when_only_values_chan
 def test_values_pack_bit_for_bit_as_a_conversion_to_float64_would():
     """The values of a step travel as one float64 tensor; numbers and small CPU tensors are gathered as Python floats
     (one tensor operation): the same bits as converting each to float64, for every dtype the schema lets through."""
-    from lightning_pipe.step.sharing import _GATHERED, _pack_values
+    from lightning_pipe.step.sharing import _GATHERED, _READ_AS_NUMBERS, _pack_values
 
     g = torch.Generator().manual_seed(0)
     values = [
@@ -119,6 +119,18 @@ def test_values_pack_bit_for_bit_as_a_conversion_to_float64_would():
     assert torch.equal(packed[1:].view(torch.int64), expected.view(torch.int64))
     assert torch.equal(_pack_values(values, torch.device("cpu")).view(torch.int64), expected.view(torch.int64))
     assert _pack_values([], torch.device("cpu")).shape == (0,)
+    # and back: the receiver's scalars are made from Python floats, larger tensors sliced; both give the same bits
+    for flat in (packed[1:], torch.cat([packed[1:], torch.zeros(_READ_AS_NUMBERS)])):  # small, then sliced
+        schema, _ = flatten(values)
+        back = rebuild(schema, flat, torch.device("cpu"))
+        for got, sent in zip(back, values):
+            if isinstance(sent, torch.Tensor):
+                assert got.dtype == sent.dtype and got.shape == sent.shape
+                assert torch.equal(
+                    got.reshape(-1).double().view(torch.int64), sent.reshape(-1).double().view(torch.int64)
+                )
+            else:
+                assert type(got) is type(sent) and got == sent
 
 
 # ---------------------------------------------------------------------------------------------------- mesh

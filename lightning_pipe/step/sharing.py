@@ -71,6 +71,8 @@ def _too_large(t: torch.Tensor) -> bool:
 #: tensors up to this many elements on the CPU travel as Python floats gathered into the one values tensor (fewer
 #: tensor operations per step than a conversion and a piece to concatenate each)
 _GATHERED = 16
+#: received values up to this many are read as Python floats once (:func:`_rebuild`)
+_READ_AS_NUMBERS = 256
 
 
 def _pack_values(values: list[Any], device: torch.device, flag: float | None = None) -> torch.Tensor:
@@ -98,28 +100,33 @@ def _pack_values(values: list[Any], device: torch.device, flag: float | None = N
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.device) -> Any:
+def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.device, numbers: list | None) -> Any:
+    """``schema`` with its values read from ``flat`` from ``offset[0]`` on (advanced); ``numbers``: ``flat`` as Python
+    floats where it is small and on the CPU (a scalar is then made in one tensor operation, not a slice, a reshape
+    and a conversion: the same value, since each came exactly from its dtype)."""
     if isinstance(schema, _TensorSlot):
         n = 1
         for d in schema.shape:
             n *= d
-        part = flat[offset[0] : offset[0] + n]
+        start = offset[0]
         offset[0] += n
-        return part.reshape(schema.shape).to(device=device, dtype=schema.dtype)
+        if numbers is not None and not schema.shape:
+            return torch.tensor(numbers[start], dtype=schema.dtype, device=device)
+        return flat[start : start + n].reshape(schema.shape).to(device=device, dtype=schema.dtype)
     if isinstance(schema, _NumberSlot):
-        value = float(flat[offset[0]])
+        value = numbers[offset[0]] if numbers is not None else float(flat[offset[0]])
         offset[0] += 1
         return schema.kind(value) if schema.kind is not float else value
     if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
         kind, items = schema
         if dataclasses.is_dataclass(kind):
-            return kind(**{k: _rebuild(v, flat, offset, device) for k, v in items})
+            return kind(**{k: _rebuild(v, flat, offset, device, numbers) for k, v in items})
         if issubclass(kind, Mapping):
-            rebuilt = {k: _rebuild(v, flat, offset, device) for k, v in items}
+            rebuilt = {k: _rebuild(v, flat, offset, device, numbers) for k, v in items}
             return rebuilt if kind is dict else kind(rebuilt)
         if issubclass(kind, tuple) and hasattr(kind, NAMEDTUPLE_FIELDS):
-            return kind(*(_rebuild(v, flat, offset, device) for v in items))
-        return kind(_rebuild(v, flat, offset, device) for v in items)
+            return kind(*(_rebuild(v, flat, offset, device, numbers) for v in items))
+        return kind(_rebuild(v, flat, offset, device, numbers) for v in items)
     return schema
 
 
@@ -133,7 +140,8 @@ def flatten(obj: Any) -> tuple[Any, list[Any]]:
 
 
 def rebuild(schema: Any, flat: torch.Tensor, device: torch.device) -> Any:
-    return _rebuild(schema, flat, [0], device)
+    small = flat.device.type == "cpu" and flat.numel() <= _READ_AS_NUMBERS
+    return _rebuild(schema, flat, [0], device, flat.tolist() if small else None)
 
 
 class OutcomeChannel:
