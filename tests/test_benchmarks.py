@@ -78,6 +78,11 @@ def test_quick_run_writes_every_output(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["quick"] and results["machine"]["torch"]
     assert {r["schedule"] for r in results["overhead"]["small"]} == {"1F1B", "ZBVZeroBubble"}
+    # the phases suite ran inside the same launch: one round, every phase of both loops
+    phases = results["phases"]
+    assert phases["rounds"] == 1 and phases["diff_cpu"]["n"] == 1
+    assert all(row["hand"] is not None and row["strategy"] is not None for row in phases["table"])
+    assert "1 rounds of 1 steps after 1 warm-up steps" in page.read_text()  # its section rewritten
     assert results["speedup"] and results["ddp"] and results["eval"] and results["timeline"]["bubbles"]
     assert {p.name for p in (out / "img").iterdir()} >= {"overhead.png", "speedup.png", "timeline-1F1B-M8.png"}
     assert "`--quick`: a smoke run" in page.read_text()
