@@ -1,6 +1,6 @@
 """Every performance figure of docs/benchmarks.md, side by side, from one command.
 
-    python benchmarks/run.py             # the full run (about 12 minutes on 2 CPU cores), rewrites docs/benchmarks.md
+    python benchmarks/run.py             # the full run (about 14 minutes on 2 CPU cores), rewrites docs/benchmarks.md
     python benchmarks/run.py --quick     # every code path once on a tiny model, docs untouched (CI smoke, ~1 min)
 
 What runs (2 processes unless noted; 1 thread per process; each figure the median of ``--runs`` runs, every run a
