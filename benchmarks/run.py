@@ -1,6 +1,6 @@
 """Every performance figure of docs/benchmarks.md, side by side, from one command.
 
-    python benchmarks/run.py             # the full run (about 12 minutes on 2 CPU cores), rewrites docs/benchmarks.md
+    python benchmarks/run.py             # the full run (about 14 minutes on 2 CPU cores), rewrites docs/benchmarks.md
     python benchmarks/run.py --quick     # every code path once on a tiny model, docs untouched (CI smoke, ~1 min)
 
 What runs (2 processes unless noted; 1 thread per process; each figure the median of ``--runs`` runs, every run a
@@ -16,7 +16,11 @@ fresh Trainer or loop, the runs of different cases interleaved so that a slower 
 - **ddp**: ``strategy="ddp"`` on the same processes (the model fits on one), against one process and the pipeline;
 - **eval**: validation through the forward-only executor against one process's validation loop;
 - **timeline**: ``PipelineTimeline`` on GPipe (K=2, M=4) and 1F1B/Interleaved1F1B/ZBVZeroBubble (M=8): measured
-  bubble against theory, the Gantt charts for the docs, and what recording costs (small network, on vs off).
+  bubble against theory, the Gantt charts for the docs, and what recording costs (small network, on vs off);
+- **phases**: the small network's fixed cost phase by phase, strategy against hand loop, with its confidence
+  interval (benchmarks/phases.py; that module alone: ``python benchmarks/phases.py``).
+
+With the phases suite in the launch, each process is pinned to a core of its own (``benchmarks.common.pin_to_core``).
 
 Results: ``--out`` (default benchmarks/results/) gets ``results.json`` (machine, every case's step times) and the
 workers' logs; ``--docs`` (default docs/benchmarks.md) gets its generated section rewritten and ``--img`` (default
@@ -39,10 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import phases, report  # noqa: E402
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
-SUITES = ["overhead", "speedup", "ddp", "eval", "timeline"]
+SUITES = ["overhead", "speedup", "ddp", "eval", "timeline", "phases"]
 
 
 class Plan:
@@ -101,6 +105,12 @@ class Plan:
             self.add(2, "eval_strategy", self.big, "eval", run, schedule="1F1B", microbatches=m)
         self.add(1, "eval_single", self.big, "eval", run)
 
+    def phases(self, run: int) -> None:
+        from benchmarks import phases
+
+        steps, warmup = (1, 1) if self.args.quick else (phases.STEPS, phases.WARMUP)
+        self.launches[2] += phases.cases([run], steps, warmup, self.small)
+
     def timeline(self, run: int) -> None:
         if run == 0:
             for schedule, m in [("GPipe", 4), ("1F1B", 8), ("Interleaved1F1B", 8), ("ZBVZeroBubble", 8)]:
@@ -142,6 +152,14 @@ def launch(nprocs: int, cases: list[dict[str, Any]], out: Path, timeout: float) 
     return [json.loads(line) for line in results_file.read_text().splitlines()]
 
 
+def write_phases(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """The phases suite's section of the docs (its own generated block)."""
+    if results.get("phases"):
+        steps = (1, 1) if args.quick else (phases.STEPS, phases.WARMUP)
+        block = phases.markdown(results["phases"], *steps)
+        report.write_section(args.docs, block, phases.BEGIN, phases.END)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="every code path once, tiny model (CI smoke)")
@@ -169,6 +187,8 @@ def main() -> None:
         args.quick, args.runs = previous["quick"], previous["runs"]
         results = report.collect(previous["records"], args, previous["elapsed_s"])
         results["date"] = previous["date"]
+        if "phases" in previous:
+            results["phases"] = phases.summarize(previous["records"])
     else:
         cases = Plan(args, args.out).launches
         records: list[dict[str, Any]] = []
@@ -176,6 +196,8 @@ def main() -> None:
             if cases[nprocs]:
                 records += launch(nprocs, cases[nprocs], args.out, args.timeout)
         results = report.collect(records, args, time.perf_counter() - start)
+        if "phases" in args.suites:
+            results["phases"] = phases.summarize(records)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     args.img.mkdir(parents=True, exist_ok=True)
     images = report.plots(results, args.img)
@@ -187,6 +209,7 @@ def main() -> None:
             images.append(target)
     if str(args.docs) != "-":
         report.write_docs(results, args.docs, images)
+        write_phases(results, args)
     print(report.summary(results))
     print(f"results: {args.out / 'results.json'}; {time.perf_counter() - start:.0f} s in all")
 

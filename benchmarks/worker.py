@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import hand, lit  # noqa: E402
-from benchmarks.common import MODELS, Clock, device_for, machine, periods_ms  # noqa: E402
+from benchmarks.common import MODELS, Clock, device_for, machine, periods_ms, pin_to_core  # noqa: E402
 
 
 def pipeline_strategy(case: dict[str, Any], **extra: Any) -> Any:
@@ -93,6 +93,10 @@ def run_case(case: dict[str, Any], rank: int, world: int, device: torch.device) 
         return lit.validate(spec, strategy, world, spec.batch, steps), {}
     if kind == "eval_single":
         return lit.validate(spec, "auto", 1, spec.batch, steps), {}
+    if kind == "phases":
+        from benchmarks import phases
+
+        return phases.run_case(case, rank, world, device)
     raise ValueError(f"unknown case kind {kind!r}")
 
 
@@ -103,6 +107,9 @@ def main() -> None:
     device = device_for(int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if any(case.get("pin") for case in cases):
+        # each process on a core of its own, all its threads (gloo's, created later, inherit it)
+        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
     # Always a process group (of one process too): PipelineStage needs one, and every Trainer reuses it.
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     if rank == 0:

@@ -78,6 +78,11 @@ def test_quick_run_writes_every_output(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["quick"] and results["machine"]["torch"]
     assert {r["schedule"] for r in results["overhead"]["small"]} == {"1F1B", "ZBVZeroBubble"}
+    # the phases suite ran inside the same launch: one round, every phase of both loops
+    phases = results["phases"]
+    assert phases["rounds"] == 1 and phases["diff_cpu"]["n"] == 1
+    assert all(row["hand"] is not None and row["strategy"] is not None for row in phases["table"])
+    assert "1 rounds of 1 steps after 1 warm-up steps" in page.read_text()  # its section rewritten
     assert results["speedup"] and results["ddp"] and results["eval"] and results["timeline"]["bubbles"]
     assert {p.name for p in (out / "img").iterdir()} >= {"overhead.png", "speedup.png", "timeline-1F1B-M8.png"}
     assert "`--quick`: a smoke run" in page.read_text()
@@ -298,3 +303,69 @@ def test_alternatives_smoke(tmp_path):
     assert max(results["llama/2/fsdp2"][0]["state"]) < 0.6 * max(results["llama/2/ddp"][0]["state"])
     assert results["llama/2/pipeline"][0]["layout"].startswith("pp=2 dp=1 ddp 1F1B")
     assert "| llama | 2 | ddp |" in (out / "alternatives.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------- phases
+def test_every_phase_entry_point_exists_and_is_restored():
+    """benchmarks/phases.py times functions of torch, Lightning and the strategy by name: each must exist in the
+    installed versions (a renamed one would leave its phase silently empty), and each is put back afterwards."""
+    import importlib
+
+    from benchmarks import phases
+
+    def resolve(module, qualname):
+        owner = importlib.import_module(module)
+        *path, attr = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return owner.__dict__[attr]
+
+    before = [resolve(m, q) for m, q, _ in phases.PHASES]
+    with phases.timed_phases(phases.PhaseTimer()):
+        during = [resolve(m, q) for m, q, _ in phases.PHASES]
+    assert all(a is not b for a, b in zip(before, during))
+    assert [resolve(m, q) for m, q, _ in phases.PHASES] == before
+
+
+def test_phase_timer_charges_nested_calls_to_the_inner_phase():
+    import time
+
+    from benchmarks.phases import LOOP, THREADS, PhaseTimer
+
+    def busy(ms):
+        end = time.thread_time_ns() + ms * 1_000_000
+        while time.thread_time_ns() < end:
+            pass
+
+    timer = PhaseTimer()
+    inner = timer.wrap(lambda: busy(20), "inner")
+    outer = timer.wrap(lambda: (busy(10), inner()), "outer")
+    timer.tick()
+    outer()
+    busy(5)
+    timer.tick()
+    (step,) = timer.steps
+    assert 20e6 <= step["inner"] < 30e6 and 10e6 <= step["outer"] < 20e6  # the outer's own time only
+    # no other thread here: the process's CPU time beyond this thread's is the two clocks' granularity
+    assert 5e6 <= step[LOOP] < 15e6 and abs(step[THREADS]) < 2e6
+    assert sum(v for k, v in step.items() if k != THREADS) >= 35e6
+
+
+def test_phase_summary_pairs_the_rounds():
+    from benchmarks.phases import LOOP, phase_names, summarize
+
+    records = [{"machine": {"cpu": "x"}, "world_size": 2}]
+    for run, (hand, strategy) in enumerate([(4.0, 5.0), (6.0, 8.0), (5.0, 6.0)]):
+        for of, ms in (("hand", hand), ("strategy", strategy)):
+            case = {"suite": "phases", "kind": "phases", "of": of, "run": run}
+            records.append({"case": {**case, "phased": False}, "ms": [ms, ms], "cpu_ms": [2 * ms], "load": 1.0})
+            steps = [{k: 0.0 for k in phase_names()} | {LOOP: ms}] * 3
+            records.append({"case": {**case, "phased": True}, "ms": [ms], "cpu_ms": [ms], "phases": steps})
+    out = summarize(records)
+    assert out["rounds"] == 3 and out["hand_wall"]["mean"] == pytest.approx(5.0)
+    # differences 1, 2, 1: mean 4/3, t(2) = 4.303, sd 0.577
+    assert out["diff_wall"]["mean"] == pytest.approx(4 / 3)
+    assert out["diff_wall"]["high"] - out["diff_wall"]["mean"] == pytest.approx(4.303 * 0.57735 / 3**0.5, rel=1e-3)
+    assert out["diff_cpu"]["mean"] == pytest.approx(8 / 3)
+    (loop,) = [row for row in out["table"] if row["phase"] == LOOP]
+    assert loop["diff"]["mean"] == pytest.approx(4 / 3) and loop["hand"]["mean"] == pytest.approx(5.0)

@@ -88,6 +88,51 @@ def test_outcome_encoding_round_trips_and_keeps_the_schema_when_only_values_chan
     assert flatten({"big": torch.tensor([2**60])})[0] is None  # not exact in float64: sent as an object
 
 
+def test_values_pack_bit_for_bit_as_a_conversion_to_float64_would():
+    """The values of a step travel as one float64 tensor; numbers and small CPU tensors are gathered as Python floats
+    (one tensor operation): the same bits as converting each to float64, for every dtype the schema lets through."""
+    from lightning_pipe.step.sharing import _GATHERED, _READ_AS_NUMBERS, _pack_values
+
+    g = torch.Generator().manual_seed(0)
+    values = [
+        torch.randn((), generator=g),  # a loss
+        torch.randn(3, generator=g).to(torch.bfloat16),
+        torch.randn(2, 2, generator=g).to(torch.float16),
+        torch.tensor([2**53, -(2**53), 7]),  # the largest integers float64 holds exactly
+        torch.tensor([True, False]),
+        torch.randn(_GATHERED + 1, generator=g, dtype=torch.float64),  # larger: converted as a tensor
+        torch.tensor(float("inf")),
+        3,
+        0.1,
+        True,
+    ]
+    expected = torch.cat(
+        [
+            v.reshape(-1).to(torch.float64)
+            if isinstance(v, torch.Tensor)
+            else torch.tensor([float(v)], dtype=torch.float64)
+            for v in values
+        ]
+    )
+    packed = _pack_values(values, torch.device("cpu"), flag=1.0)
+    assert packed.dtype == torch.float64 and packed[0] == 1.0
+    assert torch.equal(packed[1:].view(torch.int64), expected.view(torch.int64))
+    assert torch.equal(_pack_values(values, torch.device("cpu")).view(torch.int64), expected.view(torch.int64))
+    assert _pack_values([], torch.device("cpu")).shape == (0,)
+    # and back: the receiver's scalars are made from Python floats, larger tensors sliced; both give the same bits
+    for flat in (packed[1:], torch.cat([packed[1:], torch.zeros(_READ_AS_NUMBERS)])):  # small, then sliced
+        schema, _ = flatten(values)
+        back = rebuild(schema, flat, torch.device("cpu"))
+        for got, sent in zip(back, values):
+            if isinstance(sent, torch.Tensor):
+                assert got.dtype == sent.dtype and got.shape == sent.shape
+                assert torch.equal(
+                    got.reshape(-1).double().view(torch.int64), sent.reshape(-1).double().view(torch.int64)
+                )
+            else:
+                assert type(got) is type(sent) and got == sent
+
+
 # ---------------------------------------------------------------------------------------------------- mesh
 def test_mesh_layout_places_ranks():
     inner_pp, inner_dp = MeshLayout(2, 3, "pp"), MeshLayout(2, 3, "dp")

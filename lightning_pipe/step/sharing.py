@@ -68,38 +68,65 @@ def _too_large(t: torch.Tensor) -> bool:
     return bool(t.abs().max() > _EXACT_INT)
 
 
-def _pack_values(values: list[Any], device: torch.device) -> torch.Tensor:
-    parts = []
+#: tensors up to this many elements on the CPU travel as Python floats gathered into the one values tensor (fewer
+#: tensor operations per step than a conversion and a piece to concatenate each)
+_GATHERED = 16
+#: received values up to this many are read as Python floats once (:func:`_rebuild`)
+_READ_AS_NUMBERS = 256
+
+
+def _pack_values(values: list[Any], device: torch.device, flag: float | None = None) -> torch.Tensor:
+    """``values`` as one float64 tensor on ``device``, after ``flag`` where given (the header's first element).
+
+    Numbers and small CPU tensors are read as Python floats: exact, like the conversion to float64 (a float64 holds
+    every float32, float16 and bfloat16 value, and the integers up to 2**53 :func:`_flatten` lets through)."""
+    parts: list[torch.Tensor] = []
+    floats: list[Any] = [] if flag is None else [flag]
     for v in values:
-        if isinstance(v, torch.Tensor):
-            parts.append(v.reshape(-1).to(device=device, dtype=torch.float64))
+        if not isinstance(v, torch.Tensor):
+            floats.append(float(v))
+        elif v.device.type == "cpu" and v.numel() <= _GATHERED:
+            if v.dim() == 0:
+                floats.append(v.item())
+            else:
+                floats.extend(v.reshape(-1).tolist())
         else:
-            parts.append(torch.tensor([float(v)], dtype=torch.float64, device=device))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+            if floats:
+                parts.append(torch.tensor(floats, dtype=torch.float64, device=device))
+                floats = []
+            parts.append(v.reshape(-1).to(device=device, dtype=torch.float64))
+    if floats or not parts:
+        parts.append(torch.tensor(floats, dtype=torch.float64, device=device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.device) -> Any:
+def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.device, numbers: list | None) -> Any:
+    """``schema`` with its values read from ``flat`` from ``offset[0]`` on (advanced); ``numbers``: ``flat`` as Python
+    floats where it is small and on the CPU (a scalar is then made in one tensor operation, not a slice, a reshape
+    and a conversion: the same value, since each came exactly from its dtype)."""
     if isinstance(schema, _TensorSlot):
         n = 1
         for d in schema.shape:
             n *= d
-        part = flat[offset[0] : offset[0] + n]
+        start = offset[0]
         offset[0] += n
-        return part.reshape(schema.shape).to(device=device, dtype=schema.dtype)
+        if numbers is not None and not schema.shape:
+            return torch.tensor(numbers[start], dtype=schema.dtype, device=device)
+        return flat[start : start + n].reshape(schema.shape).to(device=device, dtype=schema.dtype)
     if isinstance(schema, _NumberSlot):
-        value = float(flat[offset[0]])
+        value = numbers[offset[0]] if numbers is not None else float(flat[offset[0]])
         offset[0] += 1
         return schema.kind(value) if schema.kind is not float else value
     if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
         kind, items = schema
         if dataclasses.is_dataclass(kind):
-            return kind(**{k: _rebuild(v, flat, offset, device) for k, v in items})
+            return kind(**{k: _rebuild(v, flat, offset, device, numbers) for k, v in items})
         if issubclass(kind, Mapping):
-            rebuilt = {k: _rebuild(v, flat, offset, device) for k, v in items}
+            rebuilt = {k: _rebuild(v, flat, offset, device, numbers) for k, v in items}
             return rebuilt if kind is dict else kind(rebuilt)
         if issubclass(kind, tuple) and hasattr(kind, NAMEDTUPLE_FIELDS):
-            return kind(*(_rebuild(v, flat, offset, device) for v in items))
-        return kind(_rebuild(v, flat, offset, device) for v in items)
+            return kind(*(_rebuild(v, flat, offset, device, numbers) for v in items))
+        return kind(_rebuild(v, flat, offset, device, numbers) for v in items)
     return schema
 
 
@@ -113,7 +140,8 @@ def flatten(obj: Any) -> tuple[Any, list[Any]]:
 
 
 def rebuild(schema: Any, flat: torch.Tensor, device: torch.device) -> Any:
-    return _rebuild(schema, flat, [0], device)
+    small = flat.device.type == "cpu" and flat.numel() <= _READ_AS_NUMBERS
+    return _rebuild(schema, flat, [0], device, flat.tolist() if small else None)
 
 
 class OutcomeChannel:
@@ -158,12 +186,14 @@ class OutcomeChannel:
         schema, values = flatten(obj) if sender else (None, [])
         same = sender and schema is not None and schema == self._schema
         if self._size is not None:
-            header = torch.zeros(self._size + 1, dtype=torch.float64, device=self.device)
+            header: torch.Tensor | None = None
             if same:
-                header[0] = 1.0
-                header[1:] = _pack_values(values, self.device)
+                header = _pack_values(values, self.device, flag=1.0)
+            elif sender or not self.point_to_point:
+                header = torch.zeros(self._size + 1, dtype=torch.float64, device=self.device)
+            # (a receiver's values arrive in the buffer it posted in expect())
             header = self._values(header, sender)
-            if header[0] == 1.0:
+            if same if sender else float(header[0]) == 1.0:
                 return obj if sender else rebuild(self._schema, header[1:], self.local_device)
         # The schema changed (or this is the first step): schema and values as one object.
         self.object_steps += 1
@@ -177,11 +207,13 @@ class OutcomeChannel:
         self._schema, self._size = schema, int(flat.numel())
         return obj if sender else rebuild(schema, flat, self.local_device)
 
-    def _values(self, header: torch.Tensor, sender: bool) -> torch.Tensor:
-        """The sender's ``header`` (flag, then values) on every rank."""
+    def _values(self, header: torch.Tensor | None, sender: bool) -> torch.Tensor:
+        """The sender's ``header`` (flag, then values) on every rank (``None`` on a point-to-point receiver)."""
         if not self.point_to_point:
+            assert header is not None
             return collectives.broadcast_(header, self.src, self.group)
         if sender:
+            assert header is not None
             self._send(header)
             return header
         self.expect()  # posted when the step started, unless the caller skipped it

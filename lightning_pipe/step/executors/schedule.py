@@ -96,15 +96,21 @@ class ScheduleExecutor:
         self._step: StepContext | None = None
         #: microbatch counts that the configured schedule does not run, planned under its fallback
         self._fallback: set[int] = set()
+        #: the microbatch sizes of each batch size seen, and the schedule targets of each count (made once, not at
+        #: every step; torch only splits the target into views and reads them)
+        self._plans: dict[int, list[int]] = {}
+        self._targets: dict[int, torch.Tensor] = {}
 
     def plan(self, size: int) -> list[int]:
         """Equal microbatch sizes for a batch of ``size`` samples (torch's schedules need equal shapes); a batch the
         configured count does not divide runs as another count, under another schedule where the configured one
         runs none (:func:`microbatch_plan`)."""
-        n, name = microbatch_plan(self.settings, size)
-        if name != self.settings.schedule:
-            self._fallback.add(n)
-        return [size // n] * n
+        if size not in self._plans:
+            n, name = microbatch_plan(self.settings, size)
+            if name != self.settings.schedule:
+                self._fallback.add(n)
+            self._plans[size] = [size // n] * n
+        return list(self._plans[size])
 
     def run(self, key: tuple, step: StepContext) -> None:
         n = len(step.calls)
@@ -115,7 +121,9 @@ class ScheduleExecutor:
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
-                schedule.step(target=torch.arange(n), **options)
+                if n not in self._targets:
+                    self._targets[n] = torch.arange(n)
+                schedule.step(target=self._targets[n], **options)
             else:
                 schedule.step(**options)
         except Exception as err:

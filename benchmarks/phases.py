@@ -1,0 +1,354 @@
+"""Where a step's time goes: the strategy and the hand-written loop it replaces, phase by phase.
+
+    python benchmarks/phases.py                  # 8 rounds, ~4 minutes on 2 CPU cores; rewrites its docs section
+    python benchmarks/phases.py --quick          # every code path once (CI smoke), docs untouched
+
+The small network (4 x Linear(256) + ReLU, batch 64), 1F1B, 4 microbatches, 2 processes x 1 thread, each process
+pinned to its own core (:func:`benchmarks.common.pin_to_core`). Every round runs four trainings in one launch, their
+order reversed every other round: the hand loop and the strategy as they are (the headline: CPU and wall time per
+step, and the strategy-minus-hand difference with its 95% confidence interval over the rounds), then both again with
+every phase timed.
+
+Timing a phase: its entry points (torch's, Lightning's and the strategy's functions, listed in :data:`PHASES`) are
+wrapped at the benchmark level, never in the library. Each wrapper reads the calling thread's CPU clock
+(``time.thread_time_ns``) on entry and exit; time spent in a nested timed call is charged to the nested phase only,
+so the phases add up to the step's main-thread CPU time. What no entry point covers is ``loop and hooks``: the hand
+loop's own lines, or Lightning's loop, its hooks and the strategy's glue between the timed calls. ``communication
+threads`` is the CPU time of the process's other threads (gloo runs its sends and receives there). Every figure is per
+step, summed over the two processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BEGIN = "<!-- benchmarks/phases.py: begin (generated, do not edit by hand) -->"
+END = "<!-- benchmarks/phases.py: end -->"
+SCHEDULE, MICROBATCHES = "1F1B", 4
+ROUNDS, STEPS, WARMUP = 8, 150, 15
+LOOP = "loop and hooks"
+COMM = "communication (activations, gradients)"
+GRADS = "gradients (hand-over, sync, scale, clip)"
+THREADS = "communication threads"
+
+#: (module, qualified name of a function or method, phase). Order of the table.
+PHASES: list[tuple[str, str, str]] = [
+    ("torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", "data"),
+    ("lightning.pytorch.strategies.strategy", "Strategy.batch_to_device", "data"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._split_inputs", "microbatch split"),
+    ("lightning_pipe.step.protocol", "split_batch", "microbatch split"),
+    ("lightning_pipe.step.protocol", "StepProtocol._capture", "capture (the user's step up to the network call)"),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.forward_one_chunk", "stage forward"),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_one_chunk", "stage backward"),
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._compute_loss", "loss (last stage)"),
+    ("torch.distributed.pipelining.schedules", "_batch_p2p", COMM),
+    ("torch.distributed.pipelining.schedules", "_wait_batch_p2p", COMM),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.get_fwd_recv_ops", COMM),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.get_bwd_recv_ops", COMM),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.get_fwd_send_ops", COMM),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.get_bwd_send_ops", COMM),
+    ("torch.distributed.pipelining.schedules", "Schedule1F1B._step_microbatches", "torch schedule (its own Python)"),
+    ("torch.distributed.pipelining.schedules", "PipelineScheduleSingle.step", "torch schedule (its own Python)"),
+    ("lightning_pipe.step.protocol", "StepProtocol._settle", "settle and replay (loss, logs, metrics)"),
+    ("lightning_pipe.step.protocol", "StepProtocol._replay", "settle and replay (loss, logs, metrics)"),
+    ("lightning_pipe.step.protocol", "StepProtocol._portable", "settle and replay (loss, logs, metrics)"),
+    ("lightning_pipe.step.sharing", "OutcomeChannel.expect", "outcome exchange (last stage -> every rank)"),
+    ("lightning_pipe.step.sharing", "OutcomeChannel.share", "outcome exchange (last stage -> every rank)"),
+    ("lightning_pipe.step.protocol", "StepProtocol._check_agreement", "outcome exchange (last stage -> every rank)"),
+    ("lightning_pipe.step.protocol", "StepProtocol.run", "strategy step glue (protocol, executor)"),
+    ("lightning_pipe.step.executors.schedule", "ScheduleExecutor.run", "strategy step glue (protocol, executor)"),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase.scale_grads", GRADS),
+    ("lightning_pipe.parallel.grads", "GradientStash.capture", GRADS),
+    ("lightning_pipe.parallel.grads", "GradientStash.apply", GRADS),
+    ("lightning_pipe.parallel.grads", "GradientSync.synchronize", GRADS),
+    ("lightning_pipe.parallel.grads", "StageGradients.clip", GRADS),
+    ("torch.optim.sgd", "SGD.step", "optimizer (step, zero_grad)"),
+    ("torch.optim.optimizer", "Optimizer.zero_grad", "optimizer (step, zero_grad)"),
+    # Lightning runs training_step, backward and its clipping hooks inside optimizer.step's closure: charged to the
+    # loop (or the phases timed inside), not to the optimizer
+    ("lightning.pytorch.plugins.precision.precision", "Precision._wrap_closure", LOOP),
+    (
+        "lightning.pytorch.loops.training_epoch_loop",
+        "_TrainingEpochLoop._broadcast_sigterm_tensor",
+        "Lightning's per-step collective (SIGTERM broadcast)",
+    ),
+]
+
+
+def phase_names() -> list[str]:
+    names: list[str] = []
+    for _, _, phase in PHASES:
+        if phase not in names and phase != LOOP:
+            names.append(phase)
+    return [*names, LOOP, THREADS]
+
+
+class PhaseTimer:
+    """Main-thread CPU time per phase, exclusive of nested timed calls, collected step by step."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+        self.steps: list[dict[str, int]] = []
+        # [phase, start, time of nested timed calls] of the calls in progress
+        self._stack: list[list[Any]] = []
+        self._mark: tuple[int, int] | None = None
+
+    def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        clock, stack, totals = time.thread_time_ns, self._stack, self.totals
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            frame = [phase, clock(), 0]
+            stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = clock() - frame[1]
+                stack.pop()
+                totals[phase] = totals.get(phase, 0) + elapsed - frame[2]
+                if stack:
+                    stack[-1][2] += elapsed
+
+        return timed
+
+    def tick(self) -> None:
+        """A step boundary (the benchmark clock's stamp): close the step that ends here."""
+        now = (time.thread_time_ns(), time.process_time_ns())
+        if self._mark is not None:
+            thread, process = now[0] - self._mark[0], now[1] - self._mark[1]
+            step = dict(self.totals)
+            step[LOOP] = thread - sum(step.values())
+            step[THREADS] = process - thread
+            self.steps.append(step)
+        self.totals.clear()
+        self._mark = now
+
+
+@contextmanager
+def timed_phases(timer: PhaseTimer) -> Iterator[None]:
+    """Every entry point of :data:`PHASES` wrapped, and the benchmark clock's stamps made step boundaries."""
+    undo: list[tuple[Any, str, Any]] = []
+    targets = [(m, q, p) for m, q, p in PHASES]
+    targets.append(("benchmarks.common", "Clock.tick", None))
+    try:
+        for module_name, qualname, phase in targets:
+            owner: Any = importlib.import_module(module_name)
+            *path, attr = qualname.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            original = owner.__dict__[attr]
+            if phase is None:
+
+                def tick(self: Any, _tick: Callable[..., Any] = original) -> None:
+                    _tick(self)
+                    timer.tick()
+
+                setattr(owner, attr, tick)
+            else:
+                setattr(owner, attr, timer.wrap(original, phase))
+            undo.append((owner, attr, original))
+        yield
+    finally:
+        for owner, attr, original in reversed(undo):
+            setattr(owner, attr, original)
+
+
+# ---------------------------------------------------------------------------------------------------- in the worker
+def run_case(case: dict[str, Any], rank: int, world: int, device: Any) -> tuple[Any, dict[str, Any]]:
+    """One training of ``case["of"]`` (``"hand"`` or ``"strategy"``), phases timed when ``case["phased"]``; on rank
+    0 the per-step phases summed over the ranks."""
+    import torch.distributed as dist
+
+    from benchmarks import hand, lit
+    from benchmarks.common import MODELS
+    from benchmarks.worker import pipeline_strategy
+
+    spec = MODELS[case["model"]]
+    steps = case["steps"] + case["warmup"]
+
+    def train() -> Any:
+        if case["of"] == "hand":
+            return hand.pipeline_loop(spec, case["schedule"], case["microbatches"], steps, rank, world, device)
+        return lit.fit(spec, pipeline_strategy(case), world, spec.batch, steps)
+
+    if not case["phased"]:
+        return train(), {"load": load_average()}
+    timer = PhaseTimer()
+    with timed_phases(timer):
+        clock = train()
+    mine = timer.steps[case["warmup"] :]
+    every = [mine] * world
+    if world > 1:
+        dist.all_gather_object(every, mine)
+    summed = [{k: sum(r[i].get(k, 0) for r in every) / 1e6 for k in phase_names()} for i in range(len(mine))]
+    return clock, {"phases": summed, "load": load_average()}
+
+
+def load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+def cases(rounds: list[int], steps: int, warmup: int, model: str, timed: bool = True) -> list[dict[str, Any]]:
+    """The four trainings of each round (two: the untimed ones, without ``timed``), in the order they run."""
+    out = []
+    for r in rounds:
+        order = [("hand", False), ("strategy", False), ("hand", True), ("strategy", True)][: 4 if timed else 2]
+        for of, phased in order if r % 2 == 0 else order[::-1]:
+            case = {"kind": "phases", "of": of, "phased": phased, "model": model, "suite": "phases", "run": r}
+            case.update(steps=steps, warmup=warmup, schedule=SCHEDULE, microbatches=MICROBATCHES, pin=True)
+            out.append(case)
+    return out
+
+
+# t quantiles (two-sided 95%) for 1..30 degrees of freedom
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131]
+_T95 += [2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci(values: list[float]) -> dict[str, float]:
+    """Mean and its 95% confidence interval (Student's t over the values, one per round)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return {"mean": mean, "low": math.nan, "high": math.nan, "n": n}
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * statistics.stdev(values) / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per round and training: median CPU and wall time per step, median of each phase; across rounds: the means
+    with their confidence intervals, and the strategy-minus-hand differences paired round by round."""
+    per: dict[tuple[int, str, bool], dict[str, Any]] = {}
+    machine, load = None, []
+    for rec in records:
+        if "machine" in rec:
+            machine = rec["machine"]
+            continue
+        c = rec["case"]
+        if c.get("suite") != "phases" or "error" in rec:
+            continue
+        row = {"cpu": statistics.median(rec["cpu_ms"]), "wall": statistics.median(rec["ms"]), "load": rec.get("load")}
+        if rec.get("phases"):
+            row["phases"] = {k: statistics.median(s[k] for s in rec["phases"]) for k in phase_names()}
+            row["phase_sum"] = statistics.median(sum(s.values()) for s in rec["phases"])
+        per[(c["run"], c["of"], c["phased"])] = row
+        if rec.get("load") is not None:
+            load.append(rec["load"])
+    rounds = sorted({r for r, _, _ in per})
+    out: dict[str, Any] = {"machine": machine, "rounds": len(rounds), "load": load}
+    for field in ("cpu", "wall"):
+        for of in ("hand", "strategy"):
+            out[f"{of}_{field}"] = mean_ci([per[(r, of, False)][field] for r in rounds if (r, of, False) in per])
+        paired = [r for r in rounds if (r, "hand", False) in per and (r, "strategy", False) in per]
+        diffs = [per[(r, "strategy", False)][field] - per[(r, "hand", False)][field] for r in paired]
+        out[f"diff_{field}"] = mean_ci(diffs) if diffs else None
+    table = []
+    for name in phase_names():
+        entry: dict[str, Any] = {"phase": name}
+        for of in ("hand", "strategy"):
+            values = [per[(r, of, True)]["phases"][name] for r in rounds if "phases" in per.get((r, of, True), {})]
+            entry[of] = mean_ci(values) if values else None
+        paired = [r for r in rounds if "phases" in per.get((r, "hand", True), {})]
+        paired = [r for r in paired if "phases" in per.get((r, "strategy", True), {})]
+        diffs = [per[(r, "strategy", True)]["phases"][name] - per[(r, "hand", True)]["phases"][name] for r in paired]
+        entry["diff"] = mean_ci(diffs) if diffs else None
+        table.append(entry)
+    out["table"] = table
+    for of in ("hand", "strategy"):
+        timed = [r for r in rounds if (r, of, True) in per and (r, of, False) in per]
+        out[f"{of}_timed_cpu"] = mean_ci([per[(r, of, True)]["cpu"] for r in timed]) if timed else None
+    return out
+
+
+def _ci(s: dict[str, float] | None, digits: int = 2) -> str:
+    if s is None:
+        return "-"
+    if math.isnan(s["low"]):
+        return f"{s['mean']:.{digits}f}"
+    return f"{s['mean']:.{digits}f} [{s['low']:.{digits}f}, {s['high']:.{digits}f}]"
+
+
+def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
+    m = summary.get("machine") or {}
+    load = summary.get("load") or []
+    load_text = f"{min(load):.2f}-{max(load):.2f}" if load else "n/a"
+    lines = [
+        BEGIN,
+        "",
+        f"Small network (4 x Linear(256) + ReLU, batch 64), {SCHEDULE}, {MICROBATCHES} microbatches, 2 processes x 1"
+        f" thread pinned to one core each; {summary['rounds']} rounds of {steps} steps after {warmup}"
+        f" warm-up steps, the trainings of a round interleaved (order reversed every other round); {m.get('cpu', '?')},"
+        f" {m.get('cpu_cores', '?')} cores, torch {m.get('torch', '?')}, Lightning {m.get('lightning', '?')}; load"
+        f" average (1 min) during the rounds {load_text}. Each figure: the mean over the rounds of each round's median"
+        " step, [95% confidence interval over the rounds]; ms per step, summed over both processes (CPU) or on rank"
+        " 0 (wall).",
+        "",
+        "| per step | hand-written loop | strategy | strategy - hand |",
+        "|---|---|---|---|",
+        f"| CPU time, ms | {_ci(summary['hand_cpu'])} | {_ci(summary['strategy_cpu'])} | {_ci(summary['diff_cpu'])} |",
+        f"| wall time, ms | {_ci(summary['hand_wall'])} | {_ci(summary['strategy_wall'])}"
+        f" | {_ci(summary['diff_wall'])} |",
+        "",
+        "Phase by phase (the same trainings again with every phase timed; CPU ms per step, both processes):",
+        "",
+        "| phase | hand-written loop | strategy | strategy - hand |",
+        "|---|---|---|---|",
+    ]
+    for row in summary["table"]:
+        lines.append(f"| {row['phase']} | {_ci(row['hand'])} | {_ci(row['strategy'])} | {_ci(row['diff'])} |")
+    hand, strategy = _ci(summary["hand_timed_cpu"]), _ci(summary["strategy_timed_cpu"])
+    lines.append(f"| all phases timed (timers included) | {hand} | {strategy} | |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one round of 2 steps, tiny network (CI smoke)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 8; 1 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per training (default 150)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per training (default 15)")
+    parser.add_argument("--untimed", action="store_true", help="only the untimed trainings (to compare versions)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "phases")
+    parser.add_argument("--docs", type=Path, default=None, help="page to update ('-': none)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else ROUNDS)
+    args.steps = args.steps or (2 if args.quick else STEPS)
+    args.warmup = args.warmup or (1 if args.quick else WARMUP)
+    if args.docs is None:
+        args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
+    args.out.mkdir(parents=True, exist_ok=True)
+    from benchmarks import report
+    from benchmarks.run import launch
+
+    plan = cases(list(range(args.rounds)), args.steps, args.warmup, "tiny" if args.quick else "small", not args.untimed)
+    records = launch(2, plan, args.out, args.timeout)
+    summary = summarize(records)
+    (args.out / "phases.json").write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+    text = markdown(summary, args.steps, args.warmup)
+    if str(args.docs) != "-":
+        report.write_section(args.docs, text, BEGIN, END)
+    print(text)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
