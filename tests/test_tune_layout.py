@@ -108,6 +108,48 @@ def _step(candidate: Candidate, calibration: Calibration):
     return predict(candidate, _profile(), BalanceRule("blocks"), 4, calibration)
 
 
+def test_every_layout_gets_one_trial_however_slow_its_prediction():
+    """A layout's prediction is a model until one of its candidates runs, and can be off by more than the margin
+    (benchmarks/tune.py --layouts): after the first trial, each layout not measured yet has its fastest predicted
+    candidate (within the memory limit) tried next, whatever the margin; then the margin rules as before."""
+    from lightning_pipe.tune import prune
+    from lightning_pipe.tune.cost import Prediction
+
+    def cand(pp: int, mode: str, schedule: str = "1F1B", m: int = 2) -> Candidate:
+        return Candidate(schedule, m, 1, pipeline_size=pp, data_parallel=mode, tensor_parallel=1)
+
+    pipe, pipe4, alone, alone2, sharded = cand(2, "ddp"), cand(2, "ddp", m=4), cand(1, "ddp", "GPipe", 1), \
+        cand(1, "ddp", "GPipe", 2), cand(1, "fsdp", "GPipe", 1)  # fmt: skip
+    predictions = {
+        pipe: Prediction(1.0, 0.0, (1.0,)),
+        pipe4: Prediction(1.5, 0.0, (1.0,)),
+        alone: Prediction(2.5, 0.0, (1.0,)),
+        alone2: Prediction(2.6, 0.0, (1.0,)),
+        sharded: Prediction(3.0, 0.0, (99.0,)),
+    }
+    assert prune.next_trial(predictions, {}, None, 0.1) == pipe  # the fastest predicted first
+    measured = {pipe: prune.Measured(1.0, 1.0, 1.0)}
+    # No pipeline is predicted 2.5 times slower: tried anyway, as its layout has no trial; FSDP's is over the limit.
+    assert prune.untried_layouts(predictions, measured, 10) == [alone]
+    assert prune.next_trial(predictions, measured, 10, 0.1) == alone
+    assert prune.next_trial(predictions, measured, None, 0.1) == alone  # then FSDP's (within no limit)
+    measured[alone] = prune.Measured(0.4, 0.4, 1.0)  # measured faster than the pipeline
+    assert prune.next_trial(predictions, measured, None, 0.1) == sharded
+    measured[sharded] = prune.Measured(3.0, 3.0, 1.0)
+    # Every layout tried: the margin rules again, predictions against the best's prediction (alone's 2.5): pipe4's
+    # 1.5 and alone2's 2.6 are within twice the margin (their groups untried), fastest predicted first.
+    assert prune.worth_a_trial(predictions, measured, None, 0.1) == [pipe4, alone2]
+    assert prune.next_trial(predictions, measured, None, 0.1) == pipe4
+    rows = {r.candidate: r.status for r in prune.rows(predictions, {pipe: measured[pipe]}, pipe, 10, 0.1)}
+    assert rows[alone] == prune.UNTRIED and rows[pipe4] == prune.SLOWER and rows[sharded] == prune.OVER_MEMORY
+    # Without a layout in the space, all candidates share one: nothing changes.
+    plain = {
+        Candidate("1F1B", 2, 1): Prediction(1.0, 0.0, (1.0,)),
+        Candidate("GPipe", 8, 1): Prediction(2.0, 0.0, (1.0,)),
+    }
+    assert prune.next_trial(plain, {Candidate("1F1B", 2, 1): prune.Measured(1.0, 1.0, 1.0)}, None, 0.1) is None
+
+
 def test_ring_collectives_and_the_gradient_synchronisation():
     assert ring_seconds((1e-4, 1e-9), 4e6, 4) == pytest.approx(3 * (1e-4 + 1e-9 * 1e6))
     assert ring_seconds((1e-4, 1e-9), 4e6, 1) == 0.0
