@@ -142,3 +142,18 @@ def test_a_resumed_group_without_parameters_here_reads_the_saved_hyperparameters
     optimizer.load_state_dict(optim.unflatten(optimizer, {}, flat))  # no parameter named: its own values stay
     assert optimizer.param_groups[0]["lr"] == 0.1
     assert set(optim.target(optimizer, {}, {k: None for k in flat}, {0: "layer.weight"})) == set(flat)
+
+
+@pytest.mark.parametrize("frontend", ["auto", "modules", "dataflow"])
+def test_the_lstm_demo_is_refused_naming_its_one_multi_layer_lstm(frontend):
+    """Lightning's demo LightningLSTM: its 4 layers are one nn.LSTM, which a pipeline cannot cut; the message names
+    the module, its layers and the two ways out."""
+    from lightning.pytorch.demos.lstm import SimpleLSTM
+
+    network = SimpleLSTM(vocab_size=16, ninp=8, nhid=8, nlayers=3)
+    with pytest.raises(PipelineModelError) as raised:
+        _split(network, 0, frontend=frontend)
+    message = str(raised.value)
+    assert "SimpleLSTM's repeated layers are inside one LSTM (`rnn`, num_layers=3)" in message
+    assert "nn.ModuleList of one-layer LSTM modules" in message and "`devices=1`" in message
+    assert "strategy='ddp'" in message

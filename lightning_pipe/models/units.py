@@ -103,6 +103,17 @@ def find_block_stack(module: nn.Module, blocks: str = "auto") -> str:
             " `frontend='auto'` picks for it): the first stage runs it whole and the others pass its output on;"
             " better, train it with `devices=1` (or data parallelism, `strategy='ddp'`)."
         )
+    stacked = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.RNNBase) and m.num_layers > 1]
+    if not candidates and stacked:
+        # Lightning's demo LightningLSTM: its four layers are one nn.LSTM, which runs them all in one call.
+        name, rnn = stacked[0]
+        raise PipelineModelError(
+            f"{type(module).__name__}'s repeated layers are inside one {type(rnn).__name__} (`{name}`,"
+            f" num_layers={rnn.num_layers}), which runs them all in one call: a pipeline cuts only between modules."
+            f" Build them as an nn.ModuleList of one-layer {type(rnn).__name__} modules, each passing its output"
+            " (and its slice of the state) on, or train this network with `devices=1` (or data parallelism,"
+            " `strategy='ddp'`)."
+        )
     if not candidates:
         raise PipelineModelError(
             f"{type(module).__name__} has no splittable block stack: pipelining needs the network's repeated blocks"
