@@ -60,6 +60,7 @@ from lightning_pipe.split.builder import Split, has_network, is_split, split_mod
 from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.frontend import HookStep
+from lightning_pipe.step.manual import ManualHookStep, ManualOptimization
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import (
     announce_parameters,
@@ -180,6 +181,8 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
         self._engine: Optional[StepEngine] = None
         self._split: Optional[Split] = None
         self._gradients: Optional[StageGradients] = None
+        #: a manual-optimization module's optimizer calls (None under automatic optimization)
+        self._manual: Optional[ManualOptimization] = None
         self._tie_groups = TieGroups()
         self._wrapped = Wrapped()
         self._saved: dict[int, SavedBytesRecorder] = {}
@@ -426,14 +429,26 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._require_engine("training_step", kwargs)
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        module = self.lightning_module
+        accumulate = module.trainer.accumulate_grad_batches
         assert self._gradients is not None
-        step = HookStep(self.lightning_module, "training_step", tuple(args[1:]))
-        with self.precision_plugin.train_step_context(), self._gradients.capture():
+        manual: Optional[ManualOptimization] = None
+        if module.automatic_optimization:
+            step = HookStep(module, "training_step", tuple(args[1:]))
+        else:  # its optimizer calls are recorded while the schedule runs, and done once after it
+            manual = self._manual = ManualOptimization(module)
+            step = ManualHookStep(module, "training_step", tuple(args[1:]), manual)
+        recording = manual.recorded() if manual is not None else nullcontext()
+        with self.precision_plugin.train_step_context(), self._gradients.capture(), recording:
             outcome = engine.train(step, args[0], accumulate)
         dp_modes.check_token_weighting(self._settings, accumulate, outcome.grad_scale)
         self._gradients.stash.scale = outcome.grad_scale
-        if outcome.output is not None and (outcome.output_shared or engine.runtime.has_last):
+        shown = outcome.output_shared or engine.runtime.has_last
+        if manual is not None:
+            assert outcome.manual_ops is not None and outcome.loss is not None
+            manual.run(outcome.manual_ops, outcome.loss)
+            return outcome.output if shown else outcome.loss
+        if outcome.output is not None and shown:
             return outcome.output
         return outcome.loss
 
@@ -446,7 +461,10 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule already ran backward in ``training_step``; here its gradients land after Lightning's
-        ``zero_grad``, exactly where a single-device backward would put them."""
+        ``zero_grad``, exactly where a single-device backward would put them. (Manual optimization: while the step
+        runs, ``manual_backward`` only records its microbatch's loss for the schedule; :mod:`.step.manual`.)"""
+        if self._manual is not None and self._manual.recording:
+            return self._manual.backward(closure_loss, args, kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         assert self._gradients is not None

@@ -11,7 +11,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos import BoringModel, DemoModel, LightningTransformer, Transformer
-from lightning.pytorch.demos.boring_classes import RandomDataset
+from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel, RandomDataset
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.models import quiet_trainer
@@ -126,5 +126,51 @@ def fit_demo_model(batch_size: int = 4, **trainer_kwargs: Any) -> dict[str, Any]
         "losses": model.losses,
         "state": _state(model),
         "predictions": predictions,
+        "global_rank": trainer.global_rank,
+    }
+
+
+class RecordingManualModel(ManualOptimBoringModel):
+    """Lightning's ``ManualOptimBoringModel`` (manual optimization: ``zero_grad``, ``manual_backward``, ``step`` per
+    batch) recording each step's loss. ``every > 1``: gradients accumulated over ``every`` batches, then clipped to
+    ``clip``, stepped, zeroed, and the scheduler stepped (a manual loop's usual accumulation), batches of
+    ``batch_size``."""
+
+    def __init__(self, batch_size: int = 1, every: int = 1, clip: float = 0.5) -> None:
+        super().__init__()
+        self.batch_size, self.every, self.clip = batch_size, every, clip
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.every == 1:
+            return super().training_step(batch, batch_idx)
+        opt, scheduler = self.optimizers(), self.lr_schedulers()
+        loss = self.step(batch)
+        self.manual_backward(loss)
+        if (batch_idx + 1) % self.every == 0:
+            self.clip_gradients(opt, self.clip, "norm")
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 64), batch_size=self.batch_size)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit_manual(batch_size: int = 1, every: int = 1, **trainer_kwargs: Any) -> dict[str, Any]:
+    """A manual-optimization demo: 4 optimizer steps (``every`` batches each); losses, parameters, learning rate."""
+    L.seed_everything(0)
+    model = RecordingManualModel(batch_size, every)
+    trainer = quiet_trainer(max_steps=4, **trainer_kwargs)
+    trainer.fit(model)
+    return {
+        "losses": model.losses,
+        "state": _state(model),
+        "lr": model.lr_schedulers().get_last_lr(),
+        "global_step": trainer.global_step,
         "global_rank": trainer.global_rank,
     }

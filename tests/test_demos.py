@@ -10,19 +10,16 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch.demos import BoringModel, DemoModel
-from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel
 from torch import nn
 
-from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.checkpoint.io import model_state
-from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.units import ONE_UNIT, find_layout
 from lightning_pipe.parallel.grads import STAND_IN, build_optimizers
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import split_module
 from lightning_pipe.split.frontend import choose_frontend
 from lightning_pipe.split.surgery import PassOn
-from tests.models import quiet_trainer
 
 CPU = torch.device("cpu")
 
@@ -118,12 +115,6 @@ def test_a_lightning_module_without_parameters_is_refused():
 
     with pytest.raises(PipelineModelError, match=r"NoParameters has no submodule with parameters"):
         _split(NoParameters(), 0)
-
-
-def test_the_manual_optimization_demo_is_refused_naming_automatic_optimization():
-    trainer = quiet_trainer(strategy=PipelineParallelStrategy(), devices=1, max_steps=1)
-    with pytest.raises(PipelineUsageError, match=r"needs automatic optimization.*automatic_optimization = False"):
-        trainer.fit(ManualOptimBoringModel())
 
 
 def test_a_resumed_group_without_parameters_here_reads_the_saved_hyperparameters_of_its_full_model_group():

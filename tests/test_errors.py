@@ -84,16 +84,6 @@ def test_pipeline_size_is_resolved_later():
         _ = PipelineParallelStrategy().pipeline_size
 
 
-def test_manual_optimization_is_refused():
-    class Manual(LitLM):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
-
-    with pytest.raises(PipelineUsageError, match="needs automatic optimization"):
-        _fit(Manual())
-
-
 def test_fp16_mixed_with_grad_scaler_is_refused():
     # On CUDA, '16-mixed' comes with a GradScaler; on CPU Lightning uses none, so pass one explicitly.
     from lightning.pytorch.plugins.precision import MixedPrecision

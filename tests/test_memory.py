@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -62,6 +64,19 @@ def test_saved_bytes_counts_each_storage_once():
     with SavedTensorBytes() as meter:
         (x * x).sum()  # saves x twice
     assert meter.bytes == 64 * 64 * 4
+
+
+def test_fake_tensors_count_once_per_storage_without_asking_their_address():
+    # The dataflow frontend's stand-ins run under fake tensors; a fake storage's data_ptr() warns (deprecated).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(64, 64, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with SavedTensorBytes() as meter:
+                (x * x[:32].repeat(2, 1)).sum()  # saves x and a copy: a view of x counts with x
+    assert meter.bytes == 2 * 64 * 64 * 4
 
 
 def test_recorder_records_the_first_grad_forward_only():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.demo_models import fit_boring, fit_demo_model, fit_demo_transformer
+from tests.demo_models import fit_boring, fit_demo_model, fit_demo_transformer, fit_manual
 from tests.launch import run_script
 from tests.project_models import TRAIN, run_project
 from tests.reference import load_ranks, merged_state
@@ -33,6 +33,10 @@ CONFIGS = [
     {"name": "demo-model-GPipe", "devices": 2, "demo": "demo-model", "schedule": "GPipe", "microbatches": 2},
     {"name": "demo-model-ZBV", "devices": 2, "demo": "demo-model", "schedule": "ZBVZeroBubble", "microbatches": 2},
     {"name": "demo-model-I1F1B", "devices": 2, "demo": "demo-model", "schedule": "Interleaved1F1B", "microbatches": 2},
+    # manual optimization: ManualOptimBoringModel (batches of one sample), and accumulating over 2 batches of 4 (1F1B,
+    # 2 microbatches) with clipping and a scheduler
+    {"name": "manual", "devices": 2, "demo": "manual"},
+    {"name": "manual-accumulating", "devices": 2, "demo": "manual", "every": 2},
 ]
 
 
@@ -142,6 +146,31 @@ def test_lightning_demo_model_equals_one_device_accumulating_the_microbatches_bi
     assert state.keys() == expected["state"].keys()
     assert all(torch.equal(state[k], v) for k, v in expected["state"].items())
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["predictions"], expected["predictions"], strict=True))
+
+
+@pytest.mark.slow
+def test_lightning_manual_optimization_demo_equals_one_device(two_procs):
+    # The step's zero_grad, manual_backward and step (and clip_gradients, the scheduler) are recorded on the last
+    # stage, which holds no parameter here, and done on both ranks after the schedule. One microbatch: bitwise.
+    expected = _one_thread(fit_manual, devices=1)
+    ranks = load_ranks(two_procs, "manual")
+    assert len(expected["losses"]) == 4
+    for rank in ranks:
+        assert rank["losses"] == expected["losses"] and rank["global_step"] == 4
+    state = merged_state([{**r, "dp_rank": 0} for r in ranks])
+    assert state.keys() == expected["state"].keys()
+    assert all(torch.equal(state[k], v) for k, v in expected["state"].items())
+    # Gradients accumulated over 2 batches of 2 microbatches each, clipped by the norm over both stages (a collective
+    # both ranks join), stepped, zeroed, the scheduler stepped: one device up to the order of float sums.
+    expected = _one_thread(fit_manual, batch_size=4, every=2, devices=1)
+    ranks = load_ranks(two_procs, "manual-accumulating")
+    assert len(expected["losses"]) == 8 and expected["lr"] == pytest.approx([0.1 * 0.1**4])
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(expected["losses"], rel=1e-6)
+        assert rank["lr"] == expected["lr"] and rank["global_step"] == 4
+    state = merged_state([{**r, "dp_rank": 0} for r in ranks])
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------------------------------------------ one process

@@ -37,6 +37,7 @@ from lightning_pipe.step.executors.forward_only import ForwardOnlyExecutor
 from lightning_pipe.step.frontend import TRAINING, UserStep
 from lightning_pipe.step.generation import Lockstep, decoding_of
 from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue
+from lightning_pipe.step.manual import ManualResult, Op, agreed_ops
 from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
 from lightning_pipe.step.metrics import MetricMirror, MetricUpdate, StepMetrics
 from lightning_pipe.step.rng import RngStreams
@@ -68,6 +69,8 @@ class Outcome:
     output_shared: bool = False
     #: checksum of the step's microbatching and call shapes on the last-stage rank
     key_checksum: int = 0
+    #: a manual-optimization training step's optimizer calls, for every rank to do once (:mod:`.manual`)
+    manual_ops: tuple[Op, ...] | None = None
 
 
 @dataclass
@@ -78,6 +81,8 @@ class _Record:
     logs: dict[int, list[LoggedValue]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     items: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: a manual-optimization step's optimizer calls per microbatch
+    ops: dict[int, tuple[Op, ...]] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=64)
@@ -229,10 +234,15 @@ class StepProtocol:
             items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
             record.items[m] = None if items is None else torch.as_tensor(items).detach()
             return None
-        loss, items = _loss_and_items(user_step.name, result)
+        if isinstance(result, ManualResult):  # the loss is the one given to `manual_backward`
+            loss, items, record.ops[m] = result.loss, None, result.ops
+            record.results[m] = _whole(result.output)
+        else:
+            loss, items = _loss_and_items(user_step.name, result)
         # The loss keeps its graph (a DTensor under loss parallelism) for backward; everything recorded is whole.
         record.losses[m], record.items[m] = full(loss).detach(), items
-        record.results[m] = {**_whole(result), "loss": record.losses[m]} if isinstance(result, Mapping) else loss
+        if m not in record.ops:
+            record.results[m] = {**_whole(result), "loss": record.losses[m]} if isinstance(result, Mapping) else loss
         if items is None:
             return loss * scale
         # Token-weighted: the sum of this microbatch's item losses; gradients are divided by the batch's total
@@ -255,13 +265,16 @@ class StepProtocol:
             outcome.loss = _weighted_mean([record.losses[m] for m in range(n)], weights)
             if weighted:
                 outcome.grad_scale = 1.0 / sum(weights)
-        if hook == TRAINING and not any(isinstance(r, Mapping) for r in record.results.values()):
+        manual = bool(record.ops)
+        if manual:
+            outcome.manual_ops = agreed_ops(user_step.name, [record.ops[m] for m in range(n)])
+        if hook == TRAINING and not manual and not any(isinstance(r, Mapping) for r in record.results.values()):
             # A bare loss (the usual training step): the step's output is the loss just computed.
             output: Any = outcome.loss
         else:
             results = [map_structure(record.results[m], _detached) for m in range(n)]
             output = merge_outputs(results, weights, hook)
-            if hook == TRAINING:
+            if hook == TRAINING and not manual:  # manual optimization: what the step returned, as on one device
                 output = {**output, "loss": outcome.loss}
         outcome.output = output
         outcome.output_shared = hook != "predict_step" and is_scalar_structure(output)
@@ -277,6 +290,7 @@ class StepProtocol:
             output=outcome.output if outcome.output_shared else None,
             output_shared=outcome.output_shared,
             key_checksum=outcome.key_checksum,
+            manual_ops=outcome.manual_ops,
         )
 
     # ------------------------------------------------------------------------------------------------ replay

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_pipe.comm import collectives
-from lightning_pipe.errors import MicrobatchError, PipelineConfigError, PipelineUsageError
+from lightning_pipe.errors import MicrobatchError, PipelineConfigError
 from lightning_pipe.microbatch import epoch_batch_sizes
 from lightning_pipe.reliability.loaders import PassLoader
 from lightning_pipe.settings import PipelineSettings
@@ -102,15 +102,9 @@ def _batch_sizes(trainer: Any) -> list[tuple[str, int]] | None:
 
 
 def check_supported(lightning_module: Any, precision_plugin: Any) -> None:
-    """Refuse what a pipeline cannot run: manual optimization, a gradient scaler."""
+    """Refuse what a pipeline cannot run: a gradient scaler."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    if not lightning_module.automatic_optimization:
-        raise PipelineUsageError(
-            "PipelineParallelStrategy needs automatic optimization: the schedule runs forward and backward for"
-            " you, so `manual_backward` has nothing to act on. Remove `self.automatic_optimization = False` and"
-            " return the loss from `training_step`."
-        )
     if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
         raise PipelineConfigError(
             f"`precision={precision_plugin.precision!r}` needs a gradient scaler whose inf/NaN checks would"
