@@ -11,7 +11,6 @@ is left on the LightningModule but the split itself.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -60,7 +59,8 @@ from lightning_pipe.split.builder import Split, has_network, is_split, split_mod
 from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.frontend import HookStep
-from lightning_pipe.step.manual import ManualHookStep, ManualOptimization
+from lightning_pipe.step.hooks import GradientHooks
+from lightning_pipe.step.manual import ManualOptimization
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import (
     announce_parameters,
@@ -76,11 +76,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-# A child of Lightning's logger: its lines appear wherever Lightning's own INFO lines do.
-log = logging.getLogger("lightning.pytorch.lightning_pipe")
-
-
-class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.LauncherHook, ParallelStrategy):
+class PipelineParallelStrategy(
+    CheckpointHooks, GradientHooks, meshes.MeshAxes, pl_compat.LauncherHook, ParallelStrategy
+):
     """Pipeline parallelism for an unchanged LightningModule: ``Trainer(strategy="pipeline")``.
 
     The network is cut into stages; each process builds and keeps only its own stages (parameter names stay those of
@@ -430,23 +428,19 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._require_engine("training_step", kwargs)
         module = self.lightning_module
-        accumulate = module.trainer.accumulate_grad_batches
         assert self._gradients is not None
-        manual: Optional[ManualOptimization] = None
-        if module.automatic_optimization:
-            step = HookStep(module, "training_step", tuple(args[1:]))
-        else:  # its optimizer calls are recorded while the schedule runs, and done once after it
-            manual = self._manual = ManualOptimization(module)
-            step = ManualHookStep(module, "training_step", tuple(args[1:]), manual)
-        recording = manual.recorded() if manual is not None else nullcontext()
-        with self.precision_plugin.train_step_context(), self._gradients.capture(), recording:
-            outcome = engine.train(step, args[0], accumulate)
+        # Manual optimization: the step's optimizer calls are recorded while the schedule runs, and done after it.
+        self._manual = manual = ManualOptimization.of(module, self._manual, self._gradients.synchronize)
+        step = manual.user_step(args[1:]) if manual else HookStep(module, "training_step", tuple(args[1:]))
+        accumulate = module.trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context(), self._gradients.capture():
+            with manual.recorded() if manual else nullcontext():
+                outcome = engine.train(step, args[0], accumulate)
         dp_modes.check_token_weighting(self._settings, accumulate, outcome.grad_scale)
         self._gradients.stash.scale = outcome.grad_scale
         shown = outcome.output_shared or engine.runtime.has_last
-        if manual is not None:
-            assert outcome.manual_ops is not None and outcome.loss is not None
-            manual.run(outcome.manual_ops, outcome.loss)
+        if manual:
+            manual.run(outcome)
             return outcome.output if shown else outcome.loss
         if outcome.output is not None and shown:
             return outcome.output
@@ -457,39 +451,6 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             raise PipelineUsageError(f"Unexpected keyword arguments for {hook}: {sorted(kwargs)}.")
         assert self._engine is not None, "setup builds the engine"
         return self._engine
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The schedule already ran backward in ``training_step``; here its gradients land after Lightning's
-        ``zero_grad``, exactly where a single-device backward would put them. (Manual optimization: while the step
-        runs, ``manual_backward`` only records its microbatch's loss for the schedule; :mod:`.step.manual`.)"""
-        if self._manual is not None and self._manual.recording:
-            return self._manual.backward(closure_loss, args, kwargs)
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        assert self._gradients is not None
-        self._gradients.stash.apply()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Synchronise gradients once per optimizer step: after the closure (the accumulation window's last
-        ``training_step`` and ``backward``), before Lightning clips them and steps."""
-
-        def closure_then_sync() -> Any:
-            result = closure()
-            self.gradient_sync.synchronize([p for g in optimizer.param_groups for p in g["params"]])
-            return result
-
-        stepped = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        if not self._memory_logged:
-            # After the first step: optimizers such as Adam create their state then.
-            self._memory_logged = True
-            for line in self.memory_report.lines():
-                log.info(line)
-        return stepped
 
     @property
     def memory_report(self) -> MemoryReport:
@@ -507,14 +468,6 @@ class PipelineParallelStrategy(CheckpointHooks, meshes.MeshAxes, pl_compat.Launc
             tensor_parallel=tp_share(self.model, self.tensor_parallel_rank, self.tensor_parallel_size),
             load_peak=self._load_peak,
         )
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning runs the batches of an accumulation window before its last inside this: FSDP stages then keep
-        their gradients unsynchronised (``"ddp"`` synchronises in ``optimizer_step`` only anyway)."""
-        with self._engine.unsynchronized() if self._engine is not None else nullcontext():
-            yield
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -154,6 +154,8 @@ def _configs_four() -> list[dict]:
     return [
         {**dp, "name": "ddp-acc2", "data_parallel": "ddp", "accumulate": 2, "clip": CLIP, "bucket_bytes": BUCKET},
         {**dp, "name": "fsdp-acc2", "data_parallel": "fsdp", "accumulate": 2, "clip": CLIP},
+        # manual optimization: what ddp-acc2 does, written in the module's training_step
+        {**dp, "name": "ddp-manual", "model": "manual", "accumulate": 2, "clip": CLIP, "bucket_bytes": BUCKET},
         {**dp, "name": "ddp-acc3", "data_parallel": "ddp", "accumulate": 3, "bucket_bytes": BUCKET, "max_steps": 3},
         {**dp, "name": "fsdp-acc1", "data_parallel": "fsdp", "max_steps": 3},
         {**dp, "name": "fsdp-acc3", "data_parallel": "fsdp", "accumulate": 3, "max_steps": 3},
@@ -287,6 +289,21 @@ def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
     assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert ranks[0]["losses"] != [r for r in ranks if r["dp_rank"] == 1][0]["losses"]  # replicas saw other data
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_manual_optimization_under_data_parallelism_trains_bitwise_as_automatic(four):
+    # The module accumulates 2 batches (each loss halved), clips and steps itself; the replicas' gradients are averaged
+    # once per step, before the clip reads them: the same numbers as accumulate_grad_batches=2, gradient_clip_val.
+    manual, automatic = load_ranks(four, "ddp-manual"), load_ranks(four, "ddp-acc2")
+    assert len(manual) == 4
+    for got, want in zip(manual, automatic, strict=True):
+        assert (got["dp_rank"], got["pipeline_rank"]) == (want["dp_rank"], want["pipeline_rank"])
+        assert got["state"].keys() == want["state"].keys() and got["state"]
+        assert all(torch.equal(v, want["state"][k]) for k, v in got["state"].items())
+        # Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches; a manual step's is whole
+        assert got["losses"] == [2 * loss for loss in want["losses"]] and len(got["losses"]) == 12
 
 
 @pytest.mark.slow

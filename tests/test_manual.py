@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.errors import PipelineUsageError
+from lightning_pipe.parallel.grads import StageGradients
 from lightning_pipe.step.manual import BACKWARD, STEP, ZERO_GRAD, agreed_ops, describe
 from tests.models import quiet_trainer
 
@@ -126,6 +127,23 @@ def test_accumulating_over_batches_clipping_and_a_scheduler_equal_one_device(one
     for key, value in one_device.state_dict().items():
         torch.testing.assert_close(piped.state_dict()[key], value, rtol=1e-6, atol=1e-7)
     assert trainer.optimizers[0].param_groups[0]["lr"] == reference.optimizers[0].param_groups[0]["lr"] == 0.0125
+
+
+def test_gradients_are_synchronised_once_per_optimizer_step_before_the_clip_reads_them(monkeypatch):
+    # Replicas' gradients are averaged (and tied copies summed) once before a clip or step reads them: summing tied
+    # copies again after each of a step's accumulated backwards would count the earlier batches twice.
+    model, calls = _seeded(every=2, clip=0.05), []
+    synchronize = StageGradients.synchronize
+
+    def counted(self, optimizer):
+        progress = model.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        stepping = progress.total.ready - progress.total.completed  # 1 inside the optimizer step, 0 before it
+        calls.append((model.trainer.global_step, stepping))
+        synchronize(self, optimizer)
+
+    monkeypatch.setattr(StageGradients, "synchronize", counted)
+    _fit(model, _pipeline(), max_steps=3)
+    assert calls == [(0, 0), (1, 0), (2, 0)]  # 6 backwards, 3 clips and 3 steps: once each step, before its clip
 
 
 def test_lightnings_manual_optimization_demo_runs_as_on_one_device():

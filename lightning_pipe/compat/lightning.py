@@ -90,6 +90,11 @@ class LauncherHook:
         self._launcher = self.make_launcher()
 
 
+def lightning_optimizers(strategy: Any) -> list[Any]:
+    """The ``LightningOptimizer`` wrappers ``self.optimizers()`` returns, in ``configure_optimizers``' order."""
+    return list(strategy._lightning_optimizers)
+
+
 def set_device_mesh(lightning_module: object, mesh: object) -> None:
     """Expose ``mesh`` as ``LightningModule.device_mesh`` (a read-only property over ``_device_mesh``), as
     ``ModelParallelStrategy.setup_environment`` does, so ``configure_model`` can use it."""

@@ -100,6 +100,12 @@ def is_fake(value: Any) -> bool:
     return isinstance(value, FakeTensor)
 
 
+def storage_identity(storage: Any) -> int:
+    """A storage's identity that asking for its address would give, without asking (a fake tensor's storage warns
+    that its address is deprecated): its C++ object's, shared by every view of it."""
+    return storage._cdata
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """What a fake tensor raises when code needs its values or a shape that depends on them (``.item()``, ``if
     t.any()``, ``nonzero``), or meets an operator without a shape function: ``torch._subclasses.fake_tensor``'s

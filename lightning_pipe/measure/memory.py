@@ -28,8 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch._subclasses.fake_tensor import FakeTensor
-
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.structures import is_dtensor, tensors_in
 
@@ -47,10 +45,8 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     if t.device.type == "meta":
         # Meta storages all have address 0; the storage object itself is kept alive by the caller while it counts.
         return ("meta", id(s))
-    if isinstance(t, FakeTensor):
-        # A fake tensor's storage has no data: asking for its address warns (deprecated). The storage's own C++
-        # object identifies it, views included.
-        return ("fake", s._cdata)
+    if torch_compat.is_fake(t):  # its storage has no data: asking for its address warns (deprecated)
+        return ("fake", torch_compat.storage_identity(s))
     return (t.device, s.data_ptr())
 
 

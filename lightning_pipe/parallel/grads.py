@@ -349,6 +349,11 @@ class StageGradients:
         """Around a schedule step: its gradients are held, not added to ``.grad`` yet."""
         return self.stash.capture(self.parameters())
 
+    def synchronize(self, optimizer: Any) -> None:
+        """The gradients of ``optimizer``'s parameters averaged over data-parallel replicas, summed over tied
+        copies (:class:`GradientSync`)."""
+        self.sync.synchronize([p for group in optimizer.param_groups for p in group["params"]])
+
     def clip(self, optimizer: Any, max_norm: float) -> torch.Tensor:
         """Lightning's ``clip_grad_by_norm`` with the norm of every stage's gradients; returns that norm (before
         clipping)."""

@@ -43,7 +43,7 @@ class Call:
     generate: bool = False
 
 
-class _InputsCaptured(BaseException):
+class InputsCaptured(BaseException):
     """Ends the user's step at the network call (a BaseException, so ``except Exception`` cannot swallow it)."""
 
 
@@ -87,7 +87,7 @@ class CallInterceptor:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "capture":
             self._captured = Call(args, kwargs)
-            raise _InputsCaptured
+            raise InputsCaptured
         if self._mode == "lockstep":
             assert self._answer is not None
             return self._answer(Call(args, kwargs))
@@ -112,7 +112,7 @@ class CallInterceptor:
         self._mode, self._captured = "capture", None
         try:
             step()
-        except _InputsCaptured:
+        except InputsCaptured:
             pass
         finally:
             self._mode = "off"
@@ -127,7 +127,7 @@ class CallInterceptor:
         """The network's ``generate`` was called: captured, or run on this rank (lockstep), or refused."""
         if self._mode == "capture":
             self._captured = Call(args, kwargs, generate=True)
-            raise _InputsCaptured
+            raise InputsCaptured
         if self._mode == "lockstep":
             assert run is not None
             return run(args, kwargs)

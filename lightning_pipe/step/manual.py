@@ -37,17 +37,18 @@ value (each microbatch would pass its own); and a step whose microbatches did di
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lightning_pipe.compat.lightning import lightning_optimizers
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.scope import replaced
 from lightning_pipe.step.frontend import HookStep
-from lightning_pipe.step.interception import _InputsCaptured
+from lightning_pipe.step.interception import InputsCaptured
 
 #: one recorded call: (what, which optimizer or scheduler, its options)
 Op = tuple[str, int, dict[str, Any]]
@@ -87,17 +88,36 @@ class ManualOptimization:
     """The optimizer calls of a manual-optimization ``training_step``: recorded while the step protocol runs it
     (:meth:`recorded`), done once per batch afterwards (:meth:`run`). ``module``: the LightningModule."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, synchronize: Callable[[Any], None]) -> None:
         self.module = module
+        #: ``synchronize(optimizer)``: its gradients averaged over data-parallel replicas, summed over tied copies
+        self.synchronize = synchronize
+        #: the optimizers (by index) whose gradients changed since they were last synchronised
+        self._unsynchronized: set[int] = set()
         #: inside :meth:`recorded`: ``manual_backward`` records instead of adding gradients (the strategy asks)
         self.recording = False
         self._book: _Book | None = None
 
+    @classmethod
+    def of(
+        cls, module: Any, previous: ManualOptimization | None, synchronize: Callable[[Any], None]
+    ) -> ManualOptimization | None:
+        """``module``'s (``previous`` if it is): ``None`` under automatic optimization."""
+        if module.automatic_optimization:
+            return None
+        if previous is None or previous.module is not module:
+            return cls(module, synchronize)
+        previous.synchronize = synchronize  # this Trainer entry's gradients
+        return previous
+
+    def user_step(self, extra_args: tuple) -> ManualHookStep:
+        """The module's ``training_step`` as the step protocol runs it (``extra_args``: after the batch)."""
+        return ManualHookStep(self.module, "training_step", tuple(extra_args), self)
+
     # ------------------------------------------------------------------------------------------------ recording
     def _optimizers(self) -> list[tuple[Any, Any]]:
         """(the LightningOptimizer, the optimizer it wraps) per optimizer, in ``configure_optimizers``' order."""
-        strategy = self.module.trainer.strategy
-        return [(wrapper, wrapper.optimizer) for wrapper in strategy._lightning_optimizers]
+        return [(wrapper, wrapper.optimizer) for wrapper in lightning_optimizers(self.module.trainer.strategy)]
 
     @contextmanager
     def recorded(self) -> Iterator[None]:
@@ -189,7 +209,7 @@ class ManualOptimization:
         with self._step_run() as book:
             try:
                 output = HookStep.__call__(step, microbatch)
-            except _InputsCaptured:  # capture stops the step at the network call: what came before ran before it
+            except InputsCaptured:  # capture stops the step at the network call: what came before ran before it
                 if any(kind == STEP for kind, _, _ in book.ops):
                     raise PipelineUsageError(
                         "`training_step` called `optimizer.step()` before the pipelined network's forward. Under"
@@ -210,8 +230,23 @@ class ManualOptimization:
         return ManualResult(output, tuple(book.ops), book.losses[0])
 
     # ------------------------------------------------------------------------------------------------ after
-    def run(self, ops: tuple[Op, ...], loss: torch.Tensor) -> None:
-        """Do the recorded calls once, in order, on this rank; ``loss``: the batch's loss (the microbatches' mean)."""
+    def take_unsynchronized(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s gradients changed since their last synchronisation (once: it is synchronised now).
+
+        Gradients are synchronised once before they are read (by a clip or a step), not per ``manual_backward``:
+        tied copies are summed, which would count the gradients of earlier batches again when a step accumulates
+        several batches."""
+        index = self._index_of(optimizer)
+        if index in self._unsynchronized:
+            self._unsynchronized.discard(index)
+            return True
+        return False
+
+    def run(self, outcome: Any) -> None:
+        """Do the step's recorded calls (``outcome.manual_ops``, from the last stage) once, in order, on this rank;
+        ``manual_backward`` gets the batch's loss (``outcome.loss``: the microbatches' mean)."""
+        ops, loss = outcome.manual_ops, outcome.loss
+        assert ops is not None and loss is not None, "a manual-optimization step's outcome"
         optimizers = self._optimizers()
         schedulers = self.module.trainer.lr_scheduler_configs
         for kind, index, options in ops:
@@ -219,9 +254,12 @@ class ManualOptimization:
                 optimizers[index][0].zero_grad(**options)
             elif kind == BACKWARD:
                 self.module.manual_backward(loss)
+                self._unsynchronized = set(range(len(optimizers)))
             elif kind == CLIP:
                 from lightning.pytorch.utilities import GradClipAlgorithmType
 
+                if self.take_unsynchronized(optimizers[index][1]):  # clip the replicas' mean, as DDP's backward gives
+                    self.synchronize(optimizers[index][1])
                 algorithm = GradClipAlgorithmType(options["algorithm"])
                 self.module.trainer.precision_plugin.clip_gradients(
                     optimizers[index][1], options["clip_val"], algorithm

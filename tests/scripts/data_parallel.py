@@ -3,8 +3,8 @@ several per launch; each rank saves what it saw per scenario.
 
 Usage: data_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "data_parallel", "schedule",
 "accumulate", "clip", "inner_axis", "num_nodes", "activation_checkpointing", "bucket_bytes", "max_steps", "precision",
-"model": "lm"|"scheduled"|"eval"|"weighted", "samples" (training set size), "save": dir name, "resume": dir name,
-"validate": bool}.
+"model": "lm"|"scheduled"|"eval"|"weighted"|"manual", "samples" (training set size), "save": dir name,
+"resume": dir name, "validate": bool}.
 
 Per rank: losses, the full parameters and optimizer state (DTensor shards gathered), the gradient collectives over the
 data-parallel group per optimizer step, optimizer-state bytes, the mesh groups.
@@ -137,8 +137,34 @@ class WeightedLM(LitLM):
         return {"loss": loss, "num_items": torch.tensor(y.numel())}
 
 
+class ManualLM(LitLM):
+    """Manual optimization doing what ``accumulate_grad_batches=every, gradient_clip_val=clip`` does automatically:
+    each batch's loss divided by ``every`` and back-propagated, then every ``every``-th batch the gradients clipped,
+    stepped and zeroed."""
+
+    def __init__(self, every: int, clip: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.every, self.clip = every, clip
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.manual_backward(loss / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            self.clip_gradients(opt, self.clip, "norm")
+            opt.step()
+            opt.zero_grad()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
 def build(cfg: dict) -> L.LightningModule:
     kind = cfg.get("model", "lm")
+    if kind == "manual":  # accumulation and clipping are the module's: the Trainer gets neither
+        every, clip = cfg.pop("accumulate"), cfg.pop("clip")
+        return ManualLM(every, clip, samples=cfg.get("samples", 64))
     if kind == "scheduled":
         return LitLMScheduled()
     if kind == "eval":
