@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.phases import mean_ci
 from lightning_pipe.measure.timeline import ideal_speedup, theoretical_bubble
 
 BEGIN = "<!-- benchmarks/run.py: begin (generated, do not edit by hand) -->"
@@ -74,11 +75,15 @@ class Stats:
         runs = sorted(set(a) & set(b))
         if not runs:
             return None
+        diffs, ratios = [b[r] - a[r] for r in runs], [b[r] / a[r] for r in runs]
         return {
             "a": spread([a[r] for r in runs]),
             "b": spread([b[r] for r in runs]),
-            "diff": spread([b[r] - a[r] for r in runs]),
-            "ratio": spread([b[r] / a[r] for r in runs]),
+            "diff": spread(diffs),
+            "ratio": spread(ratios),
+            # the mean with its 95% confidence interval over the runs (Student's t), paired run by run
+            "diff_ci": mean_ci(diffs),
+            "ratio_ci": mean_ci(ratios),
         }
 
     def overhead(self) -> dict[str, Any]:
@@ -119,9 +124,13 @@ class Stats:
         )
         one_f_one_b = [r for r in out["small"] if r["schedule"] == "1F1B"]
         compute_ratios = [r["ratio"]["median"] for r in out["compute"]]
+        worst = max(out["compute"], key=lambda r: r["ratio"]["median"], default=None)
         cpu = one_f_one_b[0]["cpu"] if one_f_one_b else None
         out["targets"] = {
             "small_overhead_ms": one_f_one_b[0]["diff"]["median"] if one_f_one_b else None,
+            "small_overhead_ci": one_f_one_b[0]["diff_ci"] if one_f_one_b else None,
+            "compute_ratio_schedule": worst["schedule"] if worst else None,
+            "compute_ratio_ci": worst["ratio_ci"] if worst else None,
             # The same fixed cost in CPU time (both processes): what other jobs on a shared machine disturb least.
             "small_overhead_cpu_ms": cpu["diff"]["median"] if cpu else None,
             "small_overhead_target_ms": 1.5,
@@ -250,7 +259,9 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         ),
         f"Every figure: the median over {results['runs']} runs of each run's median step time (wall clock, rank 0, "
         "from the start of one batch to the start of the next, warm-up steps excluded), with the lowest and highest "
-        "run in parentheses. A ratio or difference is taken run by run between cases that ran next to each other.",
+        "run in parentheses. A ratio or difference is taken run by run between cases that ran next to each other "
+        "(each strategy case next to its hand-loop case, in the order reversed every other run); where a mean with "
+        "its 95% confidence interval is given, it is over those per-run values (Student's t).",
         "",
         "### Overhead over the hand-written loop",
         "",
@@ -260,9 +271,12 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         "",
         f"Targets: fixed cost per step on the small network (1F1B) at most {t['small_overhead_target_ms']} ms: "
         f"**{_num(t['small_overhead_ms'], 2)} ms** wall clock ({_num(t.get('small_overhead_cpu_ms'), 2)} ms of CPU "
-        f"time, both processes), {_met(t['small_overhead_ms'], t['small_overhead_target_ms'])}; "
-        f"ratio on the compute-bound network at most {t['compute_ratio_target']}: worst schedule "
-        f"**{_num(t['compute_ratio'], 3)}**, {_met(t['compute_ratio'], t['compute_ratio_target'])}.",
+        f"time, both processes), {_met(t['small_overhead_ms'], t['small_overhead_target_ms'])}"
+        f"{_with_ci(t.get('small_overhead_ci'), 2)}; "
+        f"ratio on the compute-bound network at most {t['compute_ratio_target']}: worst schedule"
+        f"{' (' + t['compute_ratio_schedule'] + ')' if t.get('compute_ratio_schedule') else ''} "
+        f"**{_num(t['compute_ratio'], 3)}**, {_met(t['compute_ratio'], t['compute_ratio_target'])}"
+        f"{_with_ci(t.get('compute_ratio_ci'), 3)}.",
         "",
         "Small network (4 x Linear(256) + ReLU, batch 64, 4 microbatches), ms per step:",
         "",
@@ -298,12 +312,15 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         " hand-written loop does not make, part of Lightning's own cost. The last row shows the strategy without it.",
     ]
     lines += ["", "Compute-bound network (8 x Linear(1024) + ReLU, batch 512, 8 microbatches), ms per step:", ""]
-    lines += ["| schedule | hand-written loop | strategy | ratio | ratio, CPU time |", "|---|---|---|---|---|"]
+    lines += [
+        "| schedule | hand-written loop | strategy | ratio | ratio: mean [95% CI] | ratio, CPU time |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in o["compute"]:
         cpu = row.get("cpu")
         lines.append(
             f"| {row['schedule']} | {_ms(row['a'])} | {_ms(row['b'])} | {_x(row['ratio'])} |"
-            f" {_x(cpu['ratio']) if cpu else '-'} |"
+            f" {_ci(row.get('ratio_ci'), 3)} | {_x(cpu['ratio']) if cpu else '-'} |"
         )
     if "overhead.png" in rel:
         lines += ["", f"![strategy against the hand-written loop]({rel['overhead.png']})"]
@@ -423,6 +440,18 @@ def _timeline_md(results: dict[str, Any], rel: dict[str, str]) -> list[str]:
             f"{_x(c['ratio'])}, {_ms(c['diff'], 2)} ms per step.",
         ]
     return lines
+
+
+def _ci(s: dict[str, float] | None, digits: int) -> str:
+    """``mean [low, high]``: a paired mean and its 95% confidence interval over the runs (``-`` without one)."""
+    if not s or s["n"] < 2:
+        return "-"
+    return f"{s['mean']:.{digits}f} [{s['low']:.{digits}f}, {s['high']:.{digits}f}]"
+
+
+def _with_ci(s: dict[str, float] | None, digits: int) -> str:
+    text = _ci(s, digits)
+    return "" if text == "-" else f" (mean over the runs {text.replace(' [', ', 95% confidence interval [')})"
 
 
 def _num(value: float | None, digits: int) -> str:

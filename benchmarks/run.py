@@ -47,6 +47,8 @@ from benchmarks import phases, report  # noqa: E402
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 SUITES = ["overhead", "speedup", "ddp", "eval", "timeline", "phases"]
+#: steps per run of the compute-bound network's strategy and hand-loop pairs (2 warm-up steps before them)
+COMPUTE_STEPS = 12
 
 
 class Plan:
@@ -75,24 +77,29 @@ class Plan:
         return case
 
     def overhead(self, run: int) -> None:
+        # Each strategy case runs next to its hand-loop case, in the order reversed every other run: the machine's
+        # drift (minutes long) then hits both sides of a pair alike.
         for schedule in self.schedules:
-            for kind in ("hand", "strategy"):
+            for kind in _ordered(("hand", "strategy"), run):
                 self.add(2, kind, self.small, "small", run, schedule=schedule, microbatches=4)
         self.add(2, "strategy_log", self.small, "small", run, schedule="1F1B", microbatches=4)
         self.add(2, "strategy_nosigterm", self.small, "small", run, schedule="1F1B", microbatches=4)
-        for kind in ("single_hand", "single_lightning"):
+        for kind in _ordered(("single_hand", "single_lightning"), run):
             self.add(1, kind, self.small, "small", run, microbatches=1)
-        for kind in ("hand", "strategy"):
+        for kind in _ordered(("hand", "strategy"), run):
             self.add(1, kind, self.small, "small", run, schedule="1F1B", microbatches=4, note="one process")
+        # The compute-bound pairs (the strategy's case is also the speedup suite's M=8 case): more steps per run than
+        # the other compute-bound cases, for the ratio's confidence interval.
+        steps = {} if self.args.quick else {"steps": COMPUTE_STEPS}
         for schedule in self.schedules:
-            self.add(2, "hand", self.big, "overhead", run, schedule=schedule, microbatches=8)
-            if "speedup" not in self.args.suites or 8 not in self.micro:
-                self.add(2, "strategy", self.big, "speedup", run, schedule=schedule, microbatches=8)
+            for kind, suite in _ordered((("hand", "overhead"), ("strategy", "speedup")), run):
+                self.add(2, kind, self.big, suite, run, schedule=schedule, microbatches=8, **steps)
 
     def speedup(self, run: int) -> None:
         for m in self.micro:
             for schedule in self.schedules:
-                self.add(2, "strategy", self.big, "speedup", run, schedule=schedule, microbatches=m)
+                if m != 8 or "overhead" not in self.args.suites:  # (M=8 ran in the overhead suite)
+                    self.add(2, "strategy", self.big, "speedup", run, schedule=schedule, microbatches=m)
             self.add(1, "single_hand", self.big, "speedup", run, microbatches=m)
 
     def ddp(self, run: int) -> None:
@@ -123,6 +130,10 @@ class Plan:
         case = self.add(2, "timeline", self.small, "timeline_cost", run, schedule="1F1B", microbatches=4)
         case.update(dirpath=str(self.out / "timeline" / f"cost-{run}"), trace_steps=1)
         self.add(2, "strategy", self.small, "timeline_cost", run, schedule="1F1B", microbatches=4)
+
+
+def _ordered(pair: tuple, run: int) -> tuple:
+    return pair if run % 2 == 0 else pair[::-1]
 
 
 def free_port() -> int:

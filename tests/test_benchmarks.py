@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from argparse import Namespace
@@ -28,11 +30,25 @@ def test_overhead_and_speedup_are_taken_run_by_run():
         records.append(_record("small", "strategy", run, [strategy], schedule="1F1B", microbatches=4))
         records.append(_record("speedup", "single_hand", run, [300.0], model="compute", microbatches=8))
         records.append(_record("speedup", "strategy", run, [200.0], model="compute", schedule="GPipe", microbatches=8))
+        hand_compute = [190.0, 200.0, 160.0][run]
+        records.append(
+            _record("overhead", "hand", run, [hand_compute], model="compute", schedule="GPipe", microbatches=8)
+        )
     results = report.collect(records, Namespace(quick=False, runs=3), 10.0)
     row = results["overhead"]["small"][0]
     assert row["a"]["runs"] == [4.0, 8.0, 4.2] and row["b"]["runs"] == [5.0, 9.5, 5.0]
     assert row["diff"]["median"] == pytest.approx(1.0) and row["diff"]["max"] == pytest.approx(1.5)
-    assert results["overhead"]["targets"]["small_overhead_ms"] == pytest.approx(1.0)
+    targets = results["overhead"]["targets"]
+    assert targets["small_overhead_ms"] == pytest.approx(1.0)
+    # the paired differences 1.0, 1.5, 0.8: mean 1.1, 95% interval 1.1 -+ t(2) * sd / sqrt(3)
+    half = 4.303 * statistics.stdev([1.0, 1.5, 0.8]) / math.sqrt(3)
+    ci = targets["small_overhead_ci"]
+    assert (ci["mean"], ci["low"], ci["high"]) == pytest.approx((1.1, 1.1 - half, 1.1 + half))
+    # the compute-bound ratios run by run: 200/190, 200/200, 200/160
+    ratios = [200 / 190, 1.0, 1.25]
+    assert targets["compute_ratio"] == pytest.approx(200 / 190) and targets["compute_ratio_schedule"] == "GPipe"
+    assert targets["compute_ratio_ci"]["mean"] == pytest.approx(statistics.fmean(ratios))
+    assert targets["compute_ratio_ci"]["high"] > 1.25 > 1.0 > targets["compute_ratio_ci"]["low"]
     (speedup,) = results["speedup"]
     assert speedup["speedup"]["median"] == pytest.approx(1.5)
     assert speedup["ideal"] == pytest.approx(16 / 9)
