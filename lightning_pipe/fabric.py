@@ -368,6 +368,9 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         user_step = FunctionStep(fn, context=self._outside_forward_context())
         with self.precision.forward_context(), self._gradients.capture(), pl_compat.inside_fabric_backward():
             outcome = self.engine.train(user_step, batch)
+        from lightning_pipe.parallel import data_parallel as dp_modes
+
+        dp_modes.check_token_weighting(self._settings, 1, outcome.grad_scale, self.data_parallel_group)
         loss = outcome.loss.detach().clone().requires_grad_(True)
         loss.register_hook(self._outside_backward)
         self._pending = _PendingStep(loss, outcome.grad_scale)

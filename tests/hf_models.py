@@ -49,7 +49,9 @@ def padded_batches(samples: int, seed: int, side: str) -> TensorDataset:
 
 
 class LitHF(L.LightningModule):
-    def __init__(self, family: str = "llama", tie: bool = True, side: str = "right", layers: int = 8) -> None:
+    def __init__(
+        self, family: str = "llama", tie: bool = True, side: str = "right", layers: int = 8, weighted: bool = True
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build(family, tie, layers)
@@ -63,7 +65,8 @@ class LitHF(L.LightningModule):
     def training_step(self, batch, batch_idx):
         out, n = self._out(batch)
         self.log("train_loss", out.loss)
-        return {"loss": out.loss, "num_items": n}
+        # token-weighted (the batch's token mean), or each microbatch's token mean weighted by its samples
+        return {"loss": out.loss, "num_items": n} if self.hparams.weighted else {"loss": out.loss}
 
     def validation_step(self, batch, batch_idx):
         out, n = self._out(batch)

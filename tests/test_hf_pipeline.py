@@ -1,6 +1,7 @@
 """Unmodified transformers causal LMs under the pipeline equal one device: Llama with tied and untied embeddings,
 right and left padding, ``labels=-100`` on padding and a token-weighted loss, under 1F1B and ZBVZeroBubble at 2
-processes and Interleaved1F1B at 4; Qwen2 as the second family at 2 processes. Training and validation."""
+processes and Interleaved1F1B at 4; Qwen2 as the second family at 2 processes. Training and validation. At 4
+processes also 2 stages x 2 replicas, sharded (FSDP) against replicated (DDP)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ CONFIGS = {
     ],
     4: [_cfg("Interleaved1F1B", 4, "llama", True, "right"), _cfg("Interleaved1F1B", 4, "llama", False, "left")],
 }
+#: 2 stages x 2 replicas, in the 4-process launch: the replicas' FSDP shards against DDP's whole copies (the
+#: microbatches' token means weighted by samples); then token-weighted under FSDP, which the replicas' different token
+#: counts (right padding) make FSDP refuse (last: the refusal ends the launch)
+_PP2 = {**_cfg("1F1B", 4, "llama", True, "right"), "pipeline_size": 2}
+REPLICATED = [
+    {**_PP2, "name": f"llama-pp2-{mode}", "data_parallel": mode, "weighted": False} for mode in ("ddp", "fsdp")
+]
+FSDP_WEIGHTED = {**_PP2, "name": "llama-pp2-fsdp-weighted", "data_parallel": "fsdp"}
 TOL = 1e-5
 
 
@@ -50,7 +59,7 @@ def two_procs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_procs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf4")
-    run_script("hf.py", str(out), json.dumps(CONFIGS[4]), nprocs=4, launcher="torchrun")
+    run_script("hf.py", str(out), json.dumps([*CONFIGS[4], *REPLICATED, FSDP_WEIGHTED]), nprocs=4, launcher="torchrun")
     return out
 
 
@@ -79,6 +88,35 @@ def test_hf_two_processes(two_procs, cfg):
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_hf_four_processes(four_procs, cfg):
     _check(load_ranks(four_procs, cfg["name"]), cfg)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_hf_stages_sharded_over_replicas_train_as_replicated_ones(four_procs):
+    """A later stage of a transformers model starts at its first block under FSDP too (whose pre-forward hook hands
+    the block new tensor objects), and trains as DDP replicas of the same stages do."""
+    ddp, fsdp = (load_ranks(four_procs, cfg["name"]) for cfg in REPLICATED)
+    assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in fsdp) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    replicas = {r["dp_rank"]: r["losses"] for r in ddp}
+    assert replicas[0] != replicas[1]  # the replicas trained on different samples
+    for d, f in zip(ddp, fsdp):
+        assert (d["dp_rank"], d["pipeline_rank"]) == (f["dp_rank"], f["pipeline_rank"])
+        torch.testing.assert_close(torch.tensor(f["losses"]), torch.tensor(d["losses"]), rtol=TOL, atol=1e-6)
+        assert f["state"].keys() == d["state"].keys() and d["state"]
+        for key, value in d["state"].items():
+            torch.testing.assert_close(f["state"][key], value, rtol=TOL, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        for key, value in d["metrics"].items():
+            assert f["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-6), key
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_fsdp_refuses_token_weighting_when_the_replicas_count_different_tokens(four_procs):
+    ranks = load_ranks(four_procs, FSDP_WEIGHTED["name"])
+    assert len(ranks) == 4
+    for r in ranks:
+        assert "the data-parallel replicas counted different items ([" in r["error"], r["error"]
+        assert "Use `data_parallel='ddp'`" in r["error"]
 
 
 def test_token_weighting_is_not_vacuous():

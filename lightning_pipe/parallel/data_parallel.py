@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
+from lightning_pipe.comm import collectives
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.surgery import find_block
@@ -67,18 +69,35 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def check_token_weighting(settings: PipelineSettings, accumulate: int, grad_scale: Any) -> None:
-    """Refuse a token-weighted step (``num_items``) that FSDP would average wrongly over an accumulation window.
+def check_token_weighting(settings: PipelineSettings, accumulate: int, grad_scale: Any, group: Any = None) -> None:
+    """Refuse a token-weighted step (``num_items``) that FSDP would average wrongly.
 
-    FSDP accumulates the window's unsharded gradients and reduce-scatters their sum once; each batch's
-    ``1 / num_items`` can then no longer be applied to its own part.
+    FSDP reduce-scatters the replicas' unsharded gradients (each its replica's sum over its items) inside the
+    schedule step, before the step's ``1 / num_items`` is known, and the scale then applies to the averaged shards. That
+    is each replica's item mean, averaged over the replicas as under ``ddp``, only where every replica counted the same
+    items in the step (checked over the data-parallel ``group``: one all-gather of a number per such step); otherwise
+    each shard would be scaled by its own replica's count. Over an accumulation window FSDP sums the window's unsharded
+    gradients before any batch's count is known at all.
     """
-    if grad_scale is not None and accumulate > 1 and settings.sharded:
+    if grad_scale is None or not settings.sharded:
+        return
+    if accumulate > 1:
         raise PipelineConfigError(
             f"`data_parallel='fsdp'` with `accumulate_grad_batches={accumulate}` cannot weight a step's gradients by"
             " the `num_items` its `training_step` returned: FSDP sums the window's unsharded gradients before any"
             " batch's item count is known. Use `data_parallel='ddp'`, or `accumulate_grad_batches=1` with a larger"
             " batch (more microbatches), or return the loss without `num_items`."
+        )
+    if group is None:
+        return
+    counts = [round(float(c)) for c in collectives.all_gather(torch.tensor([1.0 / grad_scale]), group)]
+    if len(set(counts)) > 1:
+        raise PipelineConfigError(
+            f"`data_parallel='fsdp'` cannot weight this step's gradients by the `num_items` its `training_step`"
+            f" returned: the data-parallel replicas counted different items ({counts}), and FSDP averages the"
+            " replicas' gradients before a replica's `1 / num_items` can apply, so each parameter shard would be"
+            " scaled by its own replica's count. Use `data_parallel='ddp'` (each replica's item mean, averaged over"
+            " the replicas as Lightning's DDP does), or return the loss without `num_items`."
         )
 
 

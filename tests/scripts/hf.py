@@ -1,6 +1,8 @@
 """Train an unmodified Hugging Face causal LM (tests/hf_models.py) under pipeline configurations.
 Usage: hf.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "tie", "side"}, optionally
-"layers" and "max_steps"); one launch runs them all, so the family matrix pays the process start-up once."""
+"layers", "max_steps", "weighted", "pipeline_size" and "data_parallel"); one launch runs them all, so the family
+matrix pays the process start-up once. Parameters sharded over data-parallel replicas (``data_parallel="fsdp"``)
+are saved whole."""
 
 import json
 import sys
@@ -15,16 +17,27 @@ from tests.hf_models import run_hf
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     for cfg in configs:
-        strategy = lightning_pipe.PipelineParallelStrategy(schedule=cfg["schedule"])
-        result = run_hf(
-            strategy,
-            devices=cfg["devices"],
-            max_steps=cfg.get("max_steps", 4),
-            family=cfg["family"],
-            tie=cfg["tie"],
-            side=cfg["side"],
-            layers=cfg.get("layers", 8),
+        strategy = lightning_pipe.PipelineParallelStrategy(
+            schedule=cfg["schedule"],
+            pipeline_size=cfg.get("pipeline_size", "auto"),
+            data_parallel=cfg.get("data_parallel", "ddp"),
         )
+        try:
+            result = run_hf(
+                strategy,
+                devices=cfg["devices"],
+                max_steps=cfg.get("max_steps", 4),
+                family=cfg["family"],
+                tie=cfg["tie"],
+                side=cfg["side"],
+                layers=cfg.get("layers", 8),
+                weighted=cfg.get("weighted", True),
+            )
+        except lightning_pipe.PipelineConfigError as err:  # an expected refusal ends the launch: its last config
+            torch.save({"error": str(err)}, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
+            break
+        # whole tensors: a collective for sharded ones, called by the replicas of a stage in the same key order
+        result["state"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in result["state"].items()}
         torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
 
 

@@ -177,7 +177,11 @@ class _Entry:
         # At block 0 (the previous stage held only what precedes the blocks) the forward hands it the stand-in
         # embedding's value: it takes the received hidden states instead, as the previous stage's exit saw them.
         check = self._check if self.first else self._replace
-        _hook(stack, self.blocks[self.first].register_forward_pre_hook(check, with_kwargs=True))
+        # Ahead of the block's other pre-hooks: FSDP's (a stage sharded over data-parallel replicas) hands the block
+        # new tensor objects for the inputs whose gradients it waits for, so the identity check must see the
+        # forward's own argument, and FSDP must see the hidden states put in its place.
+        block = self.blocks[self.first]
+        _hook(stack, block.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
         for absent in self.view.modules():
             if isinstance(absent, AbsentInput):
                 absent.like = self.hidden
@@ -198,7 +202,7 @@ def _run(view: nn.Module, call: dict[str, Any], exit_block: nn.Module | None, en
         if entry is not None:
             entry.install(stack)
         if exit_block is not None:
-            _hook(stack, exit_block.register_forward_pre_hook(_leave, with_kwargs=True))
+            _hook(stack, exit_block.register_forward_pre_hook(_leave, with_kwargs=True, prepend=True))
         try:
             out = view(**call)
         except _StageExit as leave:
