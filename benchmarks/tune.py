@@ -5,7 +5,7 @@
     python benchmarks/tune.py --layouts  # the same with the layout searched: pipeline x data parallelism, or neither
 
 On each workload of benchmarks/tune_models.py (2 processes, 1 thread each, each pinned to a core of its own unless
-``--no-pin``, a fresh pair of processes per run and workload; ``--quick``: one pair for all its cases), run by run
+``--no-pin``, a fresh pair of processes per run and workload; ``--quick``: one pair per run), run by run
 (``--runs``), interleaved so that a slower moment of the machine hits every case alike:
 
 - **sweep**: every candidate of the search space (the tuner's default space: all seven schedules, the microbatch
