@@ -5,8 +5,8 @@
     python benchmarks/tune.py --layouts  # the same with the layout searched: pipeline x data parallelism, or neither
 
 On each workload of benchmarks/tune_models.py (2 processes, 1 thread each, each pinned to a core of its own unless
-``--no-pin``, a fresh pair of processes per run and workload), run by run (``--runs``), interleaved so that a slower
-moment of the machine hits every case alike:
+``--no-pin``, a fresh pair of processes per run and workload; ``--quick``: one pair per run), run by run
+(``--runs``), interleaved so that a slower moment of the machine hits every case alike:
 
 - **sweep**: every candidate of the search space (the tuner's default space: all seven schedules, the microbatch
   counts from 2 to 16 that divide the batch, 2 stages per rank for the multi-stage schedules, with and without
@@ -473,10 +473,11 @@ def main() -> None:
         cases_file.write_text(json.dumps(cases))
         records_file.unlink(missing_ok=True)
         (args.out / "worker.log").unlink(missing_ok=True)
-        # A fresh pair of processes per run and workload, so that no workload inherits another's memory.
+        # A fresh pair of processes per run and workload, so that no workload inherits another's memory; the smoke
+        # (`--quick`: figures that mean nothing, a launch that costs more than its cases) runs all of a run in one pair.
         chunks: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for case in cases:
-            chunks.setdefault((case["run"], case["workload"]), []).append(case)
+            chunks.setdefault((case["run"], "all" if args.quick else case["workload"]), []).append(case)
         deadline = time.monotonic() + args.timeout
         for (run, workload), chunk in chunks.items():
             chunk_file = args.out / f"cases-{run}-{workload}.json"
