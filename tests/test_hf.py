@@ -365,11 +365,16 @@ def test_stand_ins_hand_the_first_block_the_received_states():
 def test_refuses_a_forward_that_changes_the_hidden_states_between_blocks():
     stages, kwargs, hidden = _two_stage_run(_llama())
 
-    def scale(module, args, kw):
-        changed = args[0] * 2.0 if isinstance(args[0], torch.Tensor) else args[0]
-        return (changed, *args[1:]), kw
+    def scale(module, args, output):
+        return (output[0] * 2.0, *output[1:]) if isinstance(output, tuple) else output * 2.0
 
-    stages[1].model.layers[2].register_forward_pre_hook(scale, with_kwargs=True)
+    # The forward changes block 1's output before block 2 takes it. (A hook of block 2's own counts as part of the
+    # block: the stage's check runs ahead of it, as ahead of FSDP's.) A forward hook on block 1 registered while the
+    # forward runs comes after the stage's own hook there, which hands on the received hidden states.
+    def scale_once(module, args):
+        handle = module.register_forward_hook(lambda m, a, out: (handle.remove(), scale(m, a, out))[1])
+
+    stages[1].model.layers[1].register_forward_pre_hook(scale_once)
     with pytest.raises(
         PipelineModelError,
         match=r"forward of LlamaForCausalLM does not hand its block 2 the previous block's output",
