@@ -123,7 +123,6 @@ class Stats:
             self.runs("small", "strategy", small, "1F1B", 4, "one process", field="cpu_ms"),
         )
         one_f_one_b = [r for r in out["small"] if r["schedule"] == "1F1B"]
-        compute_ratios = [r["ratio"]["median"] for r in out["compute"]]
         worst = max(out["compute"], key=lambda r: r["ratio"]["median"], default=None)
         cpu = one_f_one_b[0]["cpu"] if one_f_one_b else None
         out["targets"] = {
@@ -134,7 +133,7 @@ class Stats:
             # The same fixed cost in CPU time (both processes): what other jobs on a shared machine disturb least.
             "small_overhead_cpu_ms": cpu["diff"]["median"] if cpu else None,
             "small_overhead_target_ms": 1.5,
-            "compute_ratio": max(compute_ratios) if compute_ratios else None,
+            "compute_ratio": worst["ratio"]["median"] if worst else None,
             "compute_ratio_target": 1.02,
         }
         return out
@@ -450,8 +449,10 @@ def _ci(s: dict[str, float] | None, digits: int) -> str:
 
 
 def _with_ci(s: dict[str, float] | None, digits: int) -> str:
-    text = _ci(s, digits)
-    return "" if text == "-" else f" (mean over the runs {text.replace(' [', ', 95% confidence interval [')})"
+    if not s or s["n"] < 2:
+        return ""
+    low, high = f"{s['low']:.{digits}f}", f"{s['high']:.{digits}f}"
+    return f" (mean over the runs {s['mean']:.{digits}f}, 95% confidence interval [{low}, {high}])"
 
 
 def _num(value: float | None, digits: int) -> str:

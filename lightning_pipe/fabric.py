@@ -29,6 +29,7 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm import mesh as meshes
 from lightning_pipe.compat import lightning as pl_compat
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
+from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import StageGradients, TieGroups, stage_gradients
 from lightning_pipe.parallel.wrappers import Wrapped, unwrap_stages, wrap_stages
 from lightning_pipe.settings import (
@@ -368,9 +369,8 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         user_step = FunctionStep(fn, context=self._outside_forward_context())
         with self.precision.forward_context(), self._gradients.capture(), pl_compat.inside_fabric_backward():
             outcome = self.engine.train(user_step, batch)
-        from lightning_pipe.parallel import data_parallel as dp_modes
-
-        dp_modes.check_token_weighting(self._settings, 1, outcome.grad_scale, self.data_parallel_group)
+        window = None if self.engine.synchronized else "`fabric.no_backward_sync`"
+        dp_modes.check_token_weighting(self._settings, outcome.grad_scale, self.data_parallel_group, window)
         loss = outcome.loss.detach().clone().requires_grad_(True)
         loss.register_hook(self._outside_backward)
         self._pending = _PendingStep(loss, outcome.grad_scale)
@@ -385,8 +385,6 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
         with torch.no_grad(), self.precision.forward_context():
             outcome = self.engine.evaluate(user_step, batch)
         if self._wrapped.sharded:
-            from lightning_pipe.parallel import data_parallel as dp_modes
-
             dp_modes.reshard(self.engine.runtime.stages.values())
         return outcome.output
 

@@ -436,7 +436,8 @@ class PipelineParallelStrategy(
         with self.precision_plugin.train_step_context(), self._gradients.capture():
             with manual.recorded() if manual else nullcontext():
                 outcome = engine.train(step, args[0], accumulate)
-        dp_modes.check_token_weighting(self._settings, accumulate, outcome.grad_scale, self.data_parallel_group)
+        window = f"`accumulate_grad_batches={accumulate}`" if accumulate > 1 else None
+        dp_modes.check_token_weighting(self._settings, outcome.grad_scale, self.data_parallel_group, window)
         self._gradients.stash.scale = outcome.grad_scale
         shown = outcome.output_shared or engine.runtime.has_last
         if manual:

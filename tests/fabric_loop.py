@@ -41,10 +41,12 @@ def train(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float
     data = dataset(steps * accumulate * batch // BATCH)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch // replicas))
 
-    def forward_and_loss(batch: Any) -> torch.Tensor:
+    def forward_and_loss(batch: Any) -> Any:
         x, y = batch
         logits = model(x)  # (B, T, vocab)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        # `weighted`: token-weighted, as a step function under the pipeline may return it
+        return {"loss": loss, "num_items": torch.tensor(y.numel())} if cfg.get("weighted") and pipelined else loss
 
     # litgpt's scripts keep the loop's position in the state they save (`fabric.save(path, state)`).
     state = {"model": model, "optimizer": optimizer, "iter_num": 0}

@@ -101,12 +101,14 @@ def test_settings_are_checked_in_the_constructor():
 
 
 def test_fsdp_refuses_token_weighted_accumulation():
-    with pytest.raises(PipelineConfigError, match=r"`data_parallel='fsdp'` with `accumulate_grad_batches=2`"):
-        check_token_weighting(settings("fsdp", 2), 2, 0.01)
-    check_token_weighting(settings("ddp", 2), 2, 0.01)  # ddp scales each batch's gradients before the window's sum
-    check_token_weighting(settings("fsdp", 2), 1, 0.01)  # one batch per step: its scale applies to the reduced gradient
-    check_token_weighting(settings("fsdp", 1), 2, 0.01)  # one replica: nothing is sharded
-    check_token_weighting(settings("fsdp", 2), 2, None)
+    acc2, fabric = "`accumulate_grad_batches=2`", "`fabric.no_backward_sync`"
+    for window in (acc2, fabric):
+        with pytest.raises(PipelineConfigError, match=rf"`data_parallel='fsdp'` with {window} cannot weight .* Use"):
+            check_token_weighting(settings("fsdp", 2), 0.01, window=window)
+    check_token_weighting(settings("ddp", 2), 0.01, window=acc2)  # ddp scales each batch before the window's sum
+    check_token_weighting(settings("fsdp", 2), 0.01)  # one batch per step: one scale (equal counts: multi-process test)
+    check_token_weighting(settings("fsdp", 1), 0.01, window=acc2)  # one replica: nothing is sharded
+    check_token_weighting(settings("fsdp", 2), None, window=acc2)
 
 
 class _Stage(nn.Module):

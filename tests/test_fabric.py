@@ -152,11 +152,25 @@ DATA_PARALLEL += [
 ]
 
 
+#: token-weighted steps accumulated inside `fabric.no_backward_sync` under FSDP: refused (last: it ends the launch)
+FSDP_WEIGHTED_WINDOW = {**DATA_PARALLEL[1], "name": "dp2-pp2-fsdp-weighted", "weighted": True}
+
+
 @pytest.fixture(scope="module")
 def four_procs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric4")
-    run_script("fabric_parity.py", str(out), json.dumps(DATA_PARALLEL), nprocs=4, launcher="lightning")
+    configs = [*DATA_PARALLEL, FSDP_WEIGHTED_WINDOW]
+    run_script("fabric_parity.py", str(out), json.dumps(configs), nprocs=4, launcher="lightning")
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_fsdp_refuses_token_weighted_steps_inside_no_backward_sync(four_procs):
+    assert FSDP_WEIGHTED_WINDOW["data_parallel"] == "fsdp" and FSDP_WEIGHTED_WINDOW["accumulate"] == 2
+    for r in range(4):
+        error = torch.load(four_procs / f"{FSDP_WEIGHTED_WINDOW['name']}.rank{r}.pt")["error"]
+        assert "`data_parallel='fsdp'` with `fabric.no_backward_sync` cannot weight" in error, error
 
 
 @pytest.mark.slow

@@ -69,35 +69,39 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def check_token_weighting(settings: PipelineSettings, accumulate: int, grad_scale: Any, group: Any = None) -> None:
-    """Refuse a token-weighted step (``num_items``) that FSDP would average wrongly.
+def check_token_weighting(
+    settings: PipelineSettings, grad_scale: float | None, group: Any = None, window: str | None = None
+) -> None:
+    """Refuse a token-weighted step (``num_items``, whose gradients are scaled by ``grad_scale``) that FSDP would
+    average wrongly.
 
     FSDP reduce-scatters the replicas' unsharded gradients (each its replica's sum over its items) inside the
     schedule step, before the step's ``1 / num_items`` is known, and the scale then applies to the averaged shards. That
     is each replica's item mean, averaged over the replicas as under ``ddp``, only where every replica counted the same
     items in the step (checked over the data-parallel ``group``: one all-gather of a number per such step); otherwise
-    each shard would be scaled by its own replica's count. Over an accumulation window FSDP sums the window's unsharded
+    each shard would be scaled by its own replica's count. Inside an accumulation ``window`` (what accumulates the
+    step with the batches before it, e.g. ``"`accumulate_grad_batches=2`"``) FSDP sums the window's unsharded
     gradients before any batch's count is known at all.
     """
     if grad_scale is None or not settings.sharded:
         return
-    if accumulate > 1:
+    if window is not None:
         raise PipelineConfigError(
-            f"`data_parallel='fsdp'` with `accumulate_grad_batches={accumulate}` cannot weight a step's gradients by"
-            " the `num_items` its `training_step` returned: FSDP sums the window's unsharded gradients before any"
-            " batch's item count is known. Use `data_parallel='ddp'`, or `accumulate_grad_batches=1` with a larger"
-            " batch (more microbatches), or return the loss without `num_items`."
+            f"`data_parallel='fsdp'` with {window} cannot weight a step's gradients by the `num_items` the step"
+            " returned: FSDP sums the window's unsharded gradients before any batch's item count is known. Use"
+            " `data_parallel='ddp'`, or one batch per optimizer step with a larger batch (more microbatches), or"
+            " return the loss without `num_items`."
         )
     if group is None:
         return
     counts = [round(float(c)) for c in collectives.all_gather(torch.tensor([1.0 / grad_scale]), group)]
     if len(set(counts)) > 1:
         raise PipelineConfigError(
-            f"`data_parallel='fsdp'` cannot weight this step's gradients by the `num_items` its `training_step`"
-            f" returned: the data-parallel replicas counted different items ({counts}), and FSDP averages the"
-            " replicas' gradients before a replica's `1 / num_items` can apply, so each parameter shard would be"
-            " scaled by its own replica's count. Use `data_parallel='ddp'` (each replica's item mean, averaged over"
-            " the replicas as Lightning's DDP does), or return the loss without `num_items`."
+            f"`data_parallel='fsdp'` cannot weight this step's gradients by the `num_items` the step returned: the"
+            f" data-parallel replicas counted different items ({counts}), and FSDP averages the replicas' gradients"
+            " before a replica's `1 / num_items` can apply, so each parameter shard would be scaled by its own"
+            " replica's count. Use `data_parallel='ddp'` (each replica's item mean, averaged over the replicas as"
+            " Lightning's DDP does), or return the loss without `num_items`."
         )
 
 

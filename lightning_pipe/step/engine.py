@@ -60,6 +60,11 @@ class StepEngine:
         with loss_parallel_context(self.loss_parallel):
             return self.protocol.run(user_step, batch, self.evaluation)
 
+    @property
+    def synchronized(self) -> bool:
+        """Whether this step's gradients are synchronised at its end (outside :meth:`unsynchronized`)."""
+        return all(stage.sync_gradients for stage in self.runtime.stages.values())
+
     @contextmanager
     def unsynchronized(self) -> Iterator[None]:
         """Inside: the stages' FSDP reduction waits (the batches of an accumulation window before its last)."""

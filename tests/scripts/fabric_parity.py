@@ -2,7 +2,7 @@
 its losses, clip norms and weights per configuration.
 
 Usage: fabric_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "meta",
-"precision", ...});
+"precision", "weighted", ...}; a refused configuration, last, saves its error);
 ``save_at`` saves ``<name>-ckpt`` after that step, ``resume`` continues from ``<resume>-ckpt`` in a fresh model.
 """
 
@@ -34,8 +34,12 @@ def main() -> None:
         if "resume" in cfg:
             cfg["resume_from"] = str(out / f"{cfg['resume']}-ckpt")
         loop = train_litgpt if cfg.get("model") == "litgpt" else train
-        losses, weights, norms = loop(fabric, cfg, pipelined=True)
         rank = fabric.global_rank
+        try:
+            losses, weights, norms = loop(fabric, cfg, pipelined=True)
+        except lightning_pipe.PipelineConfigError as err:  # an expected refusal ends the launch: its last config
+            torch.save({"error": str(err)}, out / f"{cfg['name']}.rank{rank}.pt")
+            break
         torch.save(
             {
                 "losses": losses,
