@@ -2,12 +2,18 @@
 
     python benchmarks/phases.py                  # 8 rounds, ~4 minutes on 2 CPU cores; rewrites its docs section
     python benchmarks/phases.py --quick          # every code path once (CI smoke), docs untouched
+    python benchmarks/phases.py --model compute  # the compute-bound ratio: 100 rounds, ~10 minutes; its docs block
 
 The small network (4 x Linear(256) + ReLU, batch 64), 1F1B, 4 microbatches, 2 processes x 1 thread, each process
 pinned to its own core (:func:`benchmarks.common.pin_to_core`). Every round runs four trainings in one launch, their
 order reversed every other round: the hand loop and the strategy as they are (the headline: CPU and wall time per
 step, and the strategy-minus-hand difference with its 95% confidence interval over the rounds), then both again with
 every phase timed.
+
+With ``--model compute`` (8 x Linear(1024), batch 512, 8 microbatches) the rounds train only the untimed pair and the
+result is the compute-bound ratio, the strategy's wall time per step over the hand loop's, paired round by round: the
+two trainings of a round run seconds apart in the same processes, so the machine's slower and faster minutes, which
+make runs of separate launches differ by up to 2 to 1 on a shared 2-core machine, hit both alike.
 
 Timing a phase: its entry points (torch's, Lightning's and the strategy's functions, listed in :data:`PHASES`) are
 wrapped at the benchmark level, never in the library. Each wrapper reads the calling thread's CPU clock
@@ -40,12 +46,19 @@ if str(ROOT) not in sys.path:
 
 BEGIN = "<!-- benchmarks/phases.py: begin (generated, do not edit by hand) -->"
 END = "<!-- benchmarks/phases.py: end -->"
+RATIO_BEGIN = "<!-- benchmarks/phases.py --model compute: begin (generated, do not edit by hand) -->"
+RATIO_END = "<!-- benchmarks/phases.py --model compute: end -->"
 SCHEDULE, MICROBATCHES = "1F1B", 4
 ROUNDS, STEPS, WARMUP = 8, 150, 15
+#: --model compute: microbatches (as benchmarks/run.py's compute-bound cases), rounds, steps and warm-up steps
+COMPUTE_MICROBATCHES, COMPUTE_ROUNDS, COMPUTE_STEPS, COMPUTE_WARMUP = 8, 100, 8, 2
 LOOP = "loop and hooks"
 COMM = "communication (activations, gradients)"
 GRADS = "gradients (hand-over, sync, scale, clip)"
 THREADS = "communication threads"
+#: the network's own compute: the same torch code under both loops (the stage modules' forward and backward)
+COMPUTE_PHASES = ("stage forward", "stage backward")
+OUTSIDE = "everything but stage forward and backward"
 
 #: (module, qualified name of a function or method, phase). Order of the table.
 PHASES: list[tuple[str, str, str]] = [
@@ -205,14 +218,16 @@ def load_average() -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
-def cases(rounds: list[int], steps: int, warmup: int, model: str, timed: bool = True) -> list[dict[str, Any]]:
+def cases(
+    rounds: list[int], steps: int, warmup: int, model: str, timed: bool = True, microbatches: int = MICROBATCHES
+) -> list[dict[str, Any]]:
     """The four trainings of each round (two: the untimed ones, without ``timed``), in the order they run."""
     out = []
     for r in rounds:
         order = [("hand", False), ("strategy", False), ("hand", True), ("strategy", True)][: 4 if timed else 2]
         for of, phased in order if r % 2 == 0 else order[::-1]:
             case = {"kind": "phases", "of": of, "phased": phased, "model": model, "suite": "phases", "run": r}
-            case.update(steps=steps, warmup=warmup, schedule=SCHEDULE, microbatches=MICROBATCHES, pin=True)
+            case.update(steps=steps, warmup=warmup, schedule=SCHEDULE, microbatches=microbatches, pin=True)
             out.append(case)
     return out
 
@@ -234,7 +249,8 @@ def mean_ci(values: list[float]) -> dict[str, float]:
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per round and training: median CPU and wall time per step, median of each phase; across rounds: the means
-    with their confidence intervals, and the strategy-minus-hand differences paired round by round."""
+    with their confidence intervals, and the strategy-minus-hand differences and strategy/hand ratios paired round
+    by round."""
     per: dict[tuple[int, str, bool], dict[str, Any]] = {}
     machine, load = None, []
     for rec in records:
@@ -259,6 +275,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         paired = [r for r in rounds if (r, "hand", False) in per and (r, "strategy", False) in per]
         diffs = [per[(r, "strategy", False)][field] - per[(r, "hand", False)][field] for r in paired]
         out[f"diff_{field}"] = mean_ci(diffs) if diffs else None
+        ratios = [per[(r, "strategy", False)][field] / per[(r, "hand", False)][field] for r in paired]
+        out[f"ratio_{field}"] = mean_ci(ratios) if ratios else None
     table = []
     for name in phase_names():
         entry: dict[str, Any] = {"phase": name}
@@ -271,10 +289,34 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         entry["diff"] = mean_ci(diffs) if diffs else None
         table.append(entry)
     out["table"] = table
+    # What the strategy adds outside the network's compute, round by round: its own share of the step, free of the
+    # compute phases' noise (they run the same torch code in both loops, and dominate a compute-bound step).
+    timed_pairs = [r for r in rounds if "phases" in per.get((r, "hand", True), {})]
+    timed_pairs = [r for r in timed_pairs if "phases" in per.get((r, "strategy", True), {})]
+    outside = {of: [_outside(per[(r, of, True)]["phases"]) for r in timed_pairs] for of in ("hand", "strategy")}
+    extra = [s - h for h, s in zip(outside["hand"], outside["strategy"])]
+    out["outside"] = {of: mean_ci(v) if v else None for of, v in outside.items()}
+    out["outside"]["diff"] = mean_ci(extra) if extra else None
+    shares = [e / per[(r, "hand", True)]["phase_sum"] for e, r in zip(extra, timed_pairs)]
+    out["outside"]["share"] = mean_ci(shares) if shares else None
     for of in ("hand", "strategy"):
         timed = [r for r in rounds if (r, of, True) in per and (r, of, False) in per]
         out[f"{of}_timed_cpu"] = mean_ci([per[(r, of, True)]["cpu"] for r in timed]) if timed else None
     return out
+
+
+def _outside(phases: dict[str, float]) -> float:
+    return sum(v for k, v in phases.items() if k not in COMPUTE_PHASES)
+
+
+def _machine_line(summary: dict[str, Any]) -> str:
+    m = summary.get("machine") or {}
+    load = summary.get("load") or []
+    load_text = f"{min(load):.2f}-{max(load):.2f}" if load else "n/a"
+    return (
+        f"{m.get('cpu', '?')}, {m.get('cpu_cores', '?')} cores, torch {m.get('torch', '?')}, Lightning"
+        f" {m.get('lightning', '?')}; load average (1 min) during the rounds {load_text}"
+    )
 
 
 def _ci(s: dict[str, float] | None, digits: int = 2) -> str:
@@ -286,17 +328,13 @@ def _ci(s: dict[str, float] | None, digits: int = 2) -> str:
 
 
 def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
-    m = summary.get("machine") or {}
-    load = summary.get("load") or []
-    load_text = f"{min(load):.2f}-{max(load):.2f}" if load else "n/a"
     lines = [
         BEGIN,
         "",
         f"Small network (4 x Linear(256) + ReLU, batch 64), {SCHEDULE}, {MICROBATCHES} microbatches, 2 processes x 1"
         f" thread pinned to one core each; {summary['rounds']} rounds of {steps} steps after {warmup}"
-        f" warm-up steps, the trainings of a round interleaved (order reversed every other round); {m.get('cpu', '?')},"
-        f" {m.get('cpu_cores', '?')} cores, torch {m.get('torch', '?')}, Lightning {m.get('lightning', '?')}; load"
-        f" average (1 min) during the rounds {load_text}. Each figure: the mean over the rounds of each round's median"
+        f" warm-up steps, the trainings of a round interleaved (order reversed every other round);"
+        f" {_machine_line(summary)}. Each figure: the mean over the rounds of each round's median"
         " step, [95% confidence interval over the rounds]; ms per step, summed over both processes (CPU) or on rank"
         " 0 (wall).",
         "",
@@ -306,6 +344,15 @@ def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
         f"| wall time, ms | {_ci(summary['hand_wall'])} | {_ci(summary['strategy_wall'])}"
         f" | {_ci(summary['diff_wall'])} |",
         "",
+        *_phase_table(summary),
+        "",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def _phase_table(summary: dict[str, Any]) -> list[str]:
+    lines = [
         "Phase by phase (the same trainings again with every phase timed; CPU ms per step, both processes):",
         "",
         "| phase | hand-written loop | strategy | strategy - hand |",
@@ -313,39 +360,101 @@ def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
     ]
     for row in summary["table"]:
         lines.append(f"| {row['phase']} | {_ci(row['hand'])} | {_ci(row['strategy'])} | {_ci(row['diff'])} |")
+    outside = summary["outside"]
+    lines.append(f"| {OUTSIDE} | {_ci(outside['hand'])} | {_ci(outside['strategy'])} | {_ci(outside['diff'])} |")
     hand, strategy = _ci(summary["hand_timed_cpu"]), _ci(summary["strategy_timed_cpu"])
     lines.append(f"| all phases timed (timers included) | {hand} | {strategy} | |")
-    lines += ["", END]
+    return lines
+
+
+def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatches: int) -> str:
+    """The ``--model compute`` block: the compute-bound ratio with its confidence interval."""
+    ratio = summary["ratio_wall"]
+    lines = [
+        RATIO_BEGIN,
+        "",
+        f"Compute-bound network (8 x Linear(1024) + ReLU, batch 512), {SCHEDULE}, {microbatches} microbatches, 2"
+        f" processes x 1 thread pinned to one core each; {summary['rounds']} rounds, each the hand loop and the"
+        f" strategy for {steps} steps after {warmup} warm-up steps in the same launch (order reversed every other"
+        f" round); {_machine_line(summary)}. Each figure: the mean over the rounds of each round's median step on"
+        " rank 0, [95% confidence interval over the rounds]; the ratio is paired round by round.",
+        "",
+        "| per step | hand-written loop | strategy | strategy / hand |",
+        "|---|---|---|---|",
+        f"| wall time, ms | {_ci(summary['hand_wall'], 1)} | {_ci(summary['strategy_wall'], 1)} | {_ci(ratio, 3)} |",
+        f"| CPU time, ms (both processes) | {_ci(summary['hand_cpu'], 1)} | {_ci(summary['strategy_cpu'], 1)}"
+        f" | {_ci(summary['ratio_cpu'], 3)} |",
+        "",
+        f"Target (compute-bound ratio at most 1.02): {_verdict(ratio)}",
+        "",
+    ]
+    share = summary["outside"]["share"]
+    if share is not None:
+        lines += [*_phase_table(summary), ""]
+        lines.append(
+            f"Outside the stages' forward and backward the strategy adds {_ci(summary['outside']['diff'])} ms of CPU"
+            f" per step, {_ci({k: 100 * v if k != 'n' else v for k, v in share.items()}, 2)}% of the hand loop's"
+            " timed step."
+        )
+        lines.append("")
+    lines.append(RATIO_END)
     return "\n".join(lines)
+
+
+def _verdict(ratio: dict[str, float] | None) -> str:
+    """What the interval says of the target 1.02."""
+    if ratio is None or math.isnan(ratio["low"]):
+        return "not established (fewer than 2 rounds)."
+    if ratio["high"] <= 1.02:
+        return f"met: the whole interval is at or below 1.02 (upper end {ratio['high']:.3f})."
+    if ratio["low"] > 1.02:
+        return f"not met: the whole interval is above 1.02 (lower end {ratio['low']:.3f})."
+    return f"not established: the interval [{ratio['low']:.3f}, {ratio['high']:.3f}] contains 1.02."
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one round of 2 steps, tiny network (CI smoke)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 8; 1 with --quick)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per training (default 150)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per training (default 15)")
+    parser.add_argument(
+        "--model",
+        choices=("small", "compute"),
+        default="small",
+        help="small: the fixed cost phase by phase; compute: the compute-bound ratio (untimed pairs only)",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 8, compute 100; 1 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per training (default 150, compute 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per training (default 15, compute 2)")
     parser.add_argument("--untimed", action="store_true", help="only the untimed trainings (to compare versions)")
+    parser.add_argument("--phased", action="store_true", help="--model compute: the phase-timed trainings too")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "phases")
     parser.add_argument("--docs", type=Path, default=None, help="page to update ('-': none)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else ROUNDS)
-    args.steps = args.steps or (2 if args.quick else STEPS)
-    args.warmup = args.warmup or (1 if args.quick else WARMUP)
+    compute = args.model == "compute"
+    args.rounds = args.rounds or (1 if args.quick else COMPUTE_ROUNDS if compute else ROUNDS)
+    args.steps = args.steps or (2 if args.quick else COMPUTE_STEPS if compute else STEPS)
+    args.warmup = args.warmup or (1 if args.quick else COMPUTE_WARMUP if compute else WARMUP)
     if args.docs is None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
+    if compute and args.out == ROOT / "benchmarks" / "results" / "phases":
+        args.out = ROOT / "benchmarks" / "results" / "compute_ratio"
     args.out.mkdir(parents=True, exist_ok=True)
     from benchmarks import report
     from benchmarks.run import launch
 
-    plan = cases(list(range(args.rounds)), args.steps, args.warmup, "tiny" if args.quick else "small", not args.untimed)
+    model = "tiny" if args.quick else args.model
+    micro = COMPUTE_MICROBATCHES if compute else MICROBATCHES
+    timed = args.phased if compute else not args.untimed
+    plan = cases(list(range(args.rounds)), args.steps, args.warmup, model, timed, micro)
     records = launch(2, plan, args.out, args.timeout)
     summary = summarize(records)
     (args.out / "phases.json").write_text(json.dumps({"summary": summary, "records": records}, indent=1))
-    text = markdown(summary, args.steps, args.warmup)
+    if compute:
+        text, markers = ratio_markdown(summary, args.steps, args.warmup, micro), (RATIO_BEGIN, RATIO_END)
+    else:
+        text, markers = markdown(summary, args.steps, args.warmup), (BEGIN, END)
     if str(args.docs) != "-":
-        report.write_section(args.docs, text, BEGIN, END)
+        report.write_section(args.docs, text, *markers)
     print(text)
     return summary
 

@@ -368,7 +368,7 @@ def test_phase_timer_charges_nested_calls_to_the_inner_phase():
 
 
 def test_phase_summary_pairs_the_rounds():
-    from benchmarks.phases import LOOP, phase_names, summarize
+    from benchmarks.phases import LOOP, phase_names, ratio_markdown, summarize
 
     records = [{"machine": {"cpu": "x"}, "world_size": 2}]
     for run, (hand, strategy) in enumerate([(4.0, 5.0), (6.0, 8.0), (5.0, 6.0)]):
@@ -385,3 +385,21 @@ def test_phase_summary_pairs_the_rounds():
     assert out["diff_cpu"]["mean"] == pytest.approx(8 / 3)
     (loop,) = [row for row in out["table"] if row["phase"] == LOOP]
     assert loop["diff"]["mean"] == pytest.approx(4 / 3) and loop["hand"]["mean"] == pytest.approx(5.0)
+    # ratios 5/4, 8/6, 6/5 paired round by round (not a ratio of the means)
+    assert out["ratio_wall"]["mean"] == pytest.approx((5 / 4 + 8 / 6 + 6 / 5) / 3)
+    # outside the stages' forward and backward: here all of the loop phase
+    assert out["outside"]["diff"]["mean"] == pytest.approx(4 / 3)
+    assert out["outside"]["share"]["mean"] == pytest.approx((1 / 4 + 2 / 6 + 1 / 5) / 3)
+    # the --model compute block reads the same summary: ratios 1.2-1.33 (sd 0.067), interval [1.094, 1.428], above 1.02
+    text = ratio_markdown(out, 2, 1, 8)
+    assert "| 1.261 [1.094, 1.428] |" in text and "not met: the whole interval is above 1.02 (lower end 1.094)" in text
+    assert "the strategy adds 1.33 [-0.10, 2.77] ms of CPU per step" in text
+
+
+def test_compute_ratio_verdict_reads_the_interval():
+    from benchmarks.phases import _verdict
+
+    assert _verdict({"mean": 1.01, "low": 1.0, "high": 1.019, "n": 9}).startswith("met")
+    assert _verdict({"mean": 1.05, "low": 1.021, "high": 1.08, "n": 9}).startswith("not met")
+    assert _verdict({"mean": 1.01, "low": 0.99, "high": 1.04, "n": 9}).startswith("not established: the interval")
+    assert _verdict({"mean": 1.01, "low": float("nan"), "high": float("nan"), "n": 1}).startswith("not established")
