@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -369,7 +370,9 @@ def test_single_device_loads_pipeline_checkpoint(trained):
 @pytest.mark.slow
 def test_rank_killed_mid_save_leaves_previous_checkpoint_resumable(tmp_path):
     proc = run_script("ckpt_kill.py", str(tmp_path), "crash", nprocs=2, launcher="torchrun", expect_failure=True)
-    assert "exitcode: -9" in proc.stderr  # rank 1 died of SIGKILL
+    # rank 1 died of SIGKILL: torchrun's report names it as the root cause or among the other failures, by whichever
+    # it saw first (rank 0 ends at once on the lost connection, and its error file can carry the earlier time stamp)
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -9 ", proc.stderr), proc.stderr[-3000:]
     ckpts = tmp_path / "kill"
     leftovers = sorted(p.name for p in ckpts.iterdir() if fmt.is_transient(p))
     # The interrupted save, and the epoch's other save, which waited for its resume point (taken when training goes
