@@ -81,7 +81,9 @@ def matrix(tmp_path_factory):
 def test_family_trains_and_validates_as_on_one_device(matrix, cfg):
     ranks = load_ranks(matrix, cfg["name"])
     ref = reference(cfg["family"])
-    assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-6)
+    # atol 2e-6: under torch 2.11 and transformers 4.54 on an Intel machine, one of gemma2's 1952 embedding weights
+    # (a value of 0.008) ends 1.4e-6 from the one-device run (the microbatches' gradients summed in another order)
+    assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=2e-6)
     for rank in ranks:
         assert rank["metrics"].keys() == ref["metrics"].keys()
         for key, value in ref["metrics"].items():
