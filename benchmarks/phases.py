@@ -277,22 +277,22 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"diff_{field}"] = mean_ci(diffs) if diffs else None
         ratios = [per[(r, "strategy", False)][field] / per[(r, "hand", False)][field] for r in paired]
         out[f"ratio_{field}"] = mean_ci(ratios) if ratios else None
+    # the rounds in which both phase-timed trainings ran: the table's differences and the outside row pair them
+    timed_pairs = [r for r in rounds if all("phases" in per.get((r, of, True), {}) for of in ("hand", "strategy"))]
     table = []
     for name in phase_names():
         entry: dict[str, Any] = {"phase": name}
         for of in ("hand", "strategy"):
             values = [per[(r, of, True)]["phases"][name] for r in rounds if "phases" in per.get((r, of, True), {})]
             entry[of] = mean_ci(values) if values else None
-        paired = [r for r in rounds if "phases" in per.get((r, "hand", True), {})]
-        paired = [r for r in paired if "phases" in per.get((r, "strategy", True), {})]
-        diffs = [per[(r, "strategy", True)]["phases"][name] - per[(r, "hand", True)]["phases"][name] for r in paired]
+        diffs = [
+            per[(r, "strategy", True)]["phases"][name] - per[(r, "hand", True)]["phases"][name] for r in timed_pairs
+        ]
         entry["diff"] = mean_ci(diffs) if diffs else None
         table.append(entry)
     out["table"] = table
     # What the strategy adds outside the network's compute, round by round: its own share of the step, free of the
     # compute phases' noise (they run the same torch code in both loops, and dominate a compute-bound step).
-    timed_pairs = [r for r in rounds if "phases" in per.get((r, "hand", True), {})]
-    timed_pairs = [r for r in timed_pairs if "phases" in per.get((r, "strategy", True), {})]
     outside = {of: [_outside(per[(r, of, True)]["phases"]) for r in timed_pairs] for of in ("hand", "strategy")}
     extra = [s - h for h, s in zip(outside["hand"], outside["strategy"])]
     out["outside"] = {of: mean_ci(v) if v else None for of, v in outside.items()}
