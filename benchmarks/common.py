@@ -67,6 +67,20 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def check_devices(nprocs: int) -> None:
+    """Before a launch of ``nprocs`` processes: where torch sees GPUs, every process takes one of its own
+    (:func:`device_for`; NCCL refuses two ranks on one GPU), so a machine with fewer GPUs than processes is refused
+    here, with the fix, instead of each extra rank failing on a device ordinal it does not have."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < nprocs:
+        raise SystemExit(
+            f"benchmarks: a {nprocs}-process launch puts each process on a GPU of its own (cuda:0 to"
+            f" cuda:{nprocs - 1}), and torch sees {gpus} GPU{'s' if gpus > 1 else ''} here. Measure on the CPUs"
+            " (gloo) with CUDA_VISIBLE_DEVICES= set empty, or run on a machine with at least"
+            f" {nprocs} GPUs."
+        )
+
+
 class Clock:
     """Stamps taken at the start of every step and once after the last: wall-clock time and this process's CPU time
     (user + system, all its threads), in ns. On a GPU a stamp waits for the queued work first.

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,31 @@ BEGIN = "<!-- benchmarks/phases.py: begin (generated, do not edit by hand) -->"
 END = "<!-- benchmarks/phases.py: end -->"
 RATIO_BEGIN = "<!-- benchmarks/phases.py --model compute: begin (generated, do not edit by hand) -->"
 RATIO_END = "<!-- benchmarks/phases.py --model compute: end -->"
+
+
+def alternate_markers(model: str) -> tuple[str, str]:
+    """The generated block of ``--alternate`` runs of ``model`` (one per network)."""
+    flag = f"--model {model} --alternate"
+    return (
+        f"<!-- benchmarks/phases.py {flag}: begin (generated, do not edit by hand) -->",
+        f"<!-- benchmarks/phases.py {flag}: end -->",
+    )
+
+
+NETWORKS = {
+    "small": "Small network (4 x Linear(256) + ReLU, batch 64)",
+    "compute": "Compute-bound network (8 x Linear(1024) + ReLU, batch 512)",
+    "tiny": "Tiny network (the smoke run's)",
+}
+#: --alternate: rounds, measured steps and warm-up steps of each network's strategy training
+ALTERNATE = {"small": (20, 300, 20), "compute": (20, 40, 3), "tiny": (1, 2, 1)}
+FIXED_COST_TARGET_MS, RATIO_TARGET = 1.5, 1.02
+#: --alternate: glibc's allocator keeps what it frees (no trimming, no memory map per tensor) in the workers. The two
+#: loops share one heap there, and with glibc's defaults each one's allocations decided when the other's were handed
+#: back to the OS and faulted in again: measured on the compute-bound network, the strategy's steps faulted ~3,500
+#: pages a step back in against the hand loop's 200-400, and a change to the strategy's gradient lifetimes moved the
+#: ratio from 1.037 to 1.001 with the defaults but from 1.015 to 1.020 (within noise) with these settings.
+ALTERNATE_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 SCHEDULE, MICROBATCHES = "1F1B", 4
 ROUNDS, STEPS, WARMUP = 8, 150, 15
 #: --model compute: microbatches (as benchmarks/run.py's compute-bound cases), rounds, steps and warm-up steps
@@ -154,11 +179,13 @@ class PhaseTimer:
 
 
 @contextmanager
-def timed_phases(timer: PhaseTimer) -> Iterator[None]:
-    """Every entry point of :data:`PHASES` wrapped, and the benchmark clock's stamps made step boundaries."""
+def timed_phases(timer: PhaseTimer, clock_ticks: bool = True) -> Iterator[None]:
+    """Every entry point of :data:`PHASES` wrapped, and the benchmark clock's stamps made step boundaries (unless
+    ``clock_ticks`` is false: the caller calls ``timer.tick()`` itself)."""
     undo: list[tuple[Any, str, Any]] = []
     targets = [(m, q, p) for m, q, p in PHASES]
-    targets.append(("benchmarks.common", "Clock.tick", None))
+    if clock_ticks:
+        targets.append(("benchmarks.common", "Clock.tick", None))
     try:
         for module_name, qualname, phase in targets:
             owner: Any = importlib.import_module(module_name)
@@ -195,6 +222,9 @@ def run_case(case: dict[str, Any], rank: int, world: int, device: Any) -> tuple[
     spec = MODELS[case["model"]]
     steps = case["steps"] + case["warmup"]
 
+    if case["of"] == "interleaved":
+        return interleaved(spec, case, steps, rank, world, device)
+
     def train() -> Any:
         if case["of"] == "hand":
             return hand.pipeline_loop(spec, case["schedule"], case["microbatches"], steps, rank, world, device)
@@ -213,18 +243,87 @@ def run_case(case: dict[str, Any], rank: int, world: int, device: Any) -> tuple[
     return clock, {"phases": summed, "load": load_average()}
 
 
+def interleaved(spec: Any, case: dict[str, Any], steps: int, rank: int, world: int, device: Any) -> tuple[Any, dict]:
+    """One strategy training in which a callback runs one step of the hand loop (its own network, stages, schedule,
+    optimizer and DataLoader) as each of the strategy's steps starts: the two loops alternate step by step in the
+    same processes, so a step of each is timed within the same second. The hand step is timed from its start to its
+    end (its batch's fetch included); the strategy's from the end of one hand step to the start of the next, that is
+    the rest of Lightning's iteration (its fetch, hooks, the strategy's step). On rank 0: the per-step times of both,
+    wall clock of rank 0 and CPU time summed over the ranks, warm-up steps dropped."""
+    import lightning.pytorch as L
+    import torch.distributed as dist
+
+    from benchmarks import hand, lit
+    from benchmarks.common import Clock, dataset, loader
+    from benchmarks.worker import pipeline_strategy
+
+    pipeline = hand.HandPipeline(spec, case["schedule"], case["microbatches"], rank, world, device)
+    batches = iter(loader(dataset(spec, steps), spec.batch))
+    starts, ends = Clock(device), Clock(device)
+    timer = PhaseTimer() if case["phased"] else None
+
+    def stamp(clock: Clock) -> None:
+        clock.tick()
+        if timer is not None:  # every stamp closes a step: a hand step, then a strategy step, and so on
+            timer.tick()
+
+    class HandAlongside(L.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            stamp(starts)
+            pipeline.step(*next(batches))
+            stamp(ends)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            stamp(starts)
+
+    with timed_phases(timer, clock_ticks=False) if timer is not None else nullcontext():
+        clock = lit.fit(spec, pipeline_strategy(case), world, spec.batch, steps, extra=[HandAlongside()])
+    warmup = case["warmup"]
+
+    def periods(field: str) -> dict[str, list[float]]:
+        a, b = getattr(starts, field), getattr(ends, field)
+        hand_ms = [(e - s) / 1e6 for s, e in zip(a, b)][warmup:]
+        strategy_ms = [(s - e) / 1e6 for e, s in zip(b, a[1:])][warmup:]
+        return {"hand": hand_ms, "strategy": strategy_ms}
+
+    mine: dict[str, Any] = {"cpu": periods("cpu")}
+    if timer is not None:
+        mine["phases"] = {"hand": timer.steps[0::2][warmup:], "strategy": timer.steps[1::2][warmup:]}
+    every = [mine] * world
+    if world > 1:
+        dist.all_gather_object(every, mine)
+    cpu = {of: [sum(v) for v in zip(*(r["cpu"][of] for r in every))] for of in ("hand", "strategy")}
+    extra: dict[str, Any] = {"steps_ms": periods("wall"), "steps_cpu_ms": cpu, "load": load_average()}
+    if timer is not None:
+        extra["phases"] = {
+            of: [{k: sum(r["phases"][of][i].get(k, 0) for r in every) / 1e6 for k in phase_names()} for i in range(n)]
+            for of in ("hand", "strategy")
+            for n in [min(len(r["phases"][of]) for r in every)]
+        }
+    return clock, extra
+
+
 def load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
 def cases(
-    rounds: list[int], steps: int, warmup: int, model: str, timed: bool = True, microbatches: int = MICROBATCHES
+    rounds: list[int],
+    steps: int,
+    warmup: int,
+    model: str,
+    timed: bool = True,
+    microbatches: int = MICROBATCHES,
+    alternate: bool = False,
 ) -> list[dict[str, Any]]:
-    """The four trainings of each round (two: the untimed ones, without ``timed``), in the order they run."""
+    """The four trainings of each round (two: the untimed ones, without ``timed``), in the order they run; with
+    ``alternate``, one training in which the loops alternate step by step (and one more with every phase timed)."""
     out = []
     for r in rounds:
         order = [("hand", False), ("strategy", False), ("hand", True), ("strategy", True)][: 4 if timed else 2]
+        if alternate:
+            order = [("interleaved", False), ("interleaved", True)][: 2 if timed else 1]
         for of, phased in order if r % 2 == 0 else order[::-1]:
             case = {"kind": "phases", "of": of, "phased": phased, "model": model, "suite": "phases", "run": r}
             case.update(steps=steps, warmup=warmup, schedule=SCHEDULE, microbatches=microbatches, pin=True)
@@ -251,24 +350,26 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per round and training: median CPU and wall time per step, median of each phase; across rounds: the means
     with their confidence intervals, and the strategy-minus-hand differences and strategy/hand ratios paired round
     by round."""
+    machine = next((rec["machine"] for rec in records if "machine" in rec), None)
+    timings = [rec for rec in records if rec.get("case", {}).get("suite") == "phases" and "error" not in rec]
+    alternating = [rec for rec in timings if rec["case"]["of"] == "interleaved"]
     per: dict[tuple[int, str, bool], dict[str, Any]] = {}
-    machine, load = None, []
-    for rec in records:
-        if "machine" in rec:
-            machine = rec["machine"]
-            continue
+    for rec in timings:
         c = rec["case"]
-        if c.get("suite") != "phases" or "error" in rec:
+        if c["of"] == "interleaved":
             continue
         row = {"cpu": statistics.median(rec["cpu_ms"]), "wall": statistics.median(rec["ms"]), "load": rec.get("load")}
         if rec.get("phases"):
             row["phases"] = {k: statistics.median(s[k] for s in rec["phases"]) for k in phase_names()}
             row["phase_sum"] = statistics.median(sum(s.values()) for s in rec["phases"])
         per[(c["run"], c["of"], c["phased"])] = row
-        if rec.get("load") is not None:
-            load.append(rec["load"])
+    load = [rec["load"] for rec in timings if rec.get("load") is not None]
     rounds = sorted({r for r, _, _ in per})
     out: dict[str, Any] = {"machine": machine, "rounds": len(rounds), "load": load}
+    if alternating:
+        out["alternating"] = _alternating(alternating)
+        if not per:
+            return out
     for field in ("cpu", "wall"):
         for of in ("hand", "strategy"):
             out[f"{of}_{field}"] = mean_ci([per[(r, of, False)][field] for r in rounds if (r, of, False) in per])
@@ -303,6 +404,64 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         timed = [r for r in rounds if (r, of, True) in per and (r, of, False) in per]
         out[f"{of}_timed_cpu"] = mean_ci([per[(r, of, True)]["cpu"] for r in timed]) if timed else None
     return out
+
+
+def _alternating(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The interleaved trainings: per round, the median of each loop's steps and the median of the step-by-step
+    differences and ratios (each strategy step against the hand step just before it); across rounds, their means
+    with confidence intervals. ``spread``: the standard deviation of a step pair's ratio within a round (the mean
+    over the rounds), what pairing step by step leaves of the machine's noise. The phase-timed trainings give the
+    phase table (each phase's median per round and loop; the difference paired round by round)."""
+    untimed = [rec for rec in records if not rec["case"]["phased"]]
+    out: dict[str, Any] = {"rounds": len(untimed)}
+    spreads = []
+    for field, key in (("wall", "steps_ms"), ("cpu", "steps_cpu_ms")):
+        rows: dict[str, list[float]] = {"hand": [], "strategy": [], "diff": [], "ratio": []}
+        for rec in untimed:
+            hand, strategy = rec[key]["hand"], rec[key]["strategy"]
+            ratios = [s / h for h, s in zip(hand, strategy)]
+            rows["hand"].append(statistics.median(hand))
+            rows["strategy"].append(statistics.median(strategy))
+            rows["diff"].append(statistics.median(s - h for h, s in zip(hand, strategy)))
+            rows["ratio"].append(statistics.median(ratios))
+            if field == "wall" and len(ratios) > 1:
+                spreads.append(statistics.stdev(ratios))
+        out.update({f"{k}_{field}": mean_ci(v) if v else None for k, v in rows.items()})
+    out["spread"] = statistics.fmean(spreads) if spreads else math.nan
+    out["steps"] = statistics.median(len(rec["steps_ms"]["hand"]) for rec in untimed) if untimed else 0
+    timed = [rec for rec in records if rec["case"]["phased"] and rec["phases"]["hand"]]
+    if timed:
+        out.update(_alternating_phases(timed))
+    return out
+
+
+def _alternating_phases(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The phase table of the phase-timed interleaved trainings, in the shape of :func:`summarize`'s."""
+    per = {of: [rec["phases"][of] for rec in records] for of in ("hand", "strategy")}
+
+    def medians(of: str, value: Callable[[dict[str, float]], float]) -> list[float]:
+        return [statistics.median(value(step) for step in steps) for steps in per[of]]
+
+    table = []
+    for name in phase_names():
+        hand, strategy = medians("hand", lambda st, k=name: st[k]), medians("strategy", lambda st, k=name: st[k])
+        diff = mean_ci([s - h for h, s in zip(hand, strategy)])
+        table.append({"phase": name, "hand": mean_ci(hand), "strategy": mean_ci(strategy), "diff": diff})
+    hand_out, strategy_out = medians("hand", _outside), medians("strategy", _outside)
+    hand_sum, strategy_sum = (
+        medians("hand", lambda st: sum(st.values())),
+        medians("strategy", lambda st: sum(st.values())),
+    )
+    extra = [s - h for h, s in zip(hand_out, strategy_out)]
+    outside = {"hand": mean_ci(hand_out), "strategy": mean_ci(strategy_out), "diff": mean_ci(extra)}
+    outside["share"] = mean_ci([e / h for e, h in zip(extra, hand_sum)])
+    return {
+        "table": table,
+        "outside": outside,
+        "hand_timed_cpu": mean_ci(hand_sum),
+        "strategy_timed_cpu": mean_ci(strategy_sum),
+        "phased_rounds": len(records),
+    }
 
 
 def _outside(phases: dict[str, float]) -> float:
@@ -401,15 +560,63 @@ def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatche
     return "\n".join(lines)
 
 
-def _verdict(ratio: dict[str, float] | None) -> str:
-    """What the interval says of the target 1.02."""
-    if ratio is None or math.isnan(ratio["low"]):
+def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microbatches: int) -> str:
+    """The ``--alternate`` block: the two loops alternating step by step, their difference and ratio."""
+    alt = summary["alternating"]
+    begin, end = alternate_markers(model)
+
+    def row(name: str, field: str, digits: int) -> str:
+        cells = [_ci(alt[f"{k}_{field}"], digits) for k in ("hand", "strategy", "diff")]
+        return f"| {name} | {' | '.join(cells)} | {_ci(alt[f'ratio_{field}'], 3)} |"
+
+    if model == "small":
+        verdict = _verdict(alt["diff_wall"], FIXED_COST_TARGET_MS, " ms")
+        target = f"Target (fixed cost at most {FIXED_COST_TARGET_MS} ms): {verdict}"
+    else:
+        target = f"Target (compute-bound ratio at most {RATIO_TARGET}): {_verdict(alt['ratio_wall'])}"
+    lines = [
+        begin,
+        "",
+        f"{NETWORKS[model]}, {SCHEDULE}, {microbatches} microbatches, 2 processes x 1 thread pinned to one core each;"
+        f" {alt['rounds']} rounds, each one strategy training of {alt['steps']:.0f} measured steps after {warmup}"
+        " warm-up steps in which a callback runs one step of the hand-written loop (its own network, stages,"
+        " schedule, optimizer and DataLoader) as each of the strategy's steps starts, so that the two loops"
+        f" alternate step by step; {_machine_line(summary)}. Each strategy step is paired with the hand step just"
+        " before it. Each figure: the mean over the rounds of each round's median, [95% confidence interval over"
+        " the rounds]; wall time on rank 0, CPU time summed over both processes. Within a round a step pair's"
+        f" ratio varies by {100 * alt['spread']:.1f}% (standard deviation).",
+        "",
+        "| per step | hand-written loop | strategy | strategy - hand | strategy / hand |",
+        "|---|---|---|---|---|",
+        row("wall time, ms", "wall", 2),
+        row("CPU time, ms (both processes)", "cpu", 2),
+        "",
+        target,
+        "",
+    ]
+    if "table" in alt:
+        lines += [*_phase_table(alt), ""]
+        lines.append(
+            f"Phase by phase: {alt['phased_rounds']} more rounds, every phase timed. Outside the stages' forward and"
+            f" backward the strategy adds {_ci(alt['outside']['diff'])} ms of CPU per step,"
+            f" {_ci({k: 100 * v if k != 'n' else v for k, v in alt['outside']['share'].items()}, 2)}% of the hand"
+            " loop's timed step."
+        )
+        lines.append("")
+    lines.append(end)
+    return "\n".join(lines)
+
+
+def _verdict(value: dict[str, float] | None, target: float = RATIO_TARGET, unit: str = "") -> str:
+    """What the interval of ``value`` (a ratio, or a difference in ``unit``) says of its target."""
+    if value is None or math.isnan(value["low"]):
         return "not established (fewer than 2 rounds)."
-    if ratio["high"] <= 1.02:
-        return f"met: the whole interval is at or below 1.02 (upper end {ratio['high']:.3f})."
-    if ratio["low"] > 1.02:
-        return f"not met: the whole interval is above 1.02 (lower end {ratio['low']:.3f})."
-    return f"not established: the interval [{ratio['low']:.3f}, {ratio['high']:.3f}] contains 1.02."
+    t = f"{target:g}{unit}"
+    if value["high"] <= target:
+        return f"met: the whole interval is at or below {t} (upper end {value['high']:.3f}{unit})."
+    if value["low"] > target:
+        return f"not met: the whole interval is above {t} (lower end {value['low']:.3f}{unit})."
+    return f"not established: the interval [{value['low']:.3f}, {value['high']:.3f}]{unit} contains {t}."
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -426,30 +633,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per training (default 15, compute 2)")
     parser.add_argument("--untimed", action="store_true", help="only the untimed trainings (to compare versions)")
     parser.add_argument("--phased", action="store_true", help="--model compute: the phase-timed trainings too")
+    parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="the two loops alternating step by step in one training a round (default 20 rounds; small: 300 steps"
+        " after 20, compute: 40 after 3)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "phases")
     parser.add_argument("--docs", type=Path, default=None, help="page to update ('-': none)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
     args = parser.parse_args(argv)
     compute = args.model == "compute"
+    model = "tiny" if args.quick else args.model
+    if args.alternate:
+        rounds, steps, warmup = ALTERNATE[model]
+        args.rounds, args.steps, args.warmup = args.rounds or rounds, args.steps or steps, args.warmup or warmup
     args.rounds = args.rounds or (1 if args.quick else COMPUTE_ROUNDS if compute else ROUNDS)
     args.steps = args.steps or (2 if args.quick else COMPUTE_STEPS if compute else STEPS)
     args.warmup = args.warmup or (1 if args.quick else COMPUTE_WARMUP if compute else WARMUP)
     if args.docs is None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
-    if compute and args.out == ROOT / "benchmarks" / "results" / "phases":
-        args.out = ROOT / "benchmarks" / "results" / "compute_ratio"
+    if args.out == ROOT / "benchmarks" / "results" / "phases":
+        if args.alternate:
+            args.out = ROOT / "benchmarks" / "results" / f"alternate_{args.model}"
+        elif compute:
+            args.out = ROOT / "benchmarks" / "results" / "compute_ratio"
     args.out.mkdir(parents=True, exist_ok=True)
     from benchmarks import report
     from benchmarks.run import launch
 
-    model = "tiny" if args.quick else args.model
     micro = COMPUTE_MICROBATCHES if compute else MICROBATCHES
     timed = args.phased if compute else not args.untimed
-    plan = cases(list(range(args.rounds)), args.steps, args.warmup, model, timed, micro)
-    records = launch(2, plan, args.out, args.timeout)
+    plan = cases(list(range(args.rounds)), args.steps, args.warmup, model, timed, micro, alternate=args.alternate)
+    records = launch(2, plan, args.out, args.timeout, ALTERNATE_ENV if args.alternate else None)
     summary = summarize(records)
-    (args.out / "phases.json").write_text(json.dumps({"summary": summary, "records": records}, indent=1))
-    if compute:
+    # (the phase-timed steps of --alternate, one dict per step, stay in results-2.jsonl: megabytes)
+    kept = [{k: v for k, v in r.items() if k != "phases"} for r in records] if args.alternate else records
+    (args.out / "phases.json").write_text(json.dumps({"summary": summary, "records": kept}, indent=1))
+    if args.alternate:
+        text, markers = alternate_markdown(summary, model, args.warmup, micro), alternate_markers(model)
+    elif compute:
         text, markers = ratio_markdown(summary, args.steps, args.warmup, micro), (RATIO_BEGIN, RATIO_END)
     else:
         text, markers = markdown(summary, args.steps, args.warmup), (BEGIN, END)

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import phases, report  # noqa: E402
+from benchmarks.common import check_devices  # noqa: E402
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 SUITES = ["overhead", "speedup", "ddp", "eval", "timeline", "phases"]
@@ -117,6 +118,8 @@ class Plan:
 
         steps, warmup = (1, 1) if self.args.quick else (phases.STEPS, phases.WARMUP)
         self.launches[2] += phases.cases([run], steps, warmup, self.small)
+        if self.args.quick:  # the two loops alternating step by step (`phases.py --alternate`): its code path once
+            self.launches[2] += phases.cases([run], 2, 1, self.small, alternate=True)
 
     def timeline(self, run: int) -> None:
         if run == 0:
@@ -142,13 +145,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nprocs: int, cases: list[dict[str, Any]], out: Path, timeout: float) -> list[dict[str, Any]]:
-    """Run ``cases`` in one ``torch.distributed.run`` launch of ``nprocs`` processes; their records."""
+def launch(
+    nprocs: int, cases: list[dict[str, Any]], out: Path, timeout: float, env_extra: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``cases`` in one ``torch.distributed.run`` launch of ``nprocs`` processes (``env_extra``: more variables for
+    them); their records."""
+    check_devices(nprocs)
     cases_file, results_file = out / f"cases-{nprocs}.json", out / f"results-{nprocs}.jsonl"
     log_file = out / f"worker-{nprocs}.log"
     cases_file.write_text(json.dumps(cases))
     results_file.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.update(env_extra or {})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--master-port={free_port()}"]

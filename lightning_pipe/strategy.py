@@ -433,7 +433,8 @@ class PipelineParallelStrategy(
         self._manual = manual = ManualOptimization.of(module, self._manual, self._gradients.synchronize)
         step = manual.user_step(args[1:]) if manual else HookStep(module, "training_step", tuple(args[1:]))
         accumulate = module.trainer.accumulate_grad_batches
-        with self.precision_plugin.train_step_context(), self._gradients.capture():
+        released = [] if manual else pl_compat.gradients_zeroed_after_step(module.trainer)
+        with self.precision_plugin.train_step_context(), self._gradients.capture(released):
             with manual.recorded() if manual else nullcontext():
                 outcome = engine.train(step, args[0], accumulate)
         window = f"`accumulate_grad_batches={accumulate}`" if accumulate > 1 else None

@@ -97,6 +97,8 @@ def test_quick_run_writes_every_output(tmp_path):
     # the phases suite ran inside the same launch: one round, every phase of both loops
     phases = results["phases"]
     assert phases["rounds"] == 1 and phases["diff_cpu"]["n"] == 1
+    # and the two loops alternating step by step: 2 pairs after the warm-up step
+    assert phases["alternating"]["rounds"] == 1 and phases["alternating"]["ratio_wall"]["mean"] > 0
     assert all(row["hand"] is not None and row["strategy"] is not None for row in phases["table"])
     assert "1 rounds of 1 steps after 1 warm-up steps" in page.read_text()  # its section rewritten
     assert results["speedup"] and results["ddp"] and results["eval"] and results["timeline"]["bubbles"]
@@ -206,6 +208,22 @@ def test_pin_to_core_pins_every_thread_of_the_process():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "pinned" in proc.stdout, proc.stderr
+
+
+def test_a_launch_with_more_processes_than_gpus_is_refused_before_it_starts(tmp_path, monkeypatch):
+    # Found on a lent one-GPU machine: each extra rank failed with "CUDA error: invalid device ordinal".
+    import torch
+
+    from benchmarks import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match=r"2-process launch .* cuda:1\), and torch sees 1 GPU here.*CUDA_VISIBLE"):
+        run.launch(2, [{"kind": "hand"}], tmp_path, timeout=10)
+    assert not list(tmp_path.iterdir())  # refused before anything was written or spawned
+    run.check_devices(1)  # one process on the one GPU: accepted
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run.check_devices(8)  # no GPU: the processes share the CPUs (gloo)
 
 
 def test_tune_report_of_a_stopped_worker_keeps_only_its_complete_runs(tmp_path):
@@ -403,3 +421,61 @@ def test_compute_ratio_verdict_reads_the_interval():
     assert _verdict({"mean": 1.05, "low": 1.021, "high": 1.08, "n": 9}).startswith("not met")
     assert _verdict({"mean": 1.01, "low": 0.99, "high": 1.04, "n": 9}).startswith("not established: the interval")
     assert _verdict({"mean": 1.01, "low": float("nan"), "high": float("nan"), "n": 1}).startswith("not established")
+    # the fixed cost's verdict reads a difference in ms against 1.5
+    ms = {"mean": 1.8, "low": 1.6, "high": 2.0, "n": 9}
+    assert _verdict(ms, 1.5, " ms") == "not met: the whole interval is above 1.5 ms (lower end 1.600 ms)."
+
+
+def test_alternating_rounds_pair_each_strategy_step_with_the_hand_step_before_it():
+    from benchmarks.phases import LOOP, alternate_markdown, cases, phase_names, summarize
+
+    plan = cases([0, 1], 4, 1, "small", timed=False, alternate=True)
+    assert [c["of"] for c in plan] == ["interleaved", "interleaved"] and plan[1]["run"] == 1
+    timed = cases([0, 1], 4, 1, "small", alternate=True)  # and the phase-timed training, order reversed in round 1
+    assert [(c["of"], c["phased"], c["run"]) for c in timed][1:3] == [
+        ("interleaved", True, 0),
+        ("interleaved", True, 1),
+    ]
+    records = [{"machine": {"cpu": "x"}, "world_size": 2}]
+    # round 0: pairs (10, 11), (20, 21), (10, 12): strategy - hand 1, 1, 2 (median 1); ratios 1.1, 1.05, 1.2
+    # (median 1.1), though the two loops' medians (10 and 12) would give 1.2; round 1: (10, 13) thrice
+    walls = [([10.0, 20.0, 10.0], [11.0, 21.0, 12.0]), ([10.0] * 3, [13.0] * 3)]
+    for run, (hand, strategy) in enumerate(walls):
+        case = {"suite": "phases", "kind": "phases", "of": "interleaved", "run": run, "phased": False}
+        cpu = {"hand": [2 * h for h in hand], "strategy": [2 * s for s in strategy]}
+        record = {"case": case, "ms": [1.0], "cpu_ms": [1.0], "load": 0.5}
+        records.append(record | {"steps_ms": {"hand": hand, "strategy": strategy}, "steps_cpu_ms": cpu})
+    # the phase-timed trainings: the loop phase 1 ms (hand) and 1.5 / 2.5 ms (strategy) in rounds 0 and 1, the stage
+    # forward 4 ms in both loops (not counted outside the stages' compute)
+    for run, strategy_loop in enumerate([1.5, 2.5]):
+        case = {"suite": "phases", "kind": "phases", "of": "interleaved", "run": run, "phased": True}
+        steps = {
+            of: [{k: 0.0 for k in phase_names()} | {LOOP: ms, "stage forward": 4.0}] * 3
+            for of, ms in (("hand", 1.0), ("strategy", strategy_loop))
+        }
+        records.append({"case": case, "ms": [1.0], "cpu_ms": [1.0], "phases": steps})
+    out = summarize(records)
+    alt = out["alternating"]
+    (loop,) = [row for row in alt["table"] if row["phase"] == LOOP]
+    assert loop["diff"]["mean"] == pytest.approx(1.0) and loop["strategy"]["mean"] == pytest.approx(2.0)
+    assert alt["outside"]["diff"]["mean"] == pytest.approx(1.0) and alt["phased_rounds"] == 2
+    assert alt["outside"]["share"]["mean"] == pytest.approx(1.0 / 5.0)  # 0.5 and 1.5 over the hand step's 5 ms
+    assert alt["rounds"] == 2 and out["load"] == [0.5, 0.5] and alt["steps"] == 3 and "table" not in out
+    assert alt["diff_wall"]["mean"] == pytest.approx(2.0)  # medians 1 and 3
+    assert alt["diff_cpu"]["mean"] == pytest.approx(4.0)
+    assert alt["ratio_wall"]["mean"] == pytest.approx((1.1 + 1.3) / 2)
+    # t(1) = 12.706, sd of (1, 3) = 1.414: the interval 2 +- 12.706
+    assert alt["diff_wall"]["high"] == pytest.approx(2.0 + 12.706 * 2**0.5 / 2**0.5, rel=1e-4)
+    assert alt["hand_wall"]["mean"] == pytest.approx(10.0) and alt["strategy_wall"]["mean"] == pytest.approx(12.5)
+    # within-round spread: round 0's ratios (1.1, 1.05, 1.2) have sd 0.0764, round 1's none
+    assert alt["spread"] == pytest.approx((0.076376 + 0.0) / 2, rel=1e-4)
+    text = alternate_markdown(out, "small", 1, 4)
+    assert "| wall time, ms | 10.00 [10.00, 10.00] | 12.50 [6.15, 18.85] | 2.00 [-10.71, 14.71] | 1.200" in text
+    assert (
+        "Target (fixed cost at most 1.5 ms): not established: the interval [-10.706, 14.706] ms contains 1.5 ms."
+        in text
+    )
+    assert "varies by 3.8% (standard deviation)" in text and "2 rounds, each one strategy training of 3" in text
+    assert text.startswith("<!-- benchmarks/phases.py --model small --alternate: begin")
+    assert "| loop and hooks | 1.00 [1.00, 1.00] | 2.00 [-4.35, 8.35] | 1.00 [-5.35, 7.35] |" in text
+    assert "2 more rounds, every phase timed" in text

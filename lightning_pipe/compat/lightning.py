@@ -157,3 +157,29 @@ def requested_weights_only(given: bool | None, depth: int = 12) -> bool | None:
             return frame.f_locals["weights_only"]
         frame = frame.f_back
     return None
+
+
+def gradients_zeroed_after_step(trainer: Any) -> list[Any]:
+    """The parameters whose gradients Lightning's automatic optimization sets to ``None`` right after the running
+    ``training_step``, with nothing reading them in between; empty when that cannot be told.
+
+    That is the case when an accumulation window starts (``_AutomaticOptimization._make_zero_grad_fn``: batch index
+    divisible by ``accumulate_grad_batches``, backward not skipped), and neither the LightningModule nor a callback
+    overrides ``on_before_zero_grad`` (which would read them), nor the module ``optimizer_zero_grad`` (whose default
+    calls the one optimizer's ``zero_grad()``, ``set_to_none=True``). Private names read: ``fit_loop._skip_backward``
+    (set by ``StochasticWeightAveraging``) and the epoch loop's ``batch_idx``, which is the index that loop passes to
+    ``_make_zero_grad_fn``.
+    """
+    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    module, optimizers = trainer.lightning_module, trainer.optimizers
+    if not module.automatic_optimization or len(optimizers) != 1 or trainer.fit_loop._skip_backward:
+        return []
+    if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0:
+        return []
+    if any(is_overridden(hook, module, LightningModule) for hook in ("on_before_zero_grad", "optimizer_zero_grad")):
+        return []
+    if any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks):
+        return []
+    return [p for group in optimizers[0].param_groups for p in group["params"]]

@@ -35,8 +35,15 @@ class GradientStash:
         self.scale: float | None = None
 
     @contextmanager
-    def capture(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
-        previous = [p.grad for p in params]
+    def capture(self, params: Sequence[nn.Parameter], released: Sequence[nn.Parameter] = ()) -> Iterator[None]:
+        """``released``: parameters whose gradients the caller knows are set to ``None`` after the step before anyone
+        reads them (Lightning's ``zero_grad`` as an accumulation window starts). Theirs go now, not after the step:
+        the step's gradients then reuse their memory instead of the process holding two sets of gradients, which
+        made the allocator return memory to the OS and fault it back in at every step (measured on the compute-bound
+        benchmark network: about 3,500 page faults a step per process, against 200-400 for the hand-written loop,
+        whose ``zero_grad`` comes first)."""
+        gone = {id(p) for p in released}
+        previous = [None if id(p) in gone else p.grad for p in params]
         for p in params:
             p.grad = None
         try:
@@ -345,9 +352,10 @@ class StageGradients:
         accumulating untouched until the window's last batch)."""
         return self._sharded if self._sharded is not None else _trainable(self.module)
 
-    def capture(self) -> Any:
-        """Around a schedule step: its gradients are held, not added to ``.grad`` yet."""
-        return self.stash.capture(self.parameters())
+    def capture(self, released: Sequence[nn.Parameter] = ()) -> Any:
+        """Around a schedule step: its gradients are held, not added to ``.grad`` yet (``released``: see
+        :meth:`GradientStash.capture`)."""
+        return self.stash.capture(self.parameters(), released)
 
     def synchronize(self, optimizer: Any) -> None:
         """The gradients of ``optimizer``'s parameters averaged over data-parallel replicas, summed over tied
