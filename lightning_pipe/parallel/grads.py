@@ -37,11 +37,11 @@ class GradientStash:
     @contextmanager
     def capture(self, params: Sequence[nn.Parameter], released: Sequence[nn.Parameter] = ()) -> Iterator[None]:
         """``released``: parameters whose gradients the caller knows are set to ``None`` after the step before anyone
-        reads them (Lightning's ``zero_grad`` as an accumulation window starts). Theirs go now, not after the step:
-        the step's gradients then reuse their memory instead of the process holding two sets of gradients, which
-        made the allocator return memory to the OS and fault it back in at every step (measured on the compute-bound
-        benchmark network: about 3,500 page faults a step per process, against 200-400 for the hand-written loop,
-        whose ``zero_grad`` comes first)."""
+        reads them (Lightning's ``zero_grad`` as an accumulation window starts). Theirs go now, not after the step,
+        so that the process never holds two sets of gradients (one device does not either: its ``zero_grad`` comes
+        before its backward). With both sets alive, glibc's allocator handed memory back to the OS and faulted it in
+        again: about 3,500 page faults a step per process on the compute-bound benchmark network, where the
+        hand-written loop sharing the processes faulted 200-400 (``benchmarks/phases.py --alternate``)."""
         gone = {id(p) for p in released}
         previous = [None if id(p) in gone else p.grad for p in params]
         for p in params:
