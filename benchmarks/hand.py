@@ -77,8 +77,13 @@ class HandPipeline:
             m.train()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
         self.optimizer.zero_grad()
+        self.forward_backward(inputs, targets)
+        self.optimizer.step()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The schedule's step on one batch (gradients accumulate; the loss is read back on the last stage)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
         kwargs: dict[str, Any] = {}
         if self.has_last:
             losses: list[torch.Tensor] = []
@@ -89,7 +94,6 @@ class HandPipeline:
             self.schedule.step(**kwargs)
         if self.has_last:
             self.history.append(float(torch.stack(losses).detach().mean()))
-        self.optimizer.step()
 
 
 def pipeline_loop(

@@ -1,4 +1,5 @@
-"""The same training through Lightning: ``PipelineParallelStrategy``, ``strategy="ddp"`` and one device.
+"""The same training through Lightning: ``PipelineParallelStrategy``, ``strategy="ddp"`` and one device; and
+Lightning's loop driving the hand-written pipeline (:class:`HandModule`), Lightning's share of the strategy's cost.
 
 The LightningModule is what a user writes for the network of :mod:`benchmarks.common`: call the network, compute
 the MSE loss, optionally ``self.log`` it (``log=True``), return it. A callback stamps the clock where the hand loops
@@ -49,6 +50,55 @@ class BenchModule(L.LightningModule):
         return loader(dataset(self.spec, self.batches, seed=1), self.batch)
 
 
+class HandModule(L.LightningModule):
+    """Lightning's loop driving the hand-written pipeline (:class:`benchmarks.hand.HandPipeline`), under automatic
+    optimization as a user could write it: ``training_step`` keeps the batch and returns a placeholder loss, the
+    overridden ``backward`` runs the torch schedule on the batch (after Lightning's ``zero_grad``), and Lightning steps
+    the hand loop's SGD. What a step costs here over the hand loop alone is Lightning's share of the strategy's fixed
+    cost: its loop, hooks, data path and per-step collective, with nothing of the strategy."""
+
+    def __init__(self, spec: ModelSpec, schedule: str, microbatches: int, batch: int, batches: int) -> None:
+        super().__init__()
+        self.spec, self.schedule, self.microbatches = spec, schedule, microbatches
+        self.batch, self.batches = batch, batches
+        self.pipeline: Any = None
+        self._batch: Any = None
+
+    def configure_model(self) -> None:
+        from benchmarks.hand import HandPipeline
+
+        trainer = self.trainer
+        self.pipeline = HandPipeline(
+            self.spec, self.schedule, self.microbatches, trainer.global_rank, trainer.world_size, self.device
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._batch = batch
+        return torch.zeros((), device=self.device, requires_grad=True)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.pipeline.forward_backward(*self._batch)
+        self._batch = None
+
+    def configure_optimizers(self) -> Any:
+        return self.pipeline.optimizer
+
+    def train_dataloader(self) -> Any:
+        return loader(dataset(self.spec, self.batches), self.batch)
+
+
+def unwrapped_ddp() -> Any:
+    """Lightning's ``DDPStrategy`` (its launch, loop and per-step collective) without the ``DistributedDataParallel``
+    wrapper: the hand pipeline's stages differ from rank to rank and have no gradients to average."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class UnwrappedDDP(DDPStrategy):
+        def configure_ddp(self) -> None:
+            pass
+
+    return UnwrappedDDP()
+
+
 class StepClock(L.Callback):
     """Stamps the clock at the start of every training (or validation) batch and after the last."""
 
@@ -95,6 +145,16 @@ def fit(
     clock = StepClock()
     model = BenchModule(spec, batch, steps, log=log)
     trainer(strategy, devices, steps, [clock, *(extra or [])]).fit(model)
+    return clock.clock
+
+
+def fit_hand(
+    spec: ModelSpec, schedule: str, microbatches: int, devices: int, steps: int, extra: list | None = None
+) -> Clock:
+    """Lightning's loop driving the hand-written pipeline (:class:`HandModule`) for ``steps`` steps."""
+    clock = StepClock()
+    model = HandModule(spec, schedule, microbatches, spec.batch, steps)
+    trainer(unwrapped_ddp(), devices, steps, [clock, *(extra or [])]).fit(model)
     return clock.clock
 
 

@@ -3,6 +3,8 @@
     python benchmarks/phases.py                  # 8 rounds, ~4 minutes on 2 CPU cores; rewrites its docs section
     python benchmarks/phases.py --quick          # every code path once (CI smoke), docs untouched
     python benchmarks/phases.py --model compute  # the compute-bound ratio: 100 rounds, ~10 minutes; its docs block
+    python benchmarks/phases.py --model small --alternate          # the loops alternating step by step (~8 min)
+    python benchmarks/phases.py --model small --alternate --floor  # the same with Lightning driving the hand loop
 
 The small network (4 x Linear(256) + ReLU, batch 64), 1F1B, 4 microbatches, 2 processes x 1 thread, each process
 pinned to its own core (:func:`benchmarks.common.pin_to_core`). Every round runs four trainings in one launch, their
@@ -50,9 +52,10 @@ RATIO_BEGIN = "<!-- benchmarks/phases.py --model compute: begin (generated, do n
 RATIO_END = "<!-- benchmarks/phases.py --model compute: end -->"
 
 
-def alternate_markers(model: str) -> tuple[str, str]:
-    """The generated block of ``--alternate`` runs of ``model`` (one per network)."""
-    flag = f"--model {model} --alternate"
+def alternate_markers(model: str, floor: bool = False) -> tuple[str, str]:
+    """The generated block of ``--alternate`` runs of ``model`` (one per network, and one per network with
+    ``--floor``)."""
+    flag = f"--model {model} --alternate" + (" --floor" if floor else "")
     return (
         f"<!-- benchmarks/phases.py {flag}: begin (generated, do not edit by hand) -->",
         f"<!-- benchmarks/phases.py {flag}: end -->",
@@ -246,10 +249,11 @@ def run_case(case: dict[str, Any], rank: int, world: int, device: Any) -> tuple[
 def interleaved(spec: Any, case: dict[str, Any], steps: int, rank: int, world: int, device: Any) -> tuple[Any, dict]:
     """One strategy training in which a callback runs one step of the hand loop (its own network, stages, schedule,
     optimizer and DataLoader) as each of the strategy's steps starts: the two loops alternate step by step in the
-    same processes, so a step of each is timed within the same second. The hand step is timed from its start to its
-    end (its batch's fetch included); the strategy's from the end of one hand step to the start of the next, that is
-    the rest of Lightning's iteration (its fetch, hooks, the strategy's step). On rank 0: the per-step times of both,
-    wall clock of rank 0 and CPU time summed over the ranks, warm-up steps dropped."""
+    same processes, so a step of each is timed within the same second (with ``case["floor"]``, the training is
+    Lightning's loop driving a second hand pipeline: :class:`benchmarks.lit.HandModule`). The hand step is timed from
+    its start to its end (its batch's fetch included); the strategy's from the end of one hand step to the start of
+    the next, that is the rest of Lightning's iteration (its fetch, hooks, the strategy's step). On rank 0: the
+    per-step times of both, wall clock of rank 0 and CPU time summed over the ranks, warm-up steps dropped."""
     import lightning.pytorch as L
     import torch.distributed as dist
 
@@ -277,7 +281,10 @@ def interleaved(spec: Any, case: dict[str, Any], steps: int, rank: int, world: i
             stamp(starts)
 
     with timed_phases(timer, clock_ticks=False) if timer is not None else nullcontext():
-        clock = lit.fit(spec, pipeline_strategy(case), world, spec.batch, steps, extra=[HandAlongside()])
+        if case.get("floor"):  # Lightning's loop driving a second hand pipeline, in place of the strategy
+            clock = lit.fit_hand(spec, case["schedule"], case["microbatches"], world, steps, extra=[HandAlongside()])
+        else:
+            clock = lit.fit(spec, pipeline_strategy(case), world, spec.batch, steps, extra=[HandAlongside()])
     warmup = case["warmup"]
 
     def periods(field: str) -> dict[str, list[float]]:
@@ -316,9 +323,11 @@ def cases(
     timed: bool = True,
     microbatches: int = MICROBATCHES,
     alternate: bool = False,
+    floor: bool = False,
 ) -> list[dict[str, Any]]:
     """The four trainings of each round (two: the untimed ones, without ``timed``), in the order they run; with
-    ``alternate``, one training in which the loops alternate step by step (and one more with every phase timed)."""
+    ``alternate``, one training in which the loops alternate step by step (and one more with every phase timed);
+    ``floor``: in those, Lightning's loop driving the hand pipeline in place of the strategy."""
     out = []
     for r in rounds:
         order = [("hand", False), ("strategy", False), ("hand", True), ("strategy", True)][: 4 if timed else 2]
@@ -326,6 +335,8 @@ def cases(
             order = [("interleaved", False), ("interleaved", True)][: 2 if timed else 1]
         for of, phased in order if r % 2 == 0 else order[::-1]:
             case = {"kind": "phases", "of": of, "phased": phased, "model": model, "suite": "phases", "run": r}
+            if alternate and floor:
+                case["floor"] = True
             case.update(steps=steps, warmup=warmup, schedule=SCHEDULE, microbatches=microbatches, pin=True)
             out.append(case)
     return out
@@ -349,10 +360,12 @@ def mean_ci(values: list[float]) -> dict[str, float]:
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per round and training: median CPU and wall time per step, median of each phase; across rounds: the means
     with their confidence intervals, and the strategy-minus-hand differences and strategy/hand ratios paired round
-    by round."""
+    by round. The alternating trainings (``--alternate``) under ``alternating``, those with Lightning driving the hand
+    loop (``--floor``) under ``floor``."""
     machine = next((rec["machine"] for rec in records if "machine" in rec), None)
     timings = [rec for rec in records if rec.get("case", {}).get("suite") == "phases" and "error" not in rec]
-    alternating = [rec for rec in timings if rec["case"]["of"] == "interleaved"]
+    alternating = [rec for rec in timings if rec["case"]["of"] == "interleaved" and not rec["case"].get("floor")]
+    floor = [rec for rec in timings if rec["case"]["of"] == "interleaved" and rec["case"].get("floor")]
     per: dict[tuple[int, str, bool], dict[str, Any]] = {}
     for rec in timings:
         c = rec["case"]
@@ -368,8 +381,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"machine": machine, "rounds": len(rounds), "load": load}
     if alternating:
         out["alternating"] = _alternating(alternating)
-        if not per:
-            return out
+    if floor:  # Lightning's loop driving the hand loop, alternating with the hand loop (--alternate --floor)
+        out["floor"] = _alternating(floor)
+    if (alternating or floor) and not per:
+        return out
     for field in ("cpu", "wall"):
         for of in ("hand", "strategy"):
             out[f"{of}_{field}"] = mean_ci([per[(r, of, False)][field] for r in rounds if (r, of, False) in per])
@@ -510,11 +525,11 @@ def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
     return "\n".join(lines)
 
 
-def _phase_table(summary: dict[str, Any]) -> list[str]:
+def _phase_table(summary: dict[str, Any], other: str = "strategy") -> list[str]:
     lines = [
         "Phase by phase (the same trainings again with every phase timed; CPU ms per step, both processes):",
         "",
-        "| phase | hand-written loop | strategy | strategy - hand |",
+        f"| phase | hand-written loop | {other} | {other} - hand |",
         "|---|---|---|---|",
     ]
     for row in summary["table"]:
@@ -560,33 +575,53 @@ def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatche
     return "\n".join(lines)
 
 
-def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microbatches: int) -> str:
-    """The ``--alternate`` block: the two loops alternating step by step, their difference and ratio."""
-    alt = summary["alternating"]
-    begin, end = alternate_markers(model)
+def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microbatches: int, floor: bool = False) -> str:
+    """The ``--alternate`` block: the two loops alternating step by step, their difference and ratio (``floor``: the
+    hand loop against Lightning's loop driving the hand loop, Lightning's share of the fixed cost)."""
+    alt = summary["floor" if floor else "alternating"]
+    begin, end = alternate_markers(model, floor)
+    other = "Lightning + hand" if floor else "strategy"
 
     def row(name: str, field: str, digits: int) -> str:
         cells = [_ci(alt[f"{k}_{field}"], digits) for k in ("hand", "strategy", "diff")]
         return f"| {name} | {' | '.join(cells)} | {_ci(alt[f'ratio_{field}'], 3)} |"
 
-    if model == "small":
+    if floor and model == "compute":
+        target = (
+            f"Lightning's share of the compute-bound ratio: {_ci(alt['ratio_wall'], 3)} of wall clock"
+            f" ({_ci(alt['diff_wall'])} ms per step); the rest of the strategy's ratio is its own."
+        )
+    elif floor:
+        target = (
+            f"Lightning's share of the strategy's fixed cost: {_ci(alt['diff_wall'])} ms of wall clock and"
+            f" {_ci(alt['diff_cpu'])} ms of CPU per step; the rest is the strategy's own."
+        )
+    elif model == "small":
         verdict = _verdict(alt["diff_wall"], FIXED_COST_TARGET_MS, " ms")
         target = f"Target (fixed cost at most {FIXED_COST_TARGET_MS} ms): {verdict}"
     else:
         target = f"Target (compute-bound ratio at most {RATIO_TARGET}): {_verdict(alt['ratio_wall'])}"
+    training = (
+        "Lightning training that drives a second hand-written pipeline (benchmarks/lit.py `HandModule`: its"
+        " `training_step` keeps the batch, its `backward` runs the torch schedule, Lightning steps the optimizer;"
+        " Lightning's `DDPStrategy` without the DDP wrapper) for"
+        if floor
+        else "strategy training of"
+    )
     lines = [
         begin,
         "",
         f"{NETWORKS[model]}, {SCHEDULE}, {microbatches} microbatches, 2 processes x 1 thread pinned to one core each;"
-        f" {alt['rounds']} rounds, each one strategy training of {alt['steps']:.0f} measured steps after {warmup}"
+        f" {alt['rounds']} rounds, each one {training} {alt['steps']:.0f} measured steps after {warmup}"
         " warm-up steps in which a callback runs one step of the hand-written loop (its own network, stages,"
-        " schedule, optimizer and DataLoader) as each of the strategy's steps starts, so that the two loops"
-        f" alternate step by step; {_machine_line(summary)}. Each strategy step is paired with the hand step just"
+        f" schedule, optimizer and DataLoader) as each of the {'Lightning' if floor else 'strategy'}'s steps"
+        f" starts, so that the two loops alternate step by step; {_machine_line(summary)}. Each"
+        f" {'Lightning' if floor else 'strategy'} step is paired with the hand step just"
         " before it. Each figure: the mean over the rounds of each round's median, [95% confidence interval over"
         " the rounds]; wall time on rank 0, CPU time summed over both processes. Within a round a step pair's"
         f" ratio varies by {100 * alt['spread']:.1f}% (standard deviation).",
         "",
-        "| per step | hand-written loop | strategy | strategy - hand | strategy / hand |",
+        f"| per step | hand-written loop | {other} | {other} - hand | {other} / hand |",
         "|---|---|---|---|---|",
         row("wall time, ms", "wall", 2),
         row("CPU time, ms (both processes)", "cpu", 2),
@@ -595,10 +630,11 @@ def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microba
         "",
     ]
     if "table" in alt:
-        lines += [*_phase_table(alt), ""]
+        lines += [*_phase_table(alt, other), ""]
         lines.append(
             f"Phase by phase: {alt['phased_rounds']} more rounds, every phase timed. Outside the stages' forward and"
-            f" backward the strategy adds {_ci(alt['outside']['diff'])} ms of CPU per step,"
+            f" backward {'Lightning' if floor else 'the strategy'} adds {_ci(alt['outside']['diff'])} ms of CPU per"
+            " step,"
             f" {_ci({k: 100 * v if k != 'n' else v for k, v in alt['outside']['share'].items()}, 2)}% of the hand"
             " loop's timed step."
         )
@@ -639,10 +675,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the two loops alternating step by step in one training a round (default 20 rounds; small: 300 steps"
         " after 20, compute: 40 after 3)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="with --alternate: Lightning's loop driving the hand loop in place of the strategy (Lightning's share)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "phases")
     parser.add_argument("--docs", type=Path, default=None, help="page to update ('-': none)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
     args = parser.parse_args(argv)
+    if args.floor and not args.alternate:
+        parser.error("--floor measures Lightning's share by alternating the loops step by step: add --alternate")
     compute = args.model == "compute"
     model = "tiny" if args.quick else args.model
     if args.alternate:
@@ -655,7 +698,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
     if args.out == ROOT / "benchmarks" / "results" / "phases":
         if args.alternate:
-            args.out = ROOT / "benchmarks" / "results" / f"alternate_{args.model}"
+            args.out = ROOT / "benchmarks" / "results" / f"alternate_{'floor_' if args.floor else ''}{args.model}"
         elif compute:
             args.out = ROOT / "benchmarks" / "results" / "compute_ratio"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -664,14 +707,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     micro = COMPUTE_MICROBATCHES if compute else MICROBATCHES
     timed = args.phased if compute else not args.untimed
-    plan = cases(list(range(args.rounds)), args.steps, args.warmup, model, timed, micro, alternate=args.alternate)
+    rounds = list(range(args.rounds))
+    plan = cases(rounds, args.steps, args.warmup, model, timed, micro, alternate=args.alternate, floor=args.floor)
     records = launch(2, plan, args.out, args.timeout, ALTERNATE_ENV if args.alternate else None)
     summary = summarize(records)
     # (the phase-timed steps of --alternate, one dict per step, stay in results-2.jsonl: megabytes)
     kept = [{k: v for k, v in r.items() if k != "phases"} for r in records] if args.alternate else records
     (args.out / "phases.json").write_text(json.dumps({"summary": summary, "records": kept}, indent=1))
     if args.alternate:
-        text, markers = alternate_markdown(summary, model, args.warmup, micro), alternate_markers(model)
+        text = alternate_markdown(summary, model, args.warmup, micro, args.floor)
+        markers = alternate_markers(model, args.floor)
     elif compute:
         text, markers = ratio_markdown(summary, args.steps, args.warmup, micro), (RATIO_BEGIN, RATIO_END)
     else:

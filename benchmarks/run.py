@@ -120,6 +120,7 @@ class Plan:
         self.launches[2] += phases.cases([run], steps, warmup, self.small)
         if self.args.quick:  # the two loops alternating step by step (`phases.py --alternate`): its code path once
             self.launches[2] += phases.cases([run], 2, 1, self.small, alternate=True)
+            self.launches[2] += phases.cases([run], 2, 1, self.small, timed=False, alternate=True, floor=True)
 
     def timeline(self, run: int) -> None:
         if run == 0:

@@ -99,6 +99,8 @@ def test_quick_run_writes_every_output(tmp_path):
     assert phases["rounds"] == 1 and phases["diff_cpu"]["n"] == 1
     # and the two loops alternating step by step: 2 pairs after the warm-up step
     assert phases["alternating"]["rounds"] == 1 and phases["alternating"]["ratio_wall"]["mean"] > 0
+    # and Lightning's loop driving the hand loop, alternating with it (`phases.py --alternate --floor`)
+    assert phases["floor"]["rounds"] == 1 and phases["floor"]["ratio_wall"]["mean"] > 0
     assert all(row["hand"] is not None and row["strategy"] is not None for row in phases["table"])
     assert "1 rounds of 1 steps after 1 warm-up steps" in page.read_text()  # its section rewritten
     assert results["speedup"] and results["ddp"] and results["eval"] and results["timeline"]["bubbles"]
@@ -479,3 +481,66 @@ def test_alternating_rounds_pair_each_strategy_step_with_the_hand_step_before_it
     assert text.startswith("<!-- benchmarks/phases.py --model small --alternate: begin")
     assert "| loop and hooks | 1.00 [1.00, 1.00] | 2.00 [-4.35, 8.35] | 1.00 [-5.35, 7.35] |" in text
     assert "2 more rounds, every phase timed" in text
+    # --floor: Lightning's loop driving the hand loop in place of the strategy, summarized and written on its own
+    floor_plan = cases([0], 4, 1, "small", timed=False, alternate=True, floor=True)
+    assert [(c["of"], c.get("floor")) for c in floor_plan] == [("interleaved", True)]
+    assert "floor" not in cases([0], 4, 1, "small", alternate=True)[0]
+    floored = [records[0], *({**r, "case": {**r["case"], "floor": True}} for r in records[1:])]
+    assert "alternating" not in summarize(floored) and summarize(floored)["floor"]["diff_wall"] == alt["diff_wall"]
+    both = summarize([*records, *floored[1:]])
+    assert both["alternating"]["rounds"] == 2 and both["floor"]["rounds"] == 2
+    text = alternate_markdown(summarize(floored), "small", 1, 4, floor=True)
+    assert text.startswith("<!-- benchmarks/phases.py --model small --alternate --floor: begin")
+    assert "| wall time, ms | 10.00 [10.00, 10.00] | 12.50 [6.15, 18.85] | 2.00 [-10.71, 14.71] | 1.200" in text
+    assert "Lightning's share of the strategy's fixed cost: 2.00 [-10.71, 14.71] ms of wall clock" in text
+    assert "| phase | hand-written loop | Lightning + hand | Lightning + hand - hand |" in text
+    assert "Target" not in text and "Outside the stages' forward and backward Lightning adds 1.00" in text
+    compute = alternate_markdown(summarize(floored), "compute", 1, 8, floor=True)
+    assert "Lightning's share of the compute-bound ratio: 1.200 [-0.071, 2.471] of wall clock" in compute
+    assert "(2.00 [-10.71, 14.71] ms per step); the rest of the strategy's ratio is its own." in compute
+
+
+def test_lightning_driving_the_hand_loop_trains_exactly_as_the_hand_loop(tmp_path):
+    """The --floor measurement's training (benchmarks/lit.py HandModule) does the hand loop's work at every step, no
+    more and no less: Lightning's zero_grad, the schedule in backward and Lightning's optimizer step give the bare
+    hand loop's losses and weights, bit for bit (one process, the same op sequence)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from benchmarks import hand, lit
+    from benchmarks.common import MODELS, dataset
+
+    spec, steps = MODELS["tiny"], 3
+    owned = not dist.is_initialized()  # an earlier one-process test may have left its group up
+    if owned:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        module = lit.HandModule(spec, "1F1B", 4, spec.batch, steps)
+        lit.trainer(lit.unwrapped_ddp(), 1, steps, []).fit(module)
+        bare = hand.HandPipeline(spec, "1F1B", 4, 0, 1, torch.device("cpu"))
+        initial = [p.detach().clone() for p in bare.optimizer.param_groups[0]["params"]]
+        # Lightning's DistributedSampler shuffles training data (seed 0, epoch 0) even for one replica: replay it
+        data = dataset(spec, steps)
+        order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        for inputs, targets in DataLoader(data, batch_size=spec.batch, sampler=order, drop_last=True):
+            bare.step(inputs, targets)
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+    assert len(bare.history) == steps and module.pipeline.history == bare.history
+    floor = module.pipeline.optimizer.param_groups[0]["params"]
+    trained = bare.optimizer.param_groups[0]["params"]
+    assert all(torch.equal(a, b) for a, b in zip(floor, trained)) and len(floor) == len(trained) == 2 * spec.depth
+    assert not any(torch.equal(a, b) for a, b in zip(trained, initial))  # the optimizer stepped
+
+
+def test_the_floor_needs_the_alternating_loops(capsys):
+    from benchmarks.phases import main
+
+    with pytest.raises(SystemExit) as raised:
+        main(["--floor"])
+    assert raised.value.code == 2
+    assert "--floor measures Lightning's share by alternating the loops step by step: add --alternate" in (
+        capsys.readouterr().err
+    )
