@@ -608,17 +608,17 @@ def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microba
         if floor
         else "strategy training of"
     )
+    whose, paired = ("its", "Lightning") if floor else ("the strategy's", "strategy")
     lines = [
         begin,
         "",
         f"{NETWORKS[model]}, {SCHEDULE}, {microbatches} microbatches, 2 processes x 1 thread pinned to one core each;"
         f" {alt['rounds']} rounds, each one {training} {alt['steps']:.0f} measured steps after {warmup}"
         " warm-up steps in which a callback runs one step of the hand-written loop (its own network, stages,"
-        f" schedule, optimizer and DataLoader) as each of the {'Lightning' if floor else 'strategy'}'s steps"
-        f" starts, so that the two loops alternate step by step; {_machine_line(summary)}. Each"
-        f" {'Lightning' if floor else 'strategy'} step is paired with the hand step just"
-        " before it. Each figure: the mean over the rounds of each round's median, [95% confidence interval over"
-        " the rounds]; wall time on rank 0, CPU time summed over both processes. Within a round a step pair's"
+        f" schedule, optimizer and DataLoader) as each of {whose} steps starts, so that the two loops alternate step"
+        f" by step; {_machine_line(summary)}. Each {paired} step is paired with the hand step just before it. Each"
+        " figure: the mean over the rounds of each round's median, [95% confidence interval over the rounds]; wall"
+        " time on rank 0, CPU time summed over both processes. Within a round a step pair's"
         f" ratio varies by {100 * alt['spread']:.1f}% (standard deviation).",
         "",
         f"| per step | hand-written loop | {other} | {other} - hand | {other} / hand |",
