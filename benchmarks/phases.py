@@ -559,7 +559,7 @@ def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatche
         f"| CPU time, ms (both processes) | {_ci(summary['hand_cpu'], 1)} | {_ci(summary['strategy_cpu'], 1)}"
         f" | {_ci(summary['ratio_cpu'], 3)} |",
         "",
-        f"Target (compute-bound ratio at most 1.02): {_verdict(ratio)}",
+        f"Target (compute-bound ratio at most 1.02): {verdict(ratio)}",
         "",
     ]
     share = summary["outside"]["share"]
@@ -597,10 +597,10 @@ def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microba
             f" {_ci(alt['diff_cpu'])} ms of CPU per step; the rest is the strategy's own."
         )
     elif model == "small":
-        verdict = _verdict(alt["diff_wall"], FIXED_COST_TARGET_MS, " ms")
-        target = f"Target (fixed cost at most {FIXED_COST_TARGET_MS} ms): {verdict}"
+        fixed = verdict(alt["diff_wall"], FIXED_COST_TARGET_MS, " ms")
+        target = f"Target (fixed cost at most {FIXED_COST_TARGET_MS} ms): {fixed}"
     else:
-        target = f"Target (compute-bound ratio at most {RATIO_TARGET}): {_verdict(alt['ratio_wall'])}"
+        target = f"Target (compute-bound ratio at most {RATIO_TARGET}): {verdict(alt['ratio_wall'])}"
     training = (
         "Lightning training that drives a second hand-written pipeline (benchmarks/lit.py `HandModule`: its"
         " `training_step` keeps the batch, its `backward` runs the torch schedule, Lightning steps the optimizer;"
@@ -643,7 +643,7 @@ def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microba
     return "\n".join(lines)
 
 
-def _verdict(value: dict[str, float] | None, target: float = RATIO_TARGET, unit: str = "") -> str:
+def verdict(value: dict[str, float] | None, target: float = RATIO_TARGET, unit: str = "") -> str:
     """What the interval of ``value`` (a ratio, or a difference in ``unit``) says of its target."""
     if value is None or math.isnan(value["low"]):
         return "not established (fewer than 2 rounds)."

@@ -417,15 +417,39 @@ def test_phase_summary_pairs_the_rounds():
 
 
 def test_compute_ratio_verdict_reads_the_interval():
-    from benchmarks.phases import _verdict
+    from benchmarks.phases import verdict
 
-    assert _verdict({"mean": 1.01, "low": 1.0, "high": 1.019, "n": 9}).startswith("met")
-    assert _verdict({"mean": 1.05, "low": 1.021, "high": 1.08, "n": 9}).startswith("not met")
-    assert _verdict({"mean": 1.01, "low": 0.99, "high": 1.04, "n": 9}).startswith("not established: the interval")
-    assert _verdict({"mean": 1.01, "low": float("nan"), "high": float("nan"), "n": 1}).startswith("not established")
+    assert verdict({"mean": 1.01, "low": 1.0, "high": 1.019, "n": 9}).startswith("met")
+    assert verdict({"mean": 1.05, "low": 1.021, "high": 1.08, "n": 9}).startswith("not met")
+    assert verdict({"mean": 1.01, "low": 0.99, "high": 1.04, "n": 9}).startswith("not established: the interval")
+    assert verdict({"mean": 1.01, "low": float("nan"), "high": float("nan"), "n": 1}).startswith("not established")
     # the fixed cost's verdict reads a difference in ms against 1.5
     ms = {"mean": 1.8, "low": 1.6, "high": 2.0, "n": 9}
-    assert _verdict(ms, 1.5, " ms") == "not met: the whole interval is above 1.5 ms (lower end 1.600 ms)."
+    assert verdict(ms, 1.5, " ms") == "not met: the whole interval is above 1.5 ms (lower end 1.600 ms)."
+
+
+def test_run_py_targets_follow_the_interval_not_a_median_on_one_side():
+    """`run.py`'s target line said "met" for a median of 1.010 whose runs' interval was [0.761, 1.159]."""
+    from benchmarks.report import _met
+
+    wide = {"mean": 0.96, "low": 0.761, "high": 1.159, "n": 5}
+    said = _met(1.010, 1.02, wide, 3)
+    assert said.startswith("mean over the runs 0.960; by its 95% confidence interval, not established")
+    assert "[0.761, 1.159] contains 1.02" in said and " met" not in said
+    fixed = _met(2.72, 1.5, {"mean": 2.29, "low": 0.741, "high": 3.837, "n": 5}, 2, " ms")
+    assert fixed.endswith("not established: the interval [0.741, 3.837] ms contains 1.5 ms")
+    assert _met(1.3, 1.5, {"mean": 1.3, "low": 1.2, "high": 1.4, "n": 5}, 2, " ms").endswith(
+        "met: the whole interval is at or below 1.5 ms (upper end 1.400 ms)"
+    )
+    assert _met(2.0, 1.5, {"mean": 2.0, "low": 1.7, "high": 2.3, "n": 5}, 2, " ms").endswith(
+        "not met: the whole interval is above 1.5 ms (lower end 1.700 ms)"
+    )
+    # one run has no interval: the value alone, said so
+    assert _met(1.010, 1.02, None, 3) == "met (one run, no interval)"
+    assert _met(1.05, 1.02, {"mean": 1.05, "low": float("nan"), "high": float("nan"), "n": 1}, 3).startswith(
+        "**not met** (one run"
+    )
+    assert _met(None, 1.02, wide, 3) == "not measured"
 
 
 def test_alternating_rounds_pair_each_strategy_step_with_the_hand_step_before_it():
