@@ -106,6 +106,7 @@ def test_quick_run_writes_every_output(tmp_path):
     assert results["speedup"] and results["ddp"] and results["eval"] and results["timeline"]["bubbles"]
     assert {p.name for p in (out / "img").iterdir()} >= {"overhead.png", "speedup.png", "timeline-1F1B-M8.png"}
     assert "`--quick`: a smoke run" in page.read_text()
+    assert "(one run, no interval)" in page.read_text()  # one run: its target line says it has no interval
     assert (ROOT / "docs" / "benchmarks.md").read_text() == docs_before
 
 
