@@ -559,7 +559,7 @@ def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatche
         f"| CPU time, ms (both processes) | {_ci(summary['hand_cpu'], 1)} | {_ci(summary['strategy_cpu'], 1)}"
         f" | {_ci(summary['ratio_cpu'], 3)} |",
         "",
-        f"Target (compute-bound ratio at most 1.02): {verdict(ratio)}",
+        f"Target (compute-bound ratio at most {RATIO_TARGET}): {verdict(ratio)}",
         "",
     ]
     share = summary["outside"]["share"]
