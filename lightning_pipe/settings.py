@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 
@@ -30,16 +30,8 @@ from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
 ScheduleName = Literal[
     "auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
 ]
-#: Every schedule torch ships, by its canonical name.
-SCHEDULES: tuple[str, ...] = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
+#: Every schedule torch ships, by its canonical name (the names of :data:`ScheduleName` but ``"auto"``).
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)[1:]
 #: Schedules that drive exactly one stage per rank.
 SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
 #: Schedules that place two stages per rank in a V: stage s and stage 2*P-1-s share a rank, so the last stage is on
@@ -50,10 +42,12 @@ V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
 SPLIT_BACKWARD: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
 #: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
 COMPILE_OPTIONS: tuple[str, ...] = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
-BALANCE_MODES = ("auto", "params", "blocks")
-FRONTENDS = ("auto", "modules", "dataflow", "trace")
+BalanceMode = Literal["auto", "params", "blocks"]
+BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
+FrontendName = Literal["auto", "modules", "dataflow", "trace"]
+FRONTENDS: tuple[str, ...] = get_args(FrontendName)
 DataParallelMode = Literal["ddp", "fsdp"]
-DATA_PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp")
+DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 DP, PP, TP = "dp", "pp", "tp"
 #: Which of the axes "dp" and "pp" holds consecutive ranks (ranks on one node when the launcher fills nodes in order);
 #: "tp" is always innermost.
@@ -105,6 +99,11 @@ def resolve_schedule(schedule: str, stages_per_rank: Union[int, str]) -> tuple[s
             " Use `stages_per_rank=2` or 'auto'."
         )
     return name, int(stages_per_rank)
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``'a', 'b', 'c'``: a list of allowed names for a message."""
+    return ", ".join(repr(n) for n in names)
 
 
 def _is_int(value: object) -> bool:
@@ -195,12 +194,12 @@ def check_balance_setting(balance: Union[str, Sequence[int]]) -> None:
     if isinstance(balance, str):
         if balance not in BALANCE_MODES:
             raise PipelineConfigError(
-                f"`balance={balance!r}` is not one of 'auto', 'params', 'blocks' or a list of blocks per stage."
+                f"`balance={balance!r}` is not one of {_listed(BALANCE_MODES)} or a list of blocks per stage."
             )
         return
     if not isinstance(balance, (list, tuple)) or not all(_is_int(n) for n in balance):
         raise PipelineConfigError(
-            f"`balance` must be 'auto', 'params', 'blocks' or a list of ints (blocks per stage), got {balance!r}."
+            f"`balance` must be {_listed(BALANCE_MODES)} or a list of ints (blocks per stage), got {balance!r}."
         )
 
 
@@ -262,8 +261,8 @@ def check_blocks(blocks: Union[str, Sequence[str]], frontend: str) -> None:
 def check_data_parallel(data_parallel: str) -> None:
     if data_parallel not in DATA_PARALLEL_MODES:
         raise PipelineConfigError(
-            f"`data_parallel={data_parallel!r}` is not one of 'ddp', 'fsdp'. Use 'ddp' to replicate each stage on"
-            " every data-parallel rank, or 'fsdp' to shard its parameters, gradients and optimizer state."
+            f"`data_parallel={data_parallel!r}` is not one of {_listed(DATA_PARALLEL_MODES)}. Use 'ddp' to replicate"
+            " each stage on every data-parallel rank, or 'fsdp' to shard its parameters, gradients and optimizer state."
         )
 
 
@@ -336,45 +335,61 @@ def check_async_checkpoint(async_checkpoint: object) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the settings
+#: Fields of :class:`PipelineSettings` that no constructor takes: decided when the processes start.
+RESOLVED_ONLY = ("world_size",)
+
+
+def argument_names() -> tuple[str, ...]:
+    """The strategies' arguments, in their constructors' order: the fields of :class:`PipelineSettings` but
+    :data:`RESOLVED_ONLY`."""
+    return tuple(f.name for f in dataclasses.fields(PipelineSettings) if f.name not in RESOLVED_ONLY)
+
+
 @dataclass(frozen=True)
 class PipelineSettings:
-    """Every argument of ``PipelineParallelStrategy`` (documented there), validated once, when it is made.
+    """Every argument of both strategies, validated once, when it is made: the fields but ``world_size``
+    (:func:`argument_names`) are the constructor's arguments (``lightning_pipe.session.PipelineArguments``, which
+    documents them), in its order, with its annotations and defaults (a test ties them together).
 
     Values are normalised: ``schedule`` to its canonical spelling, lists to tuples, ``activation_checkpointing`` to
     the block interval (``frontend="auto"`` is resolved per network at the cut). ``world_size`` is ``None`` until
     :meth:`resolve` decides the ``"auto"`` values that depend on it.
     """
 
-    pipeline_size: Union[Literal["auto"], int] = "auto"
-    schedule: str = "auto"
-    microbatches: Union[Literal["auto"], int] = "auto"
-    microbatch_size: Optional[int] = None
-    stages_per_rank: Union[Literal["auto"], int] = "auto"
+    pipeline_size: Union[Literal["auto"], PositiveInt] = "auto"
+    schedule: ScheduleName = "auto"
+    microbatches: Union[Literal["auto"], PositiveInt] = "auto"
+    microbatch_size: Optional[PositiveInt] = None
+    stages_per_rank: Union[Literal["auto"], PositiveInt] = "auto"
     module: str = "auto"
-    frontend: str = "auto"
-    blocks: Union[str, tuple[str, ...]] = "auto"
-    split_points: Optional[tuple[str, ...]] = None
-    balance: Union[str, tuple[int, ...]] = "auto"
-    #: the pipeline plan of a transformers model whose family has none (names relative to the model)
-    model_plan: Optional[ModelPlan] = None
+    frontend: FrontendName = "auto"
+    #: a container name, or several (normalised to a tuple)
+    blocks: Union[str, list[str]] = "auto"
+    #: normalised to a tuple
+    split_points: Optional[list[str]] = None
+    #: a mode, or blocks per stage (normalised to a tuple)
+    balance: Union[BalanceMode, list[PositiveInt]] = "auto"
     process_group_backend: Optional[str] = None
     timeout: Optional[timedelta] = DEFAULT_TIMEOUT
-    init_weights: Optional[Path] = None
-    #: a PEFT adapter directory to start the adapters from (after ``init_weights``)
-    init_adapter: Optional[Path] = None
-    eval_microbatches: Union[Literal["auto"], int] = "auto"
-    data_parallel: str = "ddp"
-    inner_axis: str = DP
-    #: checkpoint every k-th block of the block stack (0: none)
-    activation_checkpointing: int = 0
-    tensor_parallel: Union[Literal["auto"], int] = "auto"
+    #: normalised to a ``Path``
+    init_weights: Optional[Union[str, Path]] = None
+    #: a PEFT adapter directory to start the adapters from (after ``init_weights``; normalised to a ``Path``)
+    init_adapter: Optional[Union[str, Path]] = None
+    eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto"
+    data_parallel: DataParallelMode = "ddp"
+    inner_axis: InnerAxis = "dp"
+    #: normalised to the interval k: checkpoint every k-th block of the block stack (0: none)
+    activation_checkpointing: Union[bool, NonNegativeInt] = False
+    tensor_parallel: Union[Literal["auto"], PositiveInt] = "auto"
     loss_parallel: bool = False
-    #: ``torch.compile`` options of every block (``None``: not compiled)
-    compile: Optional[dict[str, Any]] = None
+    #: normalised to ``torch.compile``'s options of every block (``None``: not compiled)
+    compile: Union[bool, dict[str, Any]] = False
     #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
-    max_restarts: int = 0
+    max_restarts: NonNegativeInt = 0
     #: checkpoints written by a thread after a copy to host memory
     async_checkpoint: bool = False
+    #: the pipeline plan of a transformers model whose family has none (names relative to the model)
+    model_plan: Optional[ModelPlan] = None
     #: the processes of the run; ``None`` until :meth:`resolve`
     world_size: Optional[int] = None
 
@@ -387,9 +402,7 @@ class PipelineSettings:
         if self.split_points is not None and not isinstance(self.balance, str):
             raise PipelineConfigError("Set either `split_points` or `balance`, not both.")
         if self.frontend not in FRONTENDS:
-            raise PipelineConfigError(
-                f"`frontend={self.frontend!r}` is not one of 'auto', 'modules', 'dataflow', 'trace'."
-            )
+            raise PipelineConfigError(f"`frontend={self.frontend!r}` is not one of {_listed(FRONTENDS)}.")
         check_blocks(self.blocks, self.frontend)
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)

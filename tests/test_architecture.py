@@ -69,6 +69,7 @@ RANKS = {
     "step": 5,
     "callbacks": 6,
     "tune": 6,
+    "session": 6,
     "strategy": 7,
     "fabric": 7,
     "": 8,  # the package's __init__

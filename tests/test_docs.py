@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe import PipelineParallelStrategy
+from lightning_pipe import PipelineFabricStrategy, PipelineParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_pipe"
@@ -63,7 +63,9 @@ def test_every_strategy_argument_is_documented() -> None:
     headings = re.findall(r"^### `(\w+)`$", page, flags=re.MULTILINE)
     arguments = [n for n in inspect.signature(PipelineParallelStrategy.__init__).parameters if n != "self"]
     assert sorted(headings) == sorted(arguments)
-    docstring = PipelineParallelStrategy.__doc__ or ""
+    # Both strategies' constructor (one argument list) documents the arguments, where jsonargparse reads them.
+    docstring = PipelineParallelStrategy.__init__.__doc__ or ""
+    assert PipelineFabricStrategy.__init__ is PipelineParallelStrategy.__init__
     for name in arguments:
         assert re.search(rf"^\s+{name}: \S", docstring, flags=re.MULTILINE), f"`{name}` missing from `Arguments:`"
 

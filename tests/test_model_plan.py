@@ -79,6 +79,6 @@ def test_the_fabric_strategy_takes_the_same_plan():
     import lightning_pipe
 
     strategy = lightning_pipe.PipelineFabricStrategy(model_plan=USER_PLAN)
-    assert strategy._settings.model_plan == USER_PLAN
+    assert strategy.settings.model_plan == USER_PLAN
     with pytest.raises(PipelineConfigError, match=r"`model_plan\['score'\]` is \['hidden_states'\]"):
         lightning_pipe.PipelineFabricStrategy(model_plan={**USER_PLAN, "score": ["hidden_states"]})

@@ -451,7 +451,7 @@ def test_apply_tuned_only_before_the_trainer_starts():
     assert (strategy.settings.schedule, strategy.settings.microbatches) == ("GPipe", 2)
     with pytest.raises(PipelineConfigError, match="`compile` cannot be used with"):
         strategy.apply_tuned(schedule="ZBVZeroBubble", compile=True)
-    strategy._settings = strategy.settings.resolve(2)
+    strategy._session._settings = strategy.settings.resolve(2)  # as the processes starting resolves them
     with pytest.raises(PipelineUsageError, match="tune before `trainer.fit`"):
         strategy.apply_tuned(schedule="1F1B")
 

@@ -15,18 +15,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning.pytorch.strategies import Strategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import fabric_state, io, optim, peft_adapters, resume, save
+from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save
 from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.compat.lightning import requested_weights_only
-from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.models import kind_of
 from lightning_pipe.reliability import failures
 
 
-class CheckpointHooks:
+class CheckpointHooks(Strategy):
     """Checkpoints as directories of per-rank ``torch.distributed.checkpoint`` shards (docs/checkpoints.md)."""
 
     _checkpoints: Optional[resume.CheckpointSession] = None
@@ -56,7 +56,7 @@ class CheckpointHooks:
             if self._write_group is None or self._write_group[0] is not world:  # one per process group
                 self._write_group = (world, resume.write_group(resume.writer_ranks(topology)))
             group = self._write_group[1]
-        device = self.root_device  # type: ignore[attr-defined]
+        device = self.root_device
         self._streams = streams
         self._checkpoints = resume.CheckpointSession(trainer, self.checkpoint_topology, streams, device, group)
         if resumed_from is not None:
@@ -84,27 +84,6 @@ class CheckpointHooks:
         if self._checkpoints is not None:
             self._checkpoints.failed = True  # no collective may run any more: pending saves are dropped
 
-    def load_initial_weights(self, source: Optional[Path], adapter: Optional[Path], network_prefix: str) -> PeakMemory:
-        """Load ``init_weights`` into this rank's stages (each rank reads only its own tensors, in the precision's
-        dtype), then the PEFT adapters of ``init_adapter``; returns the peak memory of the load. The strategy loads
-        them once, at its first setup: a ``validate`` or ``predict`` after ``fit`` on the same Trainer uses the
-        trained weights, not the start weights again."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        topology = self.checkpoint_topology()
-        with PeakMemory(self.root_device) as peak:  # type: ignore[attr-defined]
-            if source is not None:
-                io.load_weights(
-                    source,
-                    topology,
-                    self.model,  # type: ignore[attr-defined]
-                    network_prefix=network_prefix,
-                    strict=module.strict_loading,
-                    precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
-                )
-            if adapter is not None:
-                peft_adapters.load_adapters(adapter, topology, self.model, network_prefix=network_prefix)  # type: ignore[attr-defined]
-        return peak
-
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -120,13 +99,13 @@ class CheckpointHooks:
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's stages' entries, under the full model's names."""
-        return io.model_state(self.model, self.checkpoint_topology().aliases)  # type: ignore[attr-defined]
+        return io.model_state(self.model, self.checkpoint_topology().aliases)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state, flattened and keyed by parameter name."""
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
-        return io.optimizer_state(self.model, optimizer, self.checkpoint_topology().aliases)  # type: ignore[attr-defined]
+        return io.optimizer_state(self.model, optimizer, self.checkpoint_topology().aliases)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -147,13 +126,13 @@ class CheckpointHooks:
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: checkpoints are"
                 " written with torch.distributed.checkpoint, not a CheckpointIO plugin. Remove `storage_options`."
             )
-        path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))  # type: ignore[attr-defined]
-        module = self.lightning_module  # type: ignore[attr-defined]
+        path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))
+        module = self.lightning_module
         cls = type(module)
         groups = optim.recorded_param_groups(module)
         session = self._checkpoints
         if session is None:  # between Trainer entries (`trainer.save_checkpoint` after `fit`): written at once
-            device = self.root_device  # type: ignore[attr-defined]
+            device = self.root_device
             session = resume.CheckpointSession(module.trainer, self.checkpoint_topology, self._streams, device)
             session.training_over = True
         attribute, network = self.checkpoint_network()
@@ -167,8 +146,8 @@ class CheckpointHooks:
         from lightning.pytorch.trainer.states import TrainerFn
 
         weights_only = requested_weights_only(weights_only)
-        module, path = self.lightning_module, Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
-        model, optimizers, topology = self.model, self.optimizers, self.checkpoint_topology()  # type: ignore[attr-defined]
+        module, path = self.lightning_module, Path(self.broadcast(checkpoint_path))
+        model, optimizers, topology = self.model, self.optimizers, self.checkpoint_topology()
         strict = module.strict_loading
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._checkpoints is not None:
@@ -177,7 +156,7 @@ class CheckpointHooks:
             from lightning.pytorch import __version__
 
             prefix = self.checkpoint_network()[0]
-            precision = self.precision_plugin.precision  # type: ignore[attr-defined]
+            precision = self.precision_plugin.precision
             prefix = f"{prefix}." if prefix else ""
             io.load_weights(path, topology, model, network_prefix=prefix, strict=strict, precision=precision)
             return {"pytorch-lightning_version": __version__}  # weights only: nothing else for Lightning to restore
@@ -190,7 +169,7 @@ class CheckpointHooks:
                 point = None  # `fabric.save` keeps no random streams of the Trainer's
             if fitting and self._checkpoints is not None:
                 self._checkpoints.resume_from(point, path)
-            schedulers = len(self.lr_scheduler_configs) if fitting else 0  # type: ignore[attr-defined]
+            schedulers = len(self.lr_scheduler_configs) if fitting else 0
             return fabric_state.as_trainer_checkpoint(rest, path, schedulers)
         if fitting:
             groups = optim.recorded_param_groups(module)
@@ -202,7 +181,7 @@ class CheckpointHooks:
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         """Delete a checkpoint directory (or file) on global rank 0; never a save's temporary directory."""
-        if self.is_global_zero:  # type: ignore[attr-defined]
+        if self.is_global_zero:
             token = uuid.uuid4().hex[:12]
             if self._checkpoints is not None:  # held back until every newer save is committed
                 self._checkpoints.writer.remove(Path(filepath), token)
