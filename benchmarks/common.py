@@ -9,8 +9,12 @@ and SGD, so the hand-written loop and the strategy split them identically (``dep
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,38 @@ def check_devices(nprocs: int) -> None:
             " (gloo) with CUDA_VISIBLE_DEVICES= set empty, or run on a machine with at least"
             f" {nprocs} GPUs."
         )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    nprocs: int, cases: list[dict[str, Any]], out: Path, timeout: float, env_extra: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``cases`` in one ``torch.distributed.run`` launch of ``nprocs`` processes (``env_extra``: more variables for
+    them); their records."""
+    check_devices(nprocs)
+    cases_file, results_file = out / f"cases-{nprocs}.json", out / f"results-{nprocs}.jsonl"
+    log_file = out / f"worker-{nprocs}.log"
+    cases_file.write_text(json.dumps(cases))
+    results_file.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.update(env_extra or {})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--master-port={free_port()}"]
+    cmd += [str(ROOT / "benchmarks" / "worker.py"), str(cases_file), str(results_file)]
+    start = time.perf_counter()
+    with log_file.open("w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    print(f"  {nprocs} process(es), {len(cases)} cases: {time.perf_counter() - start:.0f} s", flush=True)
+    if proc.returncode != 0:
+        tail = log_file.read_text()[-4000:]
+        raise SystemExit(f"The {nprocs}-process launch failed (exit {proc.returncode}); {log_file}:\n{tail}")
+    return [json.loads(line) for line in results_file.read_text().splitlines()]
 
 
 class Clock:

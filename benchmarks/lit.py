@@ -87,6 +87,13 @@ class HandModule(L.LightningModule):
         return loader(dataset(self.spec, self.batches), self.batch)
 
 
+def pipeline_strategy(case: dict[str, Any], **extra: Any) -> Any:
+    """The strategy of a benchmark case: its ``schedule`` and ``microbatches`` (``extra``: more arguments)."""
+    from lightning_pipe import PipelineParallelStrategy
+
+    return PipelineParallelStrategy(schedule=case["schedule"], microbatches=case["microbatches"], **extra)
+
+
 def unwrapped_ddp() -> Any:
     """Lightning's ``DDPStrategy`` (its launch, loop and per-step collective) without the ``DistributedDataParallel``
     wrapper: the hand pipeline's stages differ from rank to rank and have no gradients to average."""

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.phases import FIXED_COST_TARGET_MS, RATIO_TARGET, mean_ci, verdict
+from benchmarks.stats import FIXED_COST_TARGET_MS, RATIO_TARGET, mean_ci, verdict
 from lightning_pipe.measure.timeline import ideal_speedup, theoretical_bubble
 
 BEGIN = "<!-- benchmarks/run.py: begin (generated, do not edit by hand) -->"

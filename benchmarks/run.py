@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import phases, report  # noqa: E402
-from benchmarks.common import check_devices  # noqa: E402
+from benchmarks.common import check_devices, launch  # noqa: E402, F401  (check_devices: read from here too)
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 SUITES = ["overhead", "speedup", "ddp", "eval", "timeline", "phases"]
@@ -138,38 +135,6 @@ class Plan:
 
 def _ordered(pair: tuple, run: int) -> tuple:
     return pair if run % 2 == 0 else pair[::-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(
-    nprocs: int, cases: list[dict[str, Any]], out: Path, timeout: float, env_extra: dict[str, str] | None = None
-) -> list[dict[str, Any]]:
-    """Run ``cases`` in one ``torch.distributed.run`` launch of ``nprocs`` processes (``env_extra``: more variables for
-    them); their records."""
-    check_devices(nprocs)
-    cases_file, results_file = out / f"cases-{nprocs}.json", out / f"results-{nprocs}.jsonl"
-    log_file = out / f"worker-{nprocs}.log"
-    cases_file.write_text(json.dumps(cases))
-    results_file.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    env.update(env_extra or {})
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--master-port={free_port()}"]
-    cmd += [str(ROOT / "benchmarks" / "worker.py"), str(cases_file), str(results_file)]
-    start = time.perf_counter()
-    with log_file.open("w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-    print(f"  {nprocs} process(es), {len(cases)} cases: {time.perf_counter() - start:.0f} s", flush=True)
-    if proc.returncode != 0:
-        tail = log_file.read_text()[-4000:]
-        raise SystemExit(f"The {nprocs}-process launch failed (exit {proc.returncode}); {log_file}:\n{tail}")
-    return [json.loads(line) for line in results_file.read_text().splitlines()]
 
 
 def write_phases(results: dict[str, Any], args: argparse.Namespace) -> None:

@@ -25,15 +25,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import hand, lit  # noqa: E402
+from benchmarks import hand, lit, phase_timing  # noqa: E402
 from benchmarks.common import MODELS, Clock, device_for, machine, periods_ms, pin_to_core  # noqa: E402
-
-
-def pipeline_strategy(case: dict[str, Any], **extra: Any) -> Any:
-    from lightning_pipe import PipelineParallelStrategy
-
-    return PipelineParallelStrategy(schedule=case["schedule"], microbatches=case["microbatches"], **extra)
-
+from benchmarks.lit import pipeline_strategy  # noqa: E402
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK")
 
@@ -95,9 +89,7 @@ def run_case(case: dict[str, Any], rank: int, world: int, device: torch.device) 
     if kind == "eval_single":
         return lit.validate(spec, "auto", 1, spec.batch, steps), {}
     if kind == "phases":
-        from benchmarks import phases
-
-        return phases.run_case(case, rank, world, device)
+        return phase_timing.run_case(case, rank, world, device)
     raise ValueError(f"unknown case kind {kind!r}")
 
 

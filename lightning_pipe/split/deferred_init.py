@@ -8,7 +8,7 @@ rank's own allocated parameters and buffers, the recorded operators that set the
 ``nn.init.orthogonal_``'s QR factors), in their recorded order.
 
 Each parameter's operators run under their own seed, ``seed + crc32(name)`` with the parameter's first name in the
-full model (:func:`lightning_pipe.split.initialization.unit_seed`), so its values do not depend on the layout or on
+full model (:func:`lightning_pipe.split.seeding.unit_seed`), so its values do not depend on the layout or on
 which rank holds it. A recorded random operator with its own ``generator=`` draws from that seed too.
 
 A parameter that is a plain copy of another one drawn at random (``b = a.clone()``, ``copy.deepcopy(module)``, as
@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.split.initialization import seeded
+from lightning_pipe.split.seeding import seeded
 
 
 def _key(t: Tensor) -> int:

@@ -33,7 +33,6 @@ marker first (NaN, or the smallest integer) and raises :class:`PipelineModelErro
 from __future__ import annotations
 
 import inspect
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,27 +42,17 @@ from torch import nn
 from lightning_pipe.compat.transformers import INIT_WEIGHTS, init_weights_hook
 from lightning_pipe.errors import PipelineModelError
 from lightning_pipe.models import restore_buffers
+from lightning_pipe.split.seeding import seeded, unit_seed
 from lightning_pipe.split.surgery import find_block, stage_view
 
 if TYPE_CHECKING:
     from lightning_pipe.split.deferred_init import InitRecording
 
+__all__ = ["WHOLE_MODEL_WARN_BYTES", "init_hook", "initialize", "seeded", "unit_seed", "warn_whole_model"]
+
 #: Below this many bytes of parameters and buffers, building the network whole on every rank (in ``__init__``) costs
 #: too little memory to warn about; above it, building in ``configure_model`` saves real memory.
 WHOLE_MODEL_WARN_BYTES = 256 * 2**20
-
-
-def unit_seed(seed: int, name: str) -> int:
-    """The seed of the module or unit called ``name``."""
-    return (seed + zlib.crc32(name.encode())) % (2**63)
-
-
-def seeded(seed: int, name: str, fn: Callable[[], Any]) -> None:
-    # The accelerator's generator is restored too: initialisation must not shift the random stream of training.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(unit_seed(seed, name))
-        fn()
 
 
 def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
