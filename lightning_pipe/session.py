@@ -358,8 +358,8 @@ class PipelineArguments(MeshAxes):
             async_checkpoint=async_checkpoint,
             model_plan=model_plan,
         )
-        self.init_front_end(settings)
         self._session = PipelineSession(settings)
+        self.init_front_end(settings)
 
     def init_front_end(self, settings: PipelineSettings) -> None:
         """The front end's own initialisation (its Lightning base class's), with the validated settings."""
