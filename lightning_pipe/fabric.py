@@ -305,8 +305,8 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
             )
 
     def _load_initial_weights(self, module: nn.Module, split: Split) -> None:
+        from lightning_pipe.checkpoint import adapters
         from lightning_pipe.checkpoint import io as ckpt_io
-        from lightning_pipe.checkpoint import peft_adapters
 
         weights, adapter = self._settings.init_weights, self._settings.init_adapter
         if weights is not None:
@@ -319,7 +319,7 @@ class PipelineFabricStrategy(meshes.MeshAxes, DDPStrategy):
                 precision=self.precision.precision,
             )
         if adapter is not None:
-            peft_adapters.load_adapters(Path(adapter), self.checkpoint_topology(), module, network_prefix=split.prefix)
+            adapters.load_adapters(Path(adapter), self.checkpoint_topology(), module, network_prefix=split.prefix)
 
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None) -> Any:

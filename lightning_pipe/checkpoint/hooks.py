@@ -18,8 +18,7 @@ from typing import Any, Optional, Union
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import fabric_state, io, optim, peft_adapters, resume, save
-from lightning_pipe.checkpoint import huggingface as hf
+from lightning_pipe.checkpoint import adapters, fabric_state, io, optim, resume, save
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.models import kind_of
@@ -102,7 +101,7 @@ class CheckpointHooks:
                     precision=self.precision_plugin.precision,  # type: ignore[attr-defined]
                 )
             if adapter is not None:
-                peft_adapters.load_adapters(adapter, topology, self.model, network_prefix=network_prefix)  # type: ignore[attr-defined]
+                adapters.load_adapters(adapter, topology, self.model, network_prefix=network_prefix)  # type: ignore[attr-defined]
         return peak
 
     @property
@@ -173,7 +172,7 @@ class CheckpointHooks:
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._checkpoints is not None:
             self._checkpoints.writer.finish(None)  # a checkpoint being written is complete before any load
-        if not fitting and hf.is_hf_directory(path):
+        if not fitting and io.pretrained_files(path) is not None:
             from lightning.pytorch import __version__
 
             prefix = self.checkpoint_network()[0]
