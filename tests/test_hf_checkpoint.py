@@ -392,3 +392,38 @@ def test_plan_shards_and_sizes():
         2**31,
         1500,
     ]
+
+
+@pytest.mark.parametrize(
+    "old,names",
+    [
+        ("huggingface", ["read_directory", "plan_load", "copy_into", "is_hf_directory", "RECORD", "PRECISION_DTYPES"]),
+        (
+            "hf_export",
+            ["export", "plan_entries", "plan_shards", "shard_files", "INDEX", "DTYPES", "DEFAULT_SHARD_SIZE"],
+        ),
+        ("peft_adapters", ["load_adapters", "adapter_directory", "saved_name", "check_config", "ADAPTER_CONFIG"]),
+        ("peft_export", ["export", "refuse_plain_export", "refuse_not_peft", "PEFT"]),
+    ],
+)
+def test_the_old_checkpoint_paths_keep_working_with_a_deprecation(old, names):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"lightning_pipe.checkpoint.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"lightning_pipe.checkpoint.{old} moved"):
+        module = importlib.import_module(f"lightning_pipe.checkpoint.{old}")
+    assert all(hasattr(module, name) for name in names)
+
+
+def test_the_old_plan_load_of_a_directory(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from lightning_pipe.checkpoint import huggingface as old
+
+    path = save_pretrained(tmp_path / "d", "llama", True)
+    holder = _fresh()
+    plan = old.plan_load(path, io.model_state(holder), holder, "model.", {})
+    assert old.copy_into(plan) > 0 and old.is_hf_directory(path)

@@ -23,7 +23,7 @@ from lightning_pipe.comm.dtensor import assign_whole_, place_like
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.models import files_reading, kind_of
-from lightning_pipe.models.files import StateDictAdapter, load_mapped
+from lightning_pipe.models.files import LoadTarget, StateDictAdapter, load_mapped
 from lightning_pipe.split.tied import tied_groups
 
 #: The parameters' dtype under each Lightning precision (``-mixed``: float32 weights, the compute autocast).
@@ -376,21 +376,11 @@ def load_weights(
     return rest
 
 
-def load_hf(
-    source: Path,
-    topo: Topology,
-    module: nn.Module,
-    *,
-    network_prefix: str,
-    strict: bool,
-    dtype: torch.dtype | None = None,
-) -> int:
-    """:func:`load_pretrained` of the Hugging Face model directory ``source``."""
+def load_hf(source: Path, topo: Topology, module: nn.Module, **options: Any) -> int:
+    """:func:`load_pretrained` of the Hugging Face model directory ``source`` (``options``: its keyword arguments)."""
     from lightning_pipe.models.huggingface.files import HuggingFaceFiles
 
-    return load_pretrained(
-        HuggingFaceFiles(), source, topo, module, network_prefix=network_prefix, strict=strict, dtype=dtype
-    )
+    return load_pretrained(HuggingFaceFiles(), source, topo, module, **options)
 
 
 def tie_groups(module: nn.Module, aliases: Mapping[str, str]) -> list[list[str]]:
@@ -429,9 +419,10 @@ def load_pretrained(
         # Only when needed: `to` swaps DTensor parameters (tensor parallelism), which fails once autograd holds them.
         network.to(dtype)
     problems: list[str] = []
-    groups = tie_groups(module, topo.aliases)
-    state = model_state(module)
-    plan = local_step(problems, files.plan_load, Path(source), state, network, kind_of(network), network_prefix, groups)
+    target = LoadTarget(
+        model_state(module), network, kind_of(network), network_prefix, tie_groups(module, topo.aliases)
+    )
+    plan = local_step(problems, files.plan_load, Path(source), target)
     agree(problems, f"Cannot load the {files.title} {str(source)!r}")
     # What every rank reads, leaves unread on purpose and misses: the same verdict on every rank.
     found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing, plan.new_head))

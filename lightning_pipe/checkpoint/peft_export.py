@@ -9,8 +9,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightning_pipe.checkpoint.export import checkpoint_entries, write_directory
 from lightning_pipe.models import peft_io
 from lightning_pipe.models.peft_io import PEFT, READ_BYTES, refuse_not_peft, refuse_plain_export
@@ -25,24 +23,8 @@ warnings.warn(
 )
 
 
-def export(
-    src: Path,
-    dst: Path,
-    record: Mapping[str, Any],
-    hf_config: Any,
-    generation: Any,
-    prefix: str,
-    *,
-    merge: bool,
-    max_shard_size: int | str,
-    dtype: torch.dtype | None,
-) -> Path:
-    """:func:`lightning_pipe.models.peft_io.export` of the checkpoint ``src`` with the network record ``record``,
-    written to ``dst`` complete or not at all."""
+def export(src: Path, dst: Path, record: Mapping[str, Any], *args: Any, **kwargs: Any) -> Path:
+    """:func:`lightning_pipe.models.peft_io.export` (``args``, ``kwargs``: its arguments after ``out``) of the
+    checkpoint ``src`` with the network record ``record``, written to ``dst`` complete or not at all."""
     entries = dataclasses.replace(checkpoint_entries(Path(src)), record=record)
-    return write_directory(
-        Path(dst),
-        lambda out: peft_io.export(
-            entries, out, hf_config, generation, prefix, merge=merge, max_shard_size=max_shard_size, dtype=dtype
-        ),
-    )
+    return write_directory(Path(dst), lambda out: peft_io.export(entries, out, *args, **kwargs))

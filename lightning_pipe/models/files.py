@@ -64,6 +64,22 @@ class LoadPlan:
         return self.stored if self.stored is not None else frozenset(self.directory.files)
 
 
+@dataclass(frozen=True)
+class LoadTarget:
+    """This rank's side of a load from a directory (built by the checkpoint code)."""
+
+    #: this rank's stages' state dict, under the LightningModule's names
+    state: Mapping[str, Any]
+    #: the pipelined network (the LightningModule's ``network_prefix`` attribute)
+    network: nn.Module
+    #: its :class:`~lightning_pipe.models.base.ModelKind` (its names on disk, what its loader ignores)
+    kind: Any
+    #: the network's attribute as a name prefix (``"model."``; ``""`` for the module itself)
+    network_prefix: str
+    #: the names of each tied parameter (in the module, or across stages), the first the one stored
+    groups: Sequence[Sequence[str]] = ()
+
+
 #: ``assign(target, whole)``: copy a stored tensor (whole) into one of this rank's tensors (a DTensor takes its part)
 Assign = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -126,18 +142,8 @@ class StateDictAdapter(Protocol):
         """Whether ``path`` is one of the family's directories (a lightning-pipe checkpoint is never asked)."""
         ...
 
-    def plan_load(
-        self,
-        path: Path,
-        state: Mapping[str, Any],
-        network: nn.Module,
-        kind: Any,
-        network_prefix: str,
-        groups: Sequence[Sequence[str]],
-    ) -> LoadPlan:
-        """Match this rank's ``state`` (its stages' entries under the LightningModule's names; ``network`` is the
-        module's ``network_prefix`` attribute, ``kind`` its :class:`~lightning_pipe.models.base.ModelKind`) to the
-        tensors of ``path``; ``groups``: the names of each tied parameter, the first the one stored."""
+    def plan_load(self, path: Path, target: LoadTarget) -> LoadPlan:
+        """Match this rank's tensors (``target``) to those stored in ``path``."""
         ...
 
     def copy_into(self, plan: LoadPlan, assign: Assign = copy_whole) -> int:

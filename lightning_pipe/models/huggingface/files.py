@@ -5,15 +5,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.models import peft_io
-from lightning_pipe.models.files import Assign, CheckpointEntries, ExportOptions, LoadPlan, copy_whole
+from lightning_pipe.models.files import Assign, CheckpointEntries, ExportOptions, LoadPlan, LoadTarget, copy_whole
 from lightning_pipe.models.huggingface import directory, export
 
 
@@ -27,16 +26,10 @@ class HuggingFaceFiles:
     def reads(self, path: Path) -> bool:
         return directory.is_hf_directory(path)
 
-    def plan_load(
-        self,
-        path: Path,
-        state: Mapping[str, Any],
-        network: nn.Module,
-        kind: Any,
-        network_prefix: str,
-        groups: Sequence[Sequence[str]],
-    ) -> LoadPlan:
-        return directory.plan_load(path, state, network, kind, network_prefix, groups)
+    def plan_load(self, path: Path, target: LoadTarget) -> LoadPlan:
+        return directory.plan_load(
+            path, target.state, target.network, target.kind, target.network_prefix, target.groups
+        )
 
     def copy_into(self, plan: LoadPlan, assign: Assign = copy_whole) -> int:
         return directory.copy_into(plan, assign)
