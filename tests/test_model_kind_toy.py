@@ -15,7 +15,7 @@ from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.models import files_named, files_reading, kind_of, register_kind, restore_buffers
 from lightning_pipe.models.plain import PlainKind
 from tests.launch import run_script
-from tests.toy_kind import ToyCell, ToyFiles, ToyKind, ToyNet, claim, disk_name, load_toy, register, save_toy
+from tests.toy_kind import ToyFiles, ToyKind, ToyNet, claim, disk_name, load_toy, register, save_toy
 
 
 # ---------------------------------------------------------------------------------------------------- one process
@@ -131,4 +131,3 @@ def test_its_checkpoint_records_its_format_and_exports_back_to_it(toy_run):
     net = ToyNet()
     state = {k: written[disk_name(k)] for k in net.state_dict()}
     net.load_state_dict(state)  # the toy format round-trips into its network
-    assert isinstance(ToyCell(0).scale, torch.Tensor)

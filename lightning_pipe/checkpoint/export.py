@@ -55,7 +55,15 @@ def export(
     (the model with its adapters merged in): :mod:`lightning_pipe.models.peft_io`.
     """
     src, dst = Path(src), Path(dst)
-    options = ExportOptions(attribute, config, max_shard_size, dtype_of(dtype), progress, adapter, merge)
+    options = ExportOptions(
+        attribute=attribute,
+        config=config,
+        max_shard_size=max_shard_size,
+        dtype=dtype_of(dtype),
+        progress=progress,
+        adapter=adapter,
+        merge=merge,
+    )
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise PipelineCheckpointError(
             f"{str(dst)!r} exists. Export to a new directory, or pass `--overwrite` (`overwrite=True`) to replace it."
