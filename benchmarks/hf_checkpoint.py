@@ -124,12 +124,13 @@ def load_worker(work: Path, stages: int) -> None:
 def export_worker(work: Path, stages: int, quick: bool) -> None:
     import transformers  # noqa: F401  (imported before the measurement: the runtime, not the export)
 
-    from lightning_pipe.checkpoint import hf_export
+    from lightning_pipe.checkpoint import export
     from lightning_pipe.measure.memory import PeakMemory
+    from lightning_pipe.models.huggingface import export as hf_export
 
     out = work / f"export-{stages}"
     with PeakMemory("cpu") as peak:
-        hf_export.export(work / f"ckpt-{stages}", out, max_shard_size=SHARD["quick" if quick else "full"])
+        export.export(work / f"ckpt-{stages}", out, max_shard_size=SHARD["quick" if quick else "full"])
     shards = [p.stat().st_size for p in out.glob("*.safetensors")]
     index = json.loads((out / hf_export.INDEX).read_text()) if len(shards) > 1 else None
     from safetensors import safe_open

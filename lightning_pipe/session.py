@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lightning_pipe.checkpoint import adapters as ckpt_adapters
 from lightning_pipe.checkpoint import io as ckpt_io
-from lightning_pipe.checkpoint import peft_adapters
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.mesh import MeshAxes, MeshCache
 from lightning_pipe.compat import lightning as pl_compat
@@ -205,7 +205,7 @@ class PipelineSession(MeshAxes):
                 load = ckpt_io.load_weights
                 load(Path(weights), topology, model, network_prefix=prefix, strict=strict, precision=precision)
             if adapter is not None:
-                peft_adapters.load_adapters(Path(adapter), topology, model, network_prefix=prefix)
+                ckpt_adapters.load_adapters(Path(adapter), topology, model, network_prefix=prefix)
         self.load_peak = peak
 
     def _wrap(self, split: Split) -> None:

@@ -18,10 +18,12 @@ import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from lightning_pipe import PipelineCheckpointError  # noqa: E402
-from lightning_pipe.checkpoint import hf_export, io, save  # noqa: E402
-from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
+from lightning_pipe.checkpoint import export, io, save  # noqa: E402
+from lightning_pipe.checkpoint import format as fmt  # noqa: E402
 from lightning_pipe.checkpoint.__main__ import main as cli  # noqa: E402
 from lightning_pipe.models import kind_of  # noqa: E402
+from lightning_pipe.models.huggingface import directory as hf  # noqa: E402
+from lightning_pipe.models.huggingface import export as hf_export  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.hf_models import build  # noqa: E402
@@ -101,7 +103,8 @@ def test_a_stage_reads_only_its_tensors_and_the_tied_head_from_the_embedding(tmp
     last = [*layout.blocks[4:], *layout.post]
     prune(holder.model, last, layout.units, placeholder=hf_placeholder(holder.model))
     aliases = {"model.lm_head.weight": "model.model.embed_tokens.weight"}  # tied across stages: stored once
-    plan = hf.plan_load(path, io.model_state(holder), holder, "model.", aliases)
+    groups = io.tie_groups(holder, aliases)
+    plan = hf.plan_load(path, io.model_state(holder), holder.model, kind_of(holder.model), "model.", groups)
     assert "model.embed_tokens.weight" in plan.targets and "lm_head.weight" not in plan.directory.files
     assert not any(name.startswith(("model.layers.0.", "model.layers.3.")) for name in plan.targets)
     read = hf.copy_into(plan)
@@ -240,7 +243,7 @@ def test_directory_errors(tmp_path):
 def test_a_read_that_fails_midway_is_reported_by_every_rank(tmp_path, monkeypatch):
     path = save_pretrained(tmp_path / "d", "llama", True)
 
-    def unreadable(file, names, targets):
+    def unreadable(file, names, targets, assign):
         raise OSError(f"Input/output error: {file.name}")
 
     monkeypatch.setattr(hf, "_copy_safetensors", unreadable)
@@ -260,9 +263,9 @@ def test_resuming_fit_from_a_directory_is_refused(tmp_path):
 
 def test_a_pipeline_checkpoint_directory_is_not_taken_for_a_hugging_face_one(tmp_path):
     path = save_pretrained(tmp_path / "d", "llama", True)
-    assert hf.is_hf_directory(path)
+    assert io.pretrained_files(path).name == "transformers"
     (path / "lightning_pipe.json").write_text("{}")
-    assert not hf.is_hf_directory(path) and not hf.is_hf_directory(path / hf.CONFIG)
+    assert io.pretrained_files(path) is None and io.pretrained_files(path / hf.CONFIG) is None
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -281,7 +284,7 @@ def test_export_round_trip_through_from_pretrained(tmp_path, tie):
     holder = _fresh(tie=tie)
     aliases = {"model.lm_head.weight": "model.model.embed_tokens.weight"} if tie else {}
     src = _checkpoint(tmp_path / "ckpt", holder, aliases)
-    assert hf_export.export(src, tmp_path / "out", max_shard_size="40KB") == tmp_path / "out"
+    assert export.export(src, tmp_path / "out", max_shard_size="40KB") == tmp_path / "out"
     out = tmp_path / "out"
     index = json.loads((out / hf_export.INDEX).read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -322,7 +325,7 @@ def test_export_one_file_bf16_with_the_config_of_a_directory_and_overwrite(tmp_p
 
 def test_a_failed_export_leaves_the_previous_directory(tmp_path, monkeypatch):
     src = _checkpoint(tmp_path / "ckpt", _fresh())
-    hf_export.export(src, tmp_path / "out")
+    export.export(src, tmp_path / "out")
     before = sorted(p.name for p in (tmp_path / "out").iterdir())
 
     def broken(f, tensor):
@@ -330,7 +333,7 @@ def test_a_failed_export_leaves_the_previous_directory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hf_export, "write_tensor", broken)
     with pytest.raises(OSError, match="disk full"):
-        hf_export.export(src, tmp_path / "out", overwrite=True, max_shard_size="40KB")
+        export.export(src, tmp_path / "out", overwrite=True, max_shard_size="40KB")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
 
@@ -362,15 +365,15 @@ def test_export_errors(tmp_path, monkeypatch):
     for kwargs, pattern in cases:
         kwargs = {"src": src, **kwargs}
         with pytest.raises(PipelineCheckpointError, match=pattern):
-            hf_export.export(kwargs.pop("src"), tmp_path / "out", **kwargs)
+            export.export(kwargs.pop("src"), tmp_path / "out", **kwargs)
     manifest = json.loads((src / "lightning_pipe.json").read_text())
-    manifest[hf.RECORD]["config"]["architectures"] = ["NoSuchForCausalLM"]
+    manifest[fmt.NETWORK_RECORD]["config"]["architectures"] = ["NoSuchForCausalLM"]
     (src / "lightning_pipe.json").write_text(json.dumps(manifest))
     with pytest.raises(PipelineCheckpointError, match=r"names the architecture 'NoSuchForCausalLM', which this"):
-        hf_export.export(src, tmp_path / "out")
+        export.export(src, tmp_path / "out")
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(PipelineCheckpointError, match=r"needs transformers: `pip install 'lightning-pipe\[hf\]'`"):
-        hf_export.export(src, tmp_path / "out")
+        export.export(src, tmp_path / "out")
     with pytest.raises(PipelineCheckpointError, match=r"'x' has dtype torch.complex64, which safetensors cannot"):
         hf_export.safetensors_header([hf_export.Entry("x", "x", (2,), torch.complex64)])
 
@@ -389,3 +392,38 @@ def test_plan_shards_and_sizes():
         2**31,
         1500,
     ]
+
+
+@pytest.mark.parametrize(
+    "old,names",
+    [
+        ("huggingface", ["read_directory", "plan_load", "copy_into", "is_hf_directory", "RECORD", "PRECISION_DTYPES"]),
+        (
+            "hf_export",
+            ["export", "plan_entries", "plan_shards", "shard_files", "INDEX", "DTYPES", "DEFAULT_SHARD_SIZE"],
+        ),
+        ("peft_adapters", ["load_adapters", "adapter_directory", "saved_name", "check_config", "ADAPTER_CONFIG"]),
+        ("peft_export", ["export", "refuse_plain_export", "refuse_not_peft", "PEFT"]),
+    ],
+)
+def test_the_old_checkpoint_paths_keep_working_with_a_deprecation(old, names):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"lightning_pipe.checkpoint.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"lightning_pipe.checkpoint.{old} moved"):
+        module = importlib.import_module(f"lightning_pipe.checkpoint.{old}")
+    assert all(hasattr(module, name) for name in names)
+
+
+def test_the_old_plan_load_of_a_directory(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from lightning_pipe.checkpoint import huggingface as old
+
+    path = save_pretrained(tmp_path / "d", "llama", True)
+    holder = _fresh()
+    plan = old.plan_load(path, io.model_state(holder), holder, "model.", {})
+    assert old.copy_into(plan) > 0 and old.is_hf_directory(path)

@@ -16,9 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe import PipelineParallelStrategy  # noqa: E402
-from lightning_pipe.checkpoint import hf_export  # noqa: E402
-from lightning_pipe.checkpoint import huggingface as hf  # noqa: E402
+from lightning_pipe.checkpoint import export  # noqa: E402
 from lightning_pipe.models import kind_of  # noqa: E402
+from lightning_pipe.models.huggingface import directory as hf  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout  # noqa: E402
 from tests.hf_heads import TASKS, config, fine_tune, lora_config, probe, save_pretrained  # noqa: E402
 from tests.launch import run_script  # noqa: E402
@@ -133,7 +133,7 @@ def test_task_heads_fine_tune_and_export_2_procs(work):
         last = next(rank for rank in ranks if any(key.endswith(heads) for key in rank["state"]))
         assert len(val_losses) == 2
         torch.testing.assert_close(last["val_losses"], val_losses, rtol=TOL, atol=0, msg=name)
-        out = hf_export.export(work / f"ckpt-{name}", work / f"export-{name}")
+        out = export.export(work / f"ckpt-{name}", work / f"export-{name}")
         assert json.loads((out / "config.json").read_text())["architectures"] == [TASKS[task][0]]
         exported = getattr(transformers, TASKS[task][0]).from_pretrained(out, attn_implementation="eager")
         torch.testing.assert_close(probe(exported), logits, rtol=0, atol=TOL, msg=name)

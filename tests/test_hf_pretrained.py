@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_pipe.checkpoint import hf_export  # noqa: E402
+from lightning_pipe.checkpoint import export  # noqa: E402
+from lightning_pipe.models.huggingface import export as hf_export  # noqa: E402
 from tests.hf_pretrained import fine_tune, probe_logits, save_pretrained  # noqa: E402
 from tests.launch import agreed_errors, run_script  # noqa: E402
 
@@ -48,7 +49,7 @@ def _check_schedule(work, schedule: str, nprocs: int) -> None:
             torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0)
             assert rank["load_peak"][0] is not None
         src, dst = work / f"ckpt-{schedule}-{name}", work / f"export-{schedule}-{name}"
-        out = hf_export.export(src, dst, max_shard_size="40KB")
+        out = export.export(src, dst, max_shard_size="40KB")
         files = sorted(p.name for p in out.iterdir())
         assert "config.json" in files and "generation_config.json" in files and hf_export.INDEX in files
         assert len([f for f in files if f.endswith(".safetensors")]) > 1

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe import PipelineParallelStrategy  # noqa: E402
-from lightning_pipe.checkpoint import hf_export  # noqa: E402
+from lightning_pipe.checkpoint import export  # noqa: E402
 from lightning_pipe.errors import PipelineModelError  # noqa: E402
 from lightning_pipe.models import kind_of  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder  # noqa: E402
@@ -161,7 +161,7 @@ def test_vision_language_models_2_procs(tmp_path):
                 # random model, where float sums differ in the 8th digit of the largest entries
                 scale = float(want.abs().max()) if want.is_floating_point() and want.numel() else 1.0
                 torch.testing.assert_close(value, want, rtol=TOL, atol=TOL * max(1.0, scale), msg=key)
-    out = hf_export.export(tmp_path / "ckpt-llava-directory", tmp_path / "export")
+    out = export.export(tmp_path / "ckpt-llava-directory", tmp_path / "export")
     exported = transformers.LlavaForConditionalGeneration.from_pretrained(out, attn_implementation="eager")
     torch.testing.assert_close(probe(exported, "llava"), probe(one["model"].model, "llava"), rtol=0, atol=TOL)
 

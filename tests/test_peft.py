@@ -225,16 +225,16 @@ def test_export_adapter_and_merged_from_a_one_process_run(tmp_path, directory, t
 
 
 def test_export_of_a_peft_checkpoint_names_adapter_and_merge(tmp_path):
-    from lightning_pipe.checkpoint import hf_export
+    from lightning_pipe.checkpoint import export
     from lightning_pipe.errors import PipelineCheckpointError
 
     base_dir = save_pretrained(tmp_path / "llama", "llama", True, layers=2)
     _, trainer, _ = fine_tune(base_dir, "lora", PipelineParallelStrategy(init_weights=base_dir), max_steps=1)
     trainer.save_checkpoint(tmp_path / "ckpt")
     with pytest.raises(PipelineCheckpointError, match=r"PEFT model.*`--adapter`.*`--merge`"):
-        hf_export.export(tmp_path / "ckpt", tmp_path / "out")
+        export.export(tmp_path / "ckpt", tmp_path / "out")
     with pytest.raises(PipelineCheckpointError, match=r"`--adapter` and `--merge` exclude each other"):
-        hf_export.export(tmp_path / "ckpt", tmp_path / "out", adapter=True, merge=True)
+        export.export(tmp_path / "ckpt", tmp_path / "out", adapter=True, merge=True)
     assert not (tmp_path / "out").exists()
 
 

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from lightning_pipe import PipelineParallelStrategy  # noqa: E402
-from lightning_pipe.checkpoint.peft_adapters import adapter_directory, saved_name  # noqa: E402
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError  # noqa: E402
+from lightning_pipe.models.peft_io import adapter_directory, saved_name  # noqa: E402
 from tests.hf_pretrained import fine_tune as fine_tune_full  # noqa: E402
 from tests.hf_pretrained import save_pretrained  # noqa: E402
 from tests.peft_models import fine_tune, peft_config, peft_start, save_adapter  # noqa: E402

@@ -546,10 +546,10 @@ def test_a_tensor_parallel_checkpoint_exports_to_hugging_face(four, tmp_path):
     trained weights."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_pipe.checkpoint import hf_export
+    from lightning_pipe.checkpoint import export
 
     trained = _merged(load_ranks(four, "hf-llama-tied"))["state"]
-    out = hf_export.export(four / "hf-tp.ckpt", tmp_path / "exported")
+    out = export.export(four / "hf-tp.ckpt", tmp_path / "exported")
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()  # still tied
     for key, value in trained.items():

@@ -12,4 +12,8 @@
 - :mod:`lightning_pipe.checkpoint.hooks`: the strategy's checkpoint hooks.
 - :mod:`lightning_pipe.checkpoint.convert`: ``python -m lightning_pipe.checkpoint`` (consolidate to one ``.ckpt``,
   optionally with optimizer state).
+- :mod:`lightning_pipe.checkpoint.export` and :mod:`lightning_pipe.checkpoint.adapters`: ``export-hf`` and
+  ``init_adapter``, through the model kind's files (``lightning_pipe.models.files.StateDictAdapter``); a kind's
+  pretrained directory (``init_weights``) is read by :func:`lightning_pipe.checkpoint.io.load_pretrained`. This
+  package knows no model family: transformers and peft files live in ``lightning_pipe/models/``.
 """

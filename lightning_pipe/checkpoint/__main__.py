@@ -58,7 +58,7 @@ def _conversion(sub: Any, name: str, help: str, dst_help: str) -> argparse.Argum
 
 
 def _export_parser(sub: Any) -> None:
-    from lightning_pipe.checkpoint.hf_export import DEFAULT_SHARD_SIZE, DTYPES
+    from lightning_pipe.models.files import DEFAULT_SHARD_SIZE, DTYPES
 
     e = _conversion(
         sub,
@@ -100,14 +100,14 @@ def _export_parser(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_pipe.checkpoint import convert, hf_export
+    from lightning_pipe.checkpoint import convert, export
 
     args = parser().parse_args(argv)
     try:
         if args.command == "inspect":
             print(json.dumps(convert.inspect(args.src), indent=2))
         elif args.command == "export-hf":
-            dst = hf_export.export(
+            dst = export.export(
                 args.src,
                 args.dst,
                 config=args.config,

@@ -24,7 +24,6 @@ import torch
 
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
-from lightning_pipe.checkpoint.huggingface import RECORD
 from lightning_pipe.checkpoint.io import load_trainer_state
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
@@ -51,8 +50,8 @@ def inspect(path: Path) -> dict[str, Any]:
     model = [k for k in keys if k.startswith(fmt.MODEL_PREFIX)]
     if fmt.PARAM_GROUPS in manifest:  # names of every parameter: sizes are what a reader can check at a glance
         manifest[fmt.PARAM_GROUPS] = [[len(g) for g in groups] for groups in manifest[fmt.PARAM_GROUPS]]
-    if RECORD in manifest:  # the whole config is for export-hf; the class says what it is
-        manifest[RECORD] = {k: manifest[RECORD].get(k) for k in ("class", "attribute")}
+    if fmt.NETWORK_RECORD in manifest:  # the whole config is for export-hf; the class says what it is
+        manifest[fmt.NETWORK_RECORD] = {k: manifest[fmt.NETWORK_RECORD].get(k) for k in ("class", "attribute")}
     return {**manifest, "model_entries": len(model), "optimizer_entries": len(keys) - len(model)}
 
 

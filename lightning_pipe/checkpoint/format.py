@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.models.files import format_keys
 
 FORMAT_NAME = "lightning-pipe-checkpoint"
 FORMAT_VERSION = 1
@@ -41,9 +42,9 @@ EPOCH = "epoch"
 SAVED_AT = "saved_at"
 RESUME_FILES = "resume_files"
 RESUME_DIR = "resume"
-#: Manifest key (unknown to older readers too): a transformers network's class, config, generation config and the
-#: LightningModule's attribute holding it (:func:`lightning_pipe.checkpoint.huggingface.network_record`): what
-#: ``export-hf`` writes ``config.json`` from.
+#: Manifest key (unknown to older readers too): what the network's kind records to export it (``ModelKind.record``;
+#: a transformers network's class, config, generation config and the LightningModule's attribute holding it): what
+#: ``export-hf`` writes ``config.json`` from. The name is historical: any kind's record is kept under it.
 NETWORK_RECORD = "huggingface"
 #: Manifest key (unknown to older readers too): the pipelined network's attribute in the saved module as a name prefix
 #: (``"model."`` for a LightningModule's ``self.model``, ``""`` for a Fabric module or a LightningModule that is the
@@ -229,13 +230,6 @@ def missing_files(path: Path, manifest: Mapping[str, Any], storage: Iterable[tup
 
 
 # ---------------------------------------------------------------------------------------------------- keys
-def format_keys(keys: Iterable[str], limit: int = 6) -> str:
-    """``'a', 'b', 'c' and 12 more``: long key lists stay readable in an error message."""
-    keys = sorted(keys)
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
 def _entry_group(key: str) -> str:
     head = key.split(".", 1)[0]
     return "weights" if head == "state_dict" else f"{head.replace('_', ' ')} state"

@@ -20,7 +20,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save
-from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.models import kind_of
 from lightning_pipe.reliability import failures
@@ -152,7 +151,7 @@ class CheckpointHooks(Strategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._checkpoints is not None:
             self._checkpoints.writer.finish(None)  # a checkpoint being written is complete before any load
-        if not fitting and hf.is_hf_directory(path):
+        if not fitting and io.pretrained_files(path) is not None:
             from lightning.pytorch import __version__
 
             prefix = self.checkpoint_network()[0]

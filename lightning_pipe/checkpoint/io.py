@@ -17,12 +17,24 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
-from lightning_pipe.checkpoint import huggingface as hf
 from lightning_pipe.checkpoint import optim
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import assign_whole_, place_like
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.models import files_reading, kind_of
+from lightning_pipe.models.files import LoadTarget, StateDictAdapter, load_mapped
+from lightning_pipe.split.tied import tied_groups
+
+#: The parameters' dtype under each Lightning precision (``-mixed``: float32 weights, the compute autocast).
+PRECISION_DTYPES = {
+    "64-true": torch.float64,
+    "32-true": torch.float32,
+    "bf16-mixed": torch.float32,
+    "16-mixed": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -150,9 +162,10 @@ def load(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
-    if hf.is_hf_directory(path):
+    files = pretrained_files(path)
+    if files is not None:
         raise PipelineCheckpointError(
-            f"{str(path)!r} is a Hugging Face model directory: it holds weights only, no optimizer or loop state to"
+            f"{str(path)!r} is a {files.title}: it holds weights only, no optimizer or loop state to"
             f" resume. Start a run from it with `PipelineParallelStrategy(init_weights={str(path)!r})`."
         )
     problems: list[str] = []
@@ -323,6 +336,15 @@ def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights
 
 
 # ---------------------------------------------------------------------------------------------------- single files
+def pretrained_files(path: Path) -> StateDictAdapter | None:
+    """The files of the model kind whose directories ``path`` is one of (a Hugging Face model directory, ...);
+    ``None`` for a lightning-pipe checkpoint (its manifest), a file, or a directory no kind reads."""
+    path = Path(path)
+    if not path.is_dir() or (path / fmt.MANIFEST).exists():
+        return None
+    return files_reading(path)
+
+
 def load_weights(
     source: Path,
     topo: Topology,
@@ -334,15 +356,17 @@ def load_weights(
     precision: str | None = None,
 ) -> dict[str, Any]:
     """Load initial weights for this rank's stages from a single-file ``.ckpt``, a plain ``state_dict`` file, a
-    directory checkpoint or a Hugging Face model directory (:func:`load_hf`, whose weights take the dtype of the
-    Trainer's ``precision``). A file is memory-mapped: a rank reads only its own stages' tensors from it.
+    directory checkpoint or a model kind's directory (a Hugging Face model directory: :func:`load_pretrained`, whose
+    weights take the dtype of the Trainer's ``precision``). A file is memory-mapped: a rank reads only its own
+    stages' tensors from it.
 
     Returns what else a single-file Lightning checkpoint holds (``{}`` for a plain state dict or a directory).
     """
     source = Path(source)
-    if hf.is_hf_directory(source):
-        dtype = hf.PRECISION_DTYPES.get(precision) if precision is not None else None
-        load_hf(source, topo, module, network_prefix=network_prefix, strict=strict, dtype=dtype)
+    files = pretrained_files(source)
+    if files is not None:
+        dtype = PRECISION_DTYPES.get(precision) if precision is not None else None
+        load_pretrained(files, source, topo, module, network_prefix=network_prefix, strict=strict, dtype=dtype)
         return {}
     if source.is_dir():
         load(source, topo, module, [], strict=strict)
@@ -352,7 +376,24 @@ def load_weights(
     return rest
 
 
-def load_hf(
+def load_hf(source: Path, topo: Topology, module: nn.Module, **options: Any) -> int:
+    """:func:`load_pretrained` of the Hugging Face model directory ``source`` (``options``: its keyword arguments)."""
+    from lightning_pipe.models.huggingface.files import HuggingFaceFiles
+
+    return load_pretrained(HuggingFaceFiles(), source, topo, module, **options)
+
+
+def tie_groups(module: nn.Module, aliases: Mapping[str, str]) -> list[list[str]]:
+    """The names of each parameter tied in ``module`` and of each tied across stages (``aliases``: ``{name: first
+    name}``), the first the one transformers keeps."""
+    across: dict[str, list[str]] = {}
+    for name, first in aliases.items():
+        across.setdefault(first, [first]).append(name)
+    return [*map(list, tied_groups(module)), *across.values()]
+
+
+def load_pretrained(
+    files: StateDictAdapter,
     source: Path,
     topo: Topology,
     module: nn.Module,
@@ -361,15 +402,16 @@ def load_hf(
     strict: bool,
     dtype: torch.dtype | None = None,
 ) -> int:
-    """Load this rank's stages from the Hugging Face model directory ``source``; returns the bytes this rank read.
+    """Load this rank's stages from ``source``, a directory of the model kind whose ``files`` read it; returns the
+    bytes this rank read.
 
     ``dtype``: the floating-point dtype the network's parameters are cast to first (the Trainer's precision:
     ``from_config`` builds a network in the dtype its ``config.json`` names, bfloat16 for most published models).
 
-    Each rank reads only its own stages' tensors (:mod:`lightning_pipe.checkpoint.huggingface`); a stored tensor is
-    read once however many of the rank's parameters it fills. The same error is raised on every rank: another model
-    type, shapes that differ, and (``strict``) the model's keys the directory lacks and stored keys no rank loads;
-    without ``strict`` those are a warning and missing weights keep the model's own initialisation.
+    Each rank reads only its own stages' tensors (``files.plan_load``); a stored tensor is read once however many of
+    the rank's parameters it fills. The same error is raised on every rank: another model type, shapes that differ,
+    and (``strict``) the model's keys the directory lacks and stored keys no rank loads; without ``strict`` those
+    are a warning and missing weights keep the model's own initialisation.
     """
     network = module.get_submodule(network_prefix[:-1]) if network_prefix else module
     tensors = [*network.parameters(), *network.buffers()]
@@ -377,24 +419,27 @@ def load_hf(
         # Only when needed: `to` swaps DTensor parameters (tensor parallelism), which fails once autograd holds them.
         network.to(dtype)
     problems: list[str] = []
-    plan = local_step(problems, hf.plan_load, Path(source), model_state(module), module, network_prefix, topo.aliases)
-    agree(problems, f"Cannot load the Hugging Face model directory {str(source)!r}")
+    target = LoadTarget(
+        model_state(module), network, kind_of(network), network_prefix, tie_groups(module, topo.aliases)
+    )
+    plan = local_step(problems, files.plan_load, Path(source), target)
+    agree(problems, f"Cannot load the {files.title} {str(source)!r}")
     # What every rank reads, leaves unread on purpose and misses: the same verdict on every rank.
     found = _gather((sorted(plan.targets), sorted(plan.ignorable), plan.missing, plan.new_head))
     used = {name for read, ignorable, _, _ in found for name in (*read, *ignorable)}
     missing = sorted({key for _, _, keys, _ in found for key in keys})
-    unexpected = sorted(set(plan.directory.files) - used)
+    unexpected = sorted(plan.stored_names - used)
     new_head = sorted({key for *_, keys in found for key in keys})
     if new_head and topo.global_rank == 0:
-        warnings.warn(hf.new_head_message(Path(source), network, plan.directory, new_head), UserWarning, stacklevel=2)
+        warnings.warn(files.new_head_message(Path(source), network, plan, new_head), UserWarning, stacklevel=2)
     if missing or unexpected:
-        message = hf.mismatch_message(Path(source), missing, unexpected, strict)
+        message = files.mismatch_message(Path(source), missing, unexpected, strict)
         if strict:
             raise PipelineCheckpointError(message)
         if topo.global_rank == 0:
             warnings.warn(message, UserWarning, stacklevel=2)
-    read = local_step(problems, hf.copy_into, plan)
-    agree(problems, f"Reading the Hugging Face model directory {str(source)!r} failed")
+    read = local_step(problems, files.copy_into, plan, assign_whole_)
+    agree(problems, f"Reading the {files.title} {str(source)!r} failed")
     return read
 
 
@@ -505,7 +550,7 @@ def _local_optimizer_states(
 def _mmap(source: Path, weights_only: bool | None = True) -> Any:
     if not source.exists():
         raise FileNotFoundError(f"{str(source)!r} does not exist")
-    return hf.load_mapped(source, weights_only)
+    return load_mapped(source, weights_only)
 
 
 def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -75,7 +75,7 @@ def start_save(
 
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` hold this rank's entries; ``token`` is the same
     on every rank; ``param_groups`` goes into the manifest with optimizer states, for ``consolidate --with-optimizer``;
-    ``network_record`` (:func:`lightning_pipe.checkpoint.huggingface.network_record`) too, for ``export-hf``.
+    ``network_record`` (the network's ``ModelKind.record``) too, for ``export-hf``.
     """
     import torch.distributed.checkpoint as dcp
 

@@ -12,10 +12,14 @@ A *model kind* (a plain ``nn.Module``, a transformers model, ...) answers, for o
   checkpoint records to write it back in the family's format (:meth:`ModelKind.record`);
 - the tensors its own initialisation leaves unset on the meta device and how to set them (:meth:`ModelKind.
   restore_buffers`);
+- its files, as torchtitan's ``ModelSpec.state_dict_adapter`` (:meth:`ModelKind.state_dict_adapter`, a
+  :class:`~lightning_pipe.models.files.StateDictAdapter`): its pretrained directories read per rank, its exports, its
+  adapters in and out;
 - how its ``generate`` decodes under a pipeline, if it has one (:meth:`ModelKind.decoding`, :class:`Decoding`).
 
 The split, the checkpoint code and tensor parallelism ask :func:`lightning_pipe.models.kind_of` for the network's kind
-and call these; they hold no family's knowledge themselves. Pure: no process group, no step.
+and call these; they hold no family's knowledge themselves. A kind is added from outside with
+:func:`lightning_pipe.models.register_kind`. Pure: no process group, no step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Protocol, Union
 
 from torch import nn
 
+from lightning_pipe.models.files import StateDictAdapter
 from lightning_pipe.models.units import Layout
 
 #: ``stage_call(body, args, kwargs, received, is_first, is_last) -> output``: runs a stage body on one microbatch.
@@ -142,4 +147,9 @@ class ModelKind(Protocol):
 
     def decoding(self) -> Decoding | None:
         """How the kind's ``generate`` decodes under a pipeline; ``None``: the kind cannot generate there."""
+        ...
+
+    def state_dict_adapter(self) -> StateDictAdapter | None:
+        """The kind's files (its pretrained directories, exports, adapters); ``None``: the network's own names only
+        (``init_weights`` takes lightning-pipe checkpoints and ``.ckpt`` files, ``export-hf`` refuses)."""
         ...

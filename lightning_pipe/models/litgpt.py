@@ -48,6 +48,11 @@ class LitGPTKind(PlainKind):
             " instead)."
         )
 
+    @staticmethod
+    def restore_buffers(module: nn.Module) -> bool:
+        """litgpt's rope cache (also the submodule hook of :func:`lightning_pipe.models.restore_buffers`)."""
+        return restore_rope_cache(module)
+
 
 def restore_rope_cache(module: nn.Module) -> bool:
     """Recompute litgpt's ``cos``/``sin`` rope cache (lost on the meta device); ``True`` if ``module`` is a GPT."""

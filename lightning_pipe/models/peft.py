@@ -181,7 +181,7 @@ class PeftKind:
 
     def record(self, network: nn.Module, attribute: str) -> dict[str, Any] | None:
         """The wrapped model's record (its config, :meth:`HuggingFaceKind.record`) and the peft configs by adapter
-        name, for ``export-hf --adapter``/``--merge`` (:mod:`lightning_pipe.checkpoint.peft_export`)."""
+        name, for ``export-hf --adapter``/``--merge`` (:mod:`lightning_pipe.models.peft_io`)."""
         record = self.inner.record(inner_model(network), attribute)
         if record is None:
             return None
@@ -193,6 +193,11 @@ class PeftKind:
 
     def decoding(self) -> None:
         return None  # generate of a PEFT model under the pipeline is not built: refused by name
+
+    def state_dict_adapter(self) -> Any:
+        from lightning_pipe.models.huggingface.files import PeftFiles
+
+        return PeftFiles()
 
     def _is_adapter(self, network: nn.Module, name: str) -> bool:
         return any(part.startswith(adapter_prefixes(network)) for part in name.split("."))

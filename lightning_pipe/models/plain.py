@@ -106,3 +106,6 @@ class PlainKind:
 
     def decoding(self) -> None:
         return None  # a decoding loop of the user's own calls the network once per token: refused as such
+
+    def state_dict_adapter(self) -> None:
+        return None

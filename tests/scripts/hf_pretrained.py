@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from lightning_pipe import PipelineCheckpointError, PipelineParallelStrategy
-from lightning_pipe.checkpoint import huggingface as hf
+from lightning_pipe.models.huggingface import directory as hf
 from tests.hf_pretrained import LitPretrained, fine_tune
 from tests.models import quiet_trainer
 

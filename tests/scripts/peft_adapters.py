@@ -48,11 +48,11 @@ def main() -> None:
 
 
 def _continue(work: Path, schedule: str, devices: int, name: str, tuner: str, trainer) -> None:
-    from lightning_pipe.checkpoint import hf_export
+    from lightning_pipe.checkpoint import export
 
     adapter = work / f"adapter-{schedule}-{name}-{tuner}"
     if trainer.global_rank == 0:
-        hf_export.export(work / f"ckpt-{schedule}-{name}-{tuner}", adapter, adapter=True)
+        export.export(work / f"ckpt-{schedule}-{name}-{tuner}", adapter, adapter=True)
     trainer.strategy.barrier()
     strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name, init_adapter=adapter)
     model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices, max_steps=2)

@@ -156,8 +156,16 @@ class HuggingFaceKind:
             "generation_config": None if generation is None else json.loads(generation.to_json_string(use_diff=True)),
         }
 
-    def restore_buffers(self, module: nn.Module) -> bool:
+    @staticmethod
+    def restore_buffers(module: nn.Module) -> bool:
+        """A transformers rotary embedding's ``inv_freq`` (inside any network: also the submodule hook of
+        :func:`lightning_pipe.models.restore_buffers`)."""
         return restore_rotary_buffers(module)
 
     def decoding(self) -> HuggingFaceDecoding:
         return HuggingFaceDecoding()
+
+    def state_dict_adapter(self) -> Any:
+        from lightning_pipe.models.huggingface.files import HuggingFaceFiles
+
+        return HuggingFaceFiles()
