@@ -408,7 +408,8 @@ def test_refuses_a_network_that_cannot_be_copied():
     settings = PipelineSettings(frontend="dataflow").resolve(2)
     with pytest.raises(
         PipelineModelError,
-        match=r"`frontend='dataflow'` copies Locked.*fake parameters.*copy failed.*cannot pickle.*deep-copied.*`frontend='modules'`",
+        match=r"`frontend='dataflow'` copies Locked.*fake parameters.*copy failed.*cannot pickle"
+        r".*deep-copied.*`frontend='modules'`",
     ):
         split_module(Holder(network), settings, pipeline_rank=0, device=torch.device("cpu"))
 
