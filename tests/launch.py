@@ -92,6 +92,41 @@ def launch(cmd_for_port, env: dict[str, str], timeout: float) -> subprocess.Comp
     return proc
 
 
+class Launch:
+    """A launch whose scenarios each left an outcome (tests/scripts/outcomes.py): ``<name>.rank<r>.pt`` or the
+    scenario's traceback in ``<name>.rank<r>.failed``. A module fixture makes it once; each test reads its scenario's
+    ranks, so a failing scenario (or a launch that ended early) fails its own tests and no other."""
+
+    def __init__(self, out: Path, nprocs: int, proc: subprocess.CompletedProcess) -> None:
+        self.out, self.nprocs, self.proc = out, nprocs, proc
+
+    def ranks(self, name: str) -> list[dict]:
+        """Every rank's result of scenario ``name``; fails the test with the scenario's own traceback, or with the
+        launch's output when the scenario left no result on some rank."""
+        import torch
+
+        failed = sorted(self.out.glob(f"{name}.rank*.failed"))
+        if failed:
+            tracebacks = "\n".join(f"--- {path.name}\n{path.read_text()}" for path in failed)
+            pytest.fail(f"scenario {name} failed:\n{tracebacks}", pytrace=False)
+        paths = [self.out / f"{name}.rank{r}.pt" for r in range(self.nprocs)]
+        missing = [path.name for path in paths if not path.is_file()]
+        if missing:
+            pytest.fail(
+                f"scenario {name} left no result in {missing}: the launch exited {self.proc.returncode}"
+                f"\n--- stdout\n{self.proc.stdout[-4000:]}\n--- stderr\n{self.proc.stderr[-12000:]}",
+                pytrace=False,
+            )
+        return [torch.load(path, weights_only=False) for path in paths]
+
+
+def run_scenarios(name: str, out: Path, configs: list[dict], nprocs: int, **kwargs: Any) -> Launch:
+    """Launch ``tests/scripts/<name>`` on ``configs`` (its arguments: ``out`` and the configs as JSON); a failed launch
+    fails no test here, only the tests of the scenarios it left without outcome (:meth:`Launch.ranks`)."""
+    proc = run_script(name, str(out), json.dumps(configs), nprocs=nprocs, check=False, **kwargs)
+    return Launch(out, nprocs, proc)
+
+
 def run_script(
     name: str,
     *args: str,
@@ -100,9 +135,11 @@ def run_script(
     timeout: float = 600,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<name>`` with ``launcher`` ("lightning": plain python, Lightning starts the other ranks;
-    "torchrun": ``torch.distributed.run`` starts ``nprocs`` ranks). Fails the test with the output tail on error."""
+    "torchrun": ``torch.distributed.run`` starts ``nprocs`` ranks). Fails the test with the output tail on error
+    (unless ``check`` is false: then the caller reads the exit status)."""
     script = str(SCRIPTS / name)
     full_env = clean_env(**(env or {}))
 
@@ -116,7 +153,7 @@ def run_script(
     if expect_failure:
         if proc.returncode == 0:
             pytest.fail(f"{name} {args} was expected to fail but succeeded:\n{proc.stdout[-3000:]}")
-    elif proc.returncode != 0:
+    elif check and proc.returncode != 0:
         pytest.fail(
             f"{name} {args} exited {proc.returncode}:\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
             f"{proc.stderr[-12000:]}"

@@ -44,7 +44,10 @@ def test_missing_checkpoint_points_at_interrupted_replacement(tmp_path):
 
 
 def test_manifest_errors(tmp_path):
-    with pytest.raises(PipelineCheckpointError, match="temporary directory of an interrupted save"):
+    with pytest.raises(
+        PipelineCheckpointError,
+        match=r"x\.ckpt\.tmp-1a' is a temporary directory.*interrupted save.*without the '\.tmp-1a' suffix",
+    ):
         fmt.read_manifest(tmp_path / "x.ckpt.tmp-1a")
     with pytest.raises(PipelineCheckpointError, match="has no lightning_pipe.json"):
         fmt.read_manifest(tmp_path)
@@ -165,7 +168,10 @@ def test_unflatten_refuses_regrouped_parameters():
     model, opt = _stepped_adam(groups=True)
     flat = optim.flatten(opt, optim.param_names(model))
     single = torch.optim.Adam(model.parameters())
-    with pytest.raises(PipelineCheckpointError, match="different 'lr' values .* Group them the same way"):
+    with pytest.raises(
+        PipelineCheckpointError,
+        match=r"different 'lr' values \(0\.1 and 0\.2 for '1\.weight'\).*`configure_optimizers`.*Group them",
+    ):
         optim.unflatten(single, optim.param_names(model), flat)
 
 
@@ -188,7 +194,7 @@ def test_remove_renames_before_deleting_and_refuses_transient(tmp_path):
     assert not link.exists() and ckpt.is_dir()  # a link goes, not what it points at
     save.remove(ckpt, "bb")
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(PipelineCheckpointError, match="belongs to a save or removal in progress"):
+    with pytest.raises(PipelineCheckpointError, match=r"Refusing to remove '.*x\.ckpt\.tmp-12'.*in progress"):
         save.remove(tmp_path / "x.ckpt.tmp-12", "cc")
 
 
@@ -215,7 +221,7 @@ def test_load_weights_errors_single_process(tmp_path):
     with pytest.raises(PipelineCheckpointError, match="(?s)expected a Lightning checkpoint .* got list"):
         io.load_weights(tmp_path / "list.pt", topo, model, network_prefix="", strict=True)
     torch.save({"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2), "1.weight": torch.ones(1)}, tmp_path / "x.pt")
-    with pytest.raises(PipelineCheckpointError, match="holds weights the model does not have: '1.weight'"):
+    with pytest.raises(PipelineCheckpointError, match=r"x\.pt'.*does not have: '1\.weight'.*`strict_loading = False`"):
         io.load_weights(tmp_path / "x.pt", topo, model, network_prefix="", strict=True)
     io.load_weights(tmp_path / "x.pt", topo, model, network_prefix="", strict=False)
     assert torch.equal(model[0].weight, torch.ones(2, 2))

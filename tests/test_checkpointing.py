@@ -48,7 +48,9 @@ def test_which_blocks():
 
 @pytest.mark.parametrize("value", [-1, 1.5, "yes"])
 def test_bad_value_is_refused(value):
-    with pytest.raises(PipelineConfigError, match="must be a bool or an int >= 0"):
+    with pytest.raises(
+        PipelineConfigError, match=rf"`activation_checkpointing={value!r}`.*bool or an int >= 0.*Use True"
+    ):
         resolve_every(value)
 
 

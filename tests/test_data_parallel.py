@@ -4,7 +4,8 @@ Pure logic first (buckets, layouts, settings, errors); then four multi-process l
 whose outputs many tests read: 2 processes (activation checkpointing under all 7 schedules; a ``ddp`` 2 x 1
 checkpoint), 4 processes (2 x 2 ``ddp``/``fsdp`` parity, collectives per optimizer step, optimizer-state bytes,
 schedules, bf16, evaluation, checkpoints across modes), 2 processes (the ``fsdp`` checkpoint resumed as ``ddp`` 2 x 1),
-and 2 simulated nodes of 2 processes with each mesh layout.
+and 2 simulated nodes of 2 processes with each mesh layout. Each scenario leaves its own outcome (its result or its
+traceback), and each has a test of its own: a failing scenario fails its tests, not the launch's other scenarios'.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from lightning_pipe.parallel.data_parallel import check_token_weighting
 from lightning_pipe.parallel.grads import GradientSync, clip_grad_norm_across, plan_buckets
 from lightning_pipe.parallel.wrappers import unwrap_stages, wrap_stages
 from lightning_pipe.settings import PipelineSettings, check_data_parallel, check_inner_axis
-from tests.launch import ROOT, SCRIPTS, clean_env, free_port, run_script
+from tests.launch import ROOT, SCRIPTS, Launch, clean_env, free_port, run_scenarios
 from tests.models import TinyLM
 from tests.reference import (
     assert_parity,
-    load_ranks,
     merged_state,
     single_device_data_parallel_run,
     single_device_run,
@@ -92,7 +92,7 @@ def test_settings_are_checked_in_the_constructor():
         PipelineParallelStrategy(data_parallel="zero")  # type: ignore[arg-type]
     with pytest.raises(PipelineConfigError, match=r"`inner_axis='tp'` is not one of 'dp', 'pp'"):
         PipelineParallelStrategy(inner_axis="tp")  # type: ignore[arg-type]
-    with pytest.raises(PipelineConfigError, match=r"`activation_checkpointing=-1` must be a bool or an int >= 0"):
+    with pytest.raises(PipelineConfigError, match=r"`activation_checkpointing=-1`.*bool or an int >= 0.*Use True"):
         PipelineParallelStrategy(activation_checkpointing=-1)
     with pytest.raises(PipelineConfigError, match="is not one of 'dp', 'pp'"):
         check_inner_axis("node")
@@ -130,7 +130,8 @@ def test_wrappers_checkpoint_every_kth_block_of_the_whole_stack_without_fsdp():
     unwrap_stages({0: first, 1: second})  # at the Trainer entry's end: the blocks' own forward again
     assert not any("forward" in vars(block) for block in network.layers)
     with pytest.raises(
-        PipelineConfigError, match=r"sharded this LightningModule's stages with FSDP over ranks \[0, 1\]"
+        PipelineConfigError,
+        match=r"earlier Trainer sharded.*stages with FSDP.*ranks \[0, 1\].*`data_parallel='fsdp'`.*new LightningModule",
     ):
         wrap_stages({0: first}, blocks, checkpoint_every=0, dp_mesh=None, sharded_over=(0, 1))
 
@@ -149,6 +150,10 @@ def _configs_two() -> list[dict]:
     configs.append({**one, "name": "pp1-ddp", "data_parallel": "ddp", "save": "pp1.ckpt"})
     configs.append({**one, "name": "pp1-fsdp", "data_parallel": "fsdp"})
     return configs
+
+
+#: The 4-process scenario whose result is the error every rank raised.
+REFUSED = "fsdp-weighted-acc2"
 
 
 def _configs_four() -> list[dict]:
@@ -186,8 +191,8 @@ def _configs_four() -> list[dict]:
             "max_steps": 4,
             "resume": "ddp.ckpt",
         },
-        # An expected error ends the process group's usefulness: last.
-        {**dp, "name": "fsdp-weighted-acc2", "model": "weighted", "data_parallel": "fsdp", "accumulate": 2},
+        # An expected error (every rank refuses the step) is this scenario's result; the group serves the next one.
+        {**dp, "name": REFUSED, "model": "weighted", "data_parallel": "fsdp", "accumulate": 2},
         # 61 samples: each replica's shard is 31 (padded), its last batch 7, run as 7 microbatches of 1
         {**dp, "name": "ddp-odd-last-weighted", "model": "weighted", "samples": 61, "max_steps": 5, "clip": CLIP},
     ]
@@ -207,27 +212,30 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("data_parallel")
 
 
-@pytest.fixture(scope="module")
-def two(out):
-    run_script("data_parallel.py", str(out), json.dumps(_configs_two()), nprocs=2, launcher="lightning")
-    return out
-
-
-@pytest.fixture(scope="module")
-def four(two):
-    run_script("data_parallel.py", str(two), json.dumps(_configs_four()), nprocs=4, launcher="torchrun")
-    return two
-
-
-@pytest.fixture(scope="module")
-def resumed_two(four):
+def _configs_resumed() -> list[dict]:
     cfg = {"name": "ddp-from-fsdp", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 4}
-    run_script("data_parallel.py", str(four), json.dumps([{**cfg, "resume": "fsdp.ckpt"}]), nprocs=2)
-    return four
+    return [{**cfg, "resume": "fsdp.ckpt"}]
 
 
-def run_nodes(args: list[str], num_nodes: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """Run the script once per simulated node (``NODE_RANK``), all on this machine, as a multi-node job would."""
+# The launches' results, collected once per module: each test reads its own scenario's (Launch.ranks).
+@pytest.fixture(scope="module")
+def two(out) -> Launch:
+    return run_scenarios("data_parallel.py", out, _configs_two(), nprocs=2, launcher="lightning")
+
+
+@pytest.fixture(scope="module")
+def four(two) -> Launch:  # after `two`: fsdp-from-ddp resumes its ddp.ckpt
+    return run_scenarios("data_parallel.py", two.out, _configs_four(), nprocs=4, launcher="torchrun")
+
+
+@pytest.fixture(scope="module")
+def resumed_two(four) -> Launch:  # after `four`: ddp-from-fsdp resumes its fsdp.ckpt
+    return run_scenarios("data_parallel.py", four.out, _configs_resumed(), nprocs=2)
+
+
+def run_nodes(args: list[str], num_nodes: int, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the script once per simulated node (``NODE_RANK``), all on this machine, as a multi-node job would; the
+    nodes' exit status (the first non-zero one) and their outputs, one after the other."""
     port = str(free_port())
     procs = []
     with tempfile.TemporaryDirectory() as logs:
@@ -254,16 +262,14 @@ def run_nodes(args: list[str], num_nodes: int, timeout: float = 600) -> list[sub
             stdout.seek(0)
             results.append(subprocess.CompletedProcess(proc.args, code, stdout.read(), ""))
             stdout.close()
-    for node, result in enumerate(results):
-        if result.returncode != 0:
-            pytest.fail(f"node {node} exited {result.returncode}:\n{result.stdout[-8000:]}")
-    return results
+    code = next((result.returncode for result in results if result.returncode != 0), 0)
+    output = "".join(f"--- node {node}\n{result.stdout[-6000:]}\n" for node, result in enumerate(results))
+    return subprocess.CompletedProcess(results[0].args, code, output, "")
 
 
 @pytest.fixture(scope="module")
-def nodes(out):
-    run_nodes([str(out), json.dumps(_configs_nodes())], num_nodes=2)
-    return out
+def nodes(out) -> Launch:
+    return Launch(out, 4, run_nodes([str(out), json.dumps(_configs_nodes())], num_nodes=2))
 
 
 def _replica_mean(ranks: list[dict]) -> list[dict]:
@@ -273,11 +279,29 @@ def _replica_mean(ranks: list[dict]) -> list[dict]:
     return [{**r, "losses": mean} for r in ranks]
 
 
+# ---------------------------------------------------------------------------------------------------- each scenario
+def _each(launch: str, configs: list[dict], *marks: pytest.MarkDecorator) -> list:
+    return [pytest.param(launch, cfg["name"], id=cfg["name"], marks=[*marks, pytest.mark.slow]) for cfg in configs]
+
+
+@pytest.mark.parametrize(
+    ("launch", "name"),
+    _each("two", _configs_two())
+    + _each("four", _configs_four(), pytest.mark.extended)
+    + _each("resumed_two", _configs_resumed(), pytest.mark.extended)
+    + _each("nodes", _configs_nodes(), pytest.mark.extended),
+)
+def test_every_scenario_leaves_a_result_on_every_rank(request, launch, name):
+    ranks = request.getfixturevalue(launch).ranks(name)  # fails with the scenario's own traceback
+    errors = [r["error"] for r in ranks]
+    assert all(errors) if name == REFUSED else errors == [None] * len(ranks), errors
+
+
 # ---------------------------------------------------------------------------------------------------- parity
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_activation_checkpointing_keeps_parity_under_every_schedule(two, schedule):
-    ranks = load_ranks(two, f"ac-{schedule}")
+    ranks = two.ranks(f"ac-{schedule}")
     assert len(ranks) == 2
     assert all(r["checkpointed"] for r in ranks)  # blocks were checkpointed on every rank
     assert_parity(ranks, *single_device_run())
@@ -287,7 +311,7 @@ def test_activation_checkpointing_keeps_parity_under_every_schedule(two, schedul
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp-acc2", "fsdp-acc2", "fsdp-interleaved-ac", "fsdp-zbv"])
 def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
-    ranks = load_ranks(four, name)
+    ranks = four.ranks(name)
     assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert ranks[0]["losses"] != [r for r in ranks if r["dp_rank"] == 1][0]["losses"]  # replicas saw other data
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
@@ -298,7 +322,7 @@ def test_two_by_two_matches_one_device_on_the_global_batch(four, name):
 def test_manual_optimization_under_data_parallelism_trains_bitwise_as_automatic(four):
     # The module accumulates 2 batches (each loss halved), clips and steps itself; the replicas' gradients are averaged
     # once per step, before the clip reads them: the same numbers as accumulate_grad_batches=2, gradient_clip_val.
-    manual, automatic = load_ranks(four, "ddp-manual"), load_ranks(four, "ddp-acc2")
+    manual, automatic = four.ranks("ddp-manual"), four.ranks("ddp-acc2")
     assert len(manual) == 4
     for got, want in zip(manual, automatic, strict=True):
         assert (got["dp_rank"], got["pipeline_rank"]) == (want["dp_rank"], want["pipeline_rank"])
@@ -311,11 +335,11 @@ def test_manual_optimization_under_data_parallelism_trains_bitwise_as_automatic(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
-    ranks = load_ranks(two, f"pp1-{mode}")
+    ranks = two.ranks(f"pp1-{mode}")
     assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and {r["pipeline_rank"] for r in ranks} == {0}
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, accumulate=2, clip=CLIP))
     if mode == "ddp":
-        assert (two / "pp1.ckpt" / "lightning_pipe.json").is_file()  # the one-rank pipeline saved alone
+        assert (two.out / "pp1.ckpt" / "lightning_pipe.json").is_file()  # the one-rank pipeline saved alone
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -323,7 +347,7 @@ def test_one_stage_pipelines_are_plain_data_parallelism(two, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp-acc2", "ddp-acc3"])
 def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
-    for r in load_ranks(four, name):
+    for r in four.ranks(name):
         assert len(r["per_step"]) == 3 if name == "ddp-acc3" else 6
         assert r["buckets"][0] > 1  # several buckets, not one flat copy
         assert r["per_step"] == [{"all_reduce": n} for n in r["buckets"]], r["per_step"]
@@ -333,7 +357,7 @@ def test_ddp_all_reduces_each_bucket_once_per_optimizer_step(four, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp-acc1", "fsdp-acc2", "fsdp-acc3"])
 def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
-    for r in load_ranks(four, name):
+    for r in four.ranks(name):
         assert r["units"] == 5  # 4 blocks and the stage's root (embedding, or norm and head)
         # FSDP2 calls `reduce_scatter_single` from torch 2.13 on, `reduce_scatter_tensor` before.
         scatters = [
@@ -345,9 +369,9 @@ def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
-    ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in load_ranks(four, "ddp-save")}
-    for r in load_ranks(four, "fsdp-save"):
+def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(two, four):
+    ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in two.ranks("ddp-save")}
+    for r in four.ranks("fsdp-save"):
         ratio = r["optimizer_bytes"] / ddp[r["pipeline_rank"]]
         assert abs(ratio - 0.5) <= 0.05, ratio  # 1/dp within 10%
 
@@ -357,7 +381,7 @@ def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(four):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
 def test_bf16_fsdp_trains_as_ddp(four, precision):
-    ddp, fsdp = (load_ranks(four, f"{mode}-{precision}") for mode in ("ddp", "fsdp"))
+    ddp, fsdp = (four.ranks(f"{mode}-{precision}") for mode in ("ddp", "fsdp"))
     for a, b in zip(sorted(ddp, key=lambda r: r["global_rank"]), sorted(fsdp, key=lambda r: r["global_rank"])):
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-3, atol=1e-4)
     # bf16 weights: the two reductions (all-reduce, reduce-scatter) may round a sum 1 bf16 ulp apart (2 of 512).
@@ -369,7 +393,7 @@ def test_bf16_fsdp_trains_as_ddp(four, precision):
 @pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_evaluation_and_metrics_equal_ddp(four):
-    ddp, fsdp = (load_ranks(four, n) for n in ("ddp-eval", "fsdp-eval"))
+    ddp, fsdp = (four.ranks(n) for n in ("ddp-eval", "fsdp-eval"))
     for a, b in zip(ddp, fsdp):
         assert a["validated"].keys() == b["validated"].keys() >= {"val_loss", "val_acc", "val_ppl"}
         for key, value in a["validated"].items():
@@ -379,7 +403,7 @@ def test_fsdp_evaluation_and_metrics_equal_ddp(four):
 @pytest.mark.extended
 @pytest.mark.slow
 def test_a_short_last_batch_trains_exactly_token_weighted_under_data_parallelism(four):
-    ranks = load_ranks(four, "ddp-odd-last-weighted")
+    ranks = four.ranks("ddp-odd-last-weighted")
     assert len(ranks[0]["losses"]) == 5  # 3 batches of 8 per replica, one of 7, the next epoch's first
     assert_parity(_replica_mean(ranks), *single_device_data_parallel_run(2, clip=CLIP, max_steps=5, samples=61))
 
@@ -387,7 +411,7 @@ def test_a_short_last_batch_trains_exactly_token_weighted_under_data_parallelism
 @pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_refuses_token_weighted_accumulation_on_every_rank(four):
-    for r in load_ranks(four, "fsdp-weighted-acc2"):
+    for r in four.ranks(REFUSED):
         assert r["error"] is not None and "`data_parallel='fsdp'` with `accumulate_grad_batches=2`" in r["error"]
 
 
@@ -402,9 +426,13 @@ def _whole(ranks: list[dict], part: str, dp_rank: int = 0, key: str | None = Non
 
 @pytest.mark.extended
 @pytest.mark.slow
-@pytest.mark.parametrize(("saved", "resumed"), [("ddp-save", "fsdp-from-ddp"), ("fsdp-save", "ddp-from-fsdp")])
-def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_two, saved, resumed):
-    saved_ranks, resumed_ranks = load_ranks(resumed_two, saved), load_ranks(resumed_two, resumed)
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [(("two", "ddp-save"), ("four", "fsdp-from-ddp")), (("four", "fsdp-save"), ("resumed_two", "ddp-from-fsdp"))],
+    ids=["ddp-save-fsdp-from-ddp", "fsdp-save-ddp-from-fsdp"],
+)
+def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(request, saved, resumed):
+    saved_ranks, resumed_ranks = (request.getfixturevalue(launch).ranks(name) for launch, name in (saved, resumed))
     for dp_rank in sorted({r["dp_rank"] for r in resumed_ranks}):
         for part in ("state", "optim"):
             before, after = _whole(saved_ranks, part), _whole(resumed_ranks, part, dp_rank, key="resumed")
@@ -424,7 +452,7 @@ def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(resumed_
 @pytest.mark.parametrize("inner", ["dp", "pp"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_nodes_keep_the_inner_axis_inside_a_node(nodes, inner, mode):
-    ranks = load_ranks(nodes, f"nodes-{inner}-{mode}")
+    ranks = nodes.ranks(f"nodes-{inner}-{mode}")
     assert sorted(r["global_rank"] for r in ranks) == [0, 1, 2, 3]
     for r in ranks:
         assert r["node_rank"] == r["global_rank"] // 2

@@ -136,8 +136,8 @@ def test_reading_another_parameter_is_refused_with_the_call():
     net, recording = _build(copy_from_embedding)
     with pytest.raises(
         PipelineModelError,
-        match=r"initialisation of `head.weight` in `configure_model` reads `emb.weight` \(`copy_.default` at"
-        r" .*test_deferred_init.py:\d+ \(copy_from_embedding\)\), whose values are drawn at random \(`normal_",
+        match=r"initialisation of `head\.weight` in `configure_model` reads `emb\.weight` \(`copy_\.default` at"
+        r" .*test_deferred_init\.py:\d+ \(copy_from_embedding\)\).*drawn at random \(`normal_.*tied weights",
     ):
         initialize(net, CPU, 0, recording=recording)
 
@@ -175,9 +175,9 @@ def test_a_copy_whose_original_is_on_another_stage_is_refused():
     net.blocks[4][0] = None  # the original pruned away, the copy kept
     with pytest.raises(
         PipelineModelError,
-        match=r"`blocks.4.1.weight` is initialised in `configure_model` as a copy of `blocks.4.0.weight`, whose"
-        r" values are drawn at random, but the two are on different pipeline stages.*Keep `blocks.4.1.weight` and"
-        r" `blocks.4.0.weight` in one unit",
+        match=r"`blocks\.4\.1\.weight` is initialised in `configure_model` as a copy of `blocks\.4\.0\.weight`"
+        r".*drawn at random.*different pipeline stages"
+        r".*Keep `blocks\.4\.1\.weight` and `blocks\.4\.0\.weight` in one unit",
     ):
         initialize(net, CPU, 0, recording=recording)
 
@@ -205,9 +205,8 @@ def test_a_view_into_a_larger_tensor_is_refused():
         nn.init.normal_(net.b)
     with pytest.raises(
         PipelineModelError,
-        match=r"`a` is a view into a larger tensor created in `configure_model`, so its recorded"
-        r" initialisation"
-        r" \(`normal_.default` at .*test_deferred_init.py:\d+",
+        match=r"`a` is a view.*larger tensor.*`configure_model`"
+        r".*\(`normal_\.default` at .*test_deferred_init\.py:\d+.*tensor of its own",
     ):
         initialize(net, CPU, 0, recording=recording.finish(net))
 

@@ -71,7 +71,9 @@ def test_frontend_auto_picks_modules_for_a_one_unit_network_and_says_why():
     [({"balance": [1, 1]}, "`balance=[1, 1]`"), ({"split_points": ["x"]}, "`split_points=['x']`")],
 )
 def test_placing_a_one_unit_network_by_hand_is_refused_naming_the_argument(settings, named):
-    with pytest.raises(PipelineConfigError, match=r"`layer`, a Linear.*one module with no submodules") as info:
+    with pytest.raises(
+        PipelineConfigError, match=r"`layer`, a Linear.*no submodules.*`split_points`.*`balance`.*`devices=1`"
+    ) as info:
         _split(BoringModel(), 0, **settings)
     assert named in str(info.value) and "`devices=1`" in str(info.value)
 
@@ -80,9 +82,7 @@ def test_placing_a_one_unit_network_by_hand_is_refused_naming_the_argument(setti
 def test_the_frontends_that_cut_between_submodules_refuse_a_one_unit_network_naming_the_modules_frontend(frontend):
     model = DemoModel()
     model.example_input_array = torch.randn(4, 32)
-    with pytest.raises(
-        PipelineModelError, match=r"single Linear with no submodules.*`frontend='modules'`.*`devices=1`"
-    ):
+    with pytest.raises(PipelineModelError, match=r"a single Linear.*no submodules.*`frontend='modules'`.*`devices=1`"):
         _split(model, 0, frontend=frontend)
 
 
@@ -113,7 +113,9 @@ def test_a_lightning_module_without_parameters_is_refused():
             super().__init__()
             self.layer = nn.ReLU()
 
-    with pytest.raises(PipelineModelError, match=r"NoParameters has no submodule with parameters"):
+    with pytest.raises(
+        PipelineModelError, match=r"NoParameters has no submodule.*parameters to pipeline.*`configure_model`"
+    ):
         _split(NoParameters(), 0)
 
 

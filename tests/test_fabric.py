@@ -4,7 +4,6 @@ errors a Fabric loop gets for what cannot run under a pipeline."""
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import lightning_pipe
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
 from tests.fabric_loop import VOCAB, LitGPT2, build_gpt, build_litgpt, dataset, train, train_litgpt
 from tests.gpt2 import GPT2
-from tests.launch import run_script
+from tests.launch import Launch, run_scenarios
 from tests.models import quiet_trainer
 
 CLIP = 0.5
@@ -71,23 +70,23 @@ def _reference(
     return loop(Fabric(accelerator="cpu", devices=1, precision=precision), cfg, pipelined=False)
 
 
+# Each launch once per module: each test reads its own configurations' outcomes (Launch.ranks).
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("fabric2")
     seed_everything(0)  # the Fabric loop's start weights
     trainer = quiet_trainer(devices=1, max_steps=2, strategy=lightning_pipe.PipelineParallelStrategy())
     trainer.fit(LitGPT2(0, 2))
     trainer.save_checkpoint(out / "trainer-ckpt")
     configs = [*CONFIGS, SAVED, RESUMED, FROM_TRAINER]
-    run_script("fabric_parity.py", str(out), json.dumps(configs), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("fabric_parity.py", out, configs, nprocs=2, launcher="lightning")
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
-    ranks = [torch.load(two_procs / f"{cfg['name']}.rank{r}.pt") for r in range(2)]
+    ranks = two_procs.ranks(cfg["name"])
     losses, weights, norms = _reference(
         cfg.get("model", "gpt"),
         cfg.get("accumulate", 1),
@@ -128,7 +127,9 @@ def test_litgpt_under_the_modules_frontend_is_refused_by_name():
     strategy = lightning_pipe.PipelineFabricStrategy(frontend="modules")
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     fabric.launch()
-    with pytest.raises(PipelineConfigError, match=r"litgpt's GPT runs its forward whole.*`frontend='dataflow'`") as e:
+    with pytest.raises(
+        PipelineConfigError, match=r"litgpt's GPT.*forward whole.*every stage.*`frontend='dataflow'`"
+    ) as e:
         fabric.setup_module(build_litgpt(fabric))
     assert "does not take `tensor_parallel > 1`, so a litgpt GPT is pipelined without tensor parallelism" in str(
         e.value
@@ -157,19 +158,18 @@ FSDP_WEIGHTED_WINDOW = {**DATA_PARALLEL[1], "name": "dp2-pp2-fsdp-weighted", "we
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
+def four_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("fabric4")
     configs = [*DATA_PARALLEL, FSDP_WEIGHTED_WINDOW]
-    run_script("fabric_parity.py", str(out), json.dumps(configs), nprocs=4, launcher="lightning")
-    return out
+    return run_scenarios("fabric_parity.py", out, configs, nprocs=4, launcher="lightning")
 
 
 @pytest.mark.slow
 @pytest.mark.extended
 def test_fsdp_refuses_token_weighted_steps_inside_no_backward_sync(four_procs):
     assert FSDP_WEIGHTED_WINDOW["data_parallel"] == "fsdp" and FSDP_WEIGHTED_WINDOW["accumulate"] == 2
-    for r in range(4):
-        error = torch.load(four_procs / f"{FSDP_WEIGHTED_WINDOW['name']}.rank{r}.pt")["error"]
+    for rank in four_procs.ranks(FSDP_WEIGHTED_WINDOW["name"]):
+        error = rank["error"]
         assert "`data_parallel='fsdp'` with `fabric.no_backward_sync` cannot weight" in error, error
 
 
@@ -177,7 +177,7 @@ def test_fsdp_refuses_token_weighted_steps_inside_no_backward_sync(four_procs):
 @pytest.mark.extended
 @pytest.mark.parametrize("cfg", DATA_PARALLEL, ids=lambda c: c["name"])
 def test_four_processes_match_one_device_on_the_global_batch(four_procs, cfg):
-    ranks = [torch.load(four_procs / f"{cfg['name']}.rank{r}.pt") for r in range(4)]
+    ranks = four_procs.ranks(cfg["name"])
     fabric = Fabric(accelerator="cpu", devices=1)
     reference = {"accumulate": 2, "clip": cfg["clip"], "batch": cfg.get("batch", 8), "n_layer": cfg.get("n_layer", 4)}
     loop = train_litgpt if cfg.get("model") == "litgpt" else train
@@ -202,18 +202,14 @@ def test_four_processes_match_one_device_on_the_global_batch(four_procs, cfg):
         assert frozen and all(torch.equal(merged[k], weights[k]) for k in frozen)
 
 
-def _ranks(out, name: str) -> list[dict]:
-    return [torch.load(out / f"{name}.rank{r}.pt") for r in range(2)]
-
-
 @pytest.mark.extended
 @pytest.mark.slow
 def test_fabric_checkpoint_continues_bitwise(two_procs):
-    for full, resumed in zip(_ranks(two_procs, "ckpt-full"), _ranks(two_procs, "ckpt-resumed")):
+    for full, resumed in zip(two_procs.ranks("ckpt-full"), two_procs.ranks("ckpt-resumed")):
         assert resumed["losses"] == full["losses"][2:]
         assert resumed["weights"].keys() == full["weights"].keys()
         assert all(torch.equal(resumed["weights"][k], v) for k, v in full["weights"].items())
-    assert (two_procs / "ckpt-full-ckpt" / "lightning_pipe.json").is_file()  # the Trainer strategy's format
+    assert (two_procs.out / "ckpt-full-ckpt" / "lightning_pipe.json").is_file()  # the Trainer strategy's format
 
 
 @pytest.mark.extended
@@ -222,8 +218,10 @@ def test_fabric_checkpoint_loads_into_another_layout(two_procs):
     """The 2-process checkpoint continues in a one-process pipeline (every stage on one rank)."""
     fabric = Fabric(strategy="pipeline", accelerator="cpu", devices=1)
     fabric.launch()
-    losses, weights, _ = train(fabric, {"steps": 4, "resume_from": str(two_procs / "ckpt-full-ckpt")}, pipelined=True)
-    full = _ranks(two_procs, "ckpt-full")
+    losses, weights, _ = train(
+        fabric, {"steps": 4, "resume_from": str(two_procs.out / "ckpt-full-ckpt")}, pipelined=True
+    )
+    full = two_procs.ranks("ckpt-full")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=1e-7)
     merged = {**full[0]["weights"], **full[1]["weights"]}
     for key, value in merged.items():
@@ -234,10 +232,10 @@ def test_fabric_checkpoint_loads_into_another_layout(two_procs):
 @pytest.mark.slow
 def test_trainer_checkpoint_continues_under_fabric_in_another_layout(two_procs):
     """A one-process Trainer's checkpoint continues in the two-process Fabric loop: as the uninterrupted run."""
-    full = _ranks(two_procs, "ckpt-full")
-    for rank in _ranks(two_procs, "from-trainer"):
+    full = two_procs.ranks("ckpt-full")
+    for rank in two_procs.ranks("from-trainer"):
         torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=0)
-    merged = {k: v for r in _ranks(two_procs, "from-trainer") for k, v in r["weights"].items()}
+    merged = {k: v for r in two_procs.ranks("from-trainer") for k, v in r["weights"].items()}
     for key, value in {**full[0]["weights"], **full[1]["weights"]}.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7)
 
@@ -249,8 +247,8 @@ def test_fabric_checkpoint_continues_under_the_trainer_in_another_layout(two_pro
     module = LitGPT2(2, 4)
     trainer = quiet_trainer(devices=1, max_steps=2, strategy=lightning_pipe.PipelineParallelStrategy())
     with pytest.warns(UserWarning, match="no resume point"):
-        trainer.fit(module, ckpt_path=two_procs / "ckpt-full-ckpt")
-    full = _ranks(two_procs, "ckpt-full")
+        trainer.fit(module, ckpt_path=two_procs.out / "ckpt-full-ckpt")
+    full = two_procs.ranks("ckpt-full")
     torch.testing.assert_close(torch.tensor(module.step_losses), torch.tensor(full[0]["losses"][2:]), rtol=1e-5, atol=0)
     for key, value in {**full[0]["weights"], **full[1]["weights"]}.items():
         torch.testing.assert_close(module.model.state_dict()[key], value, rtol=1e-5, atol=1e-7)
@@ -312,7 +310,9 @@ def test_backward_of_a_tensor_without_the_loss_is_refused(fabric, set_up):
     model, optimizer, batch, fn = set_up
     model.step(fn, batch)
     other = torch.ones((), requires_grad=True) * 2
-    with pytest.raises(PipelineUsageError, match="does not depend on the loss that `model.step"):
+    with pytest.raises(
+        PipelineUsageError, match=r"`fabric\.backward`.*not depend on.*loss.*`model\.step\(fn, batch\)`.*Pass that loss"
+    ):
         fabric.backward(other)
     optimizer.zero_grad()
 
@@ -331,7 +331,10 @@ def test_evaluate_runs_forward_only(fabric, set_up):
 
 def test_save_of_another_module_is_refused(fabric, set_up, tmp_path):
     model, optimizer, _, _ = set_up
-    with pytest.raises(PipelineUsageError, match=r"the one model set up.*modules are \['model', 'other'\]"):
+    with pytest.raises(
+        PipelineUsageError,
+        match=r"`fabric\.save`/`fabric\.load`.*one model set up.*`fabric\.setup_module`.*\['model', 'other'\]",
+    ):
         fabric.save(tmp_path / "ckpt", {"model": model, "other": torch.nn.Linear(2, 2), "optimizer": optimizer})
     with pytest.raises(PipelineUsageError, match=r"`fabric.save\(..., filter=...\)`.*Remove them"):
         fabric.save(tmp_path / "ckpt", {"model": model}, filter={"model": lambda k, v: True})
@@ -360,7 +363,10 @@ def test_optimizer_set_up_with_the_model_is_refused():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(PipelineUsageError, match=r"`fabric.setup\(model, optimizer\)` cannot be used.*setup_module"):
         fabric.setup(model, optimizer)
-    with pytest.raises(PipelineUsageError, match=r"optimizer was set up before the model.*fabric.setup_module"):
+    with pytest.raises(
+        PipelineUsageError,
+        match=r"optimizer was set up.*before the model.*model first.*`model = fabric\.setup_module\(model\)`",
+    ):
         fabric.setup_optimizers(optimizer)
 
 
@@ -372,7 +378,9 @@ def test_optimizer_made_before_the_split_is_refused():
     model = fabric.setup_module(model)
     # A one-stage pipeline keeps every parameter: the check is by identity, here against a copy's parameters.
     other = torch.optim.SGD(build_gpt(fabric).parameters(), lr=0.1)
-    with pytest.raises(PipelineUsageError, match=r"holds \d+ parameters that are not this rank's stages'"):
+    with pytest.raises(
+        PipelineUsageError, match=r"optimizer holds \d+ parameters.*not this rank's stages.*`fabric\.setup_module`"
+    ):
         fabric.setup_optimizers(other)
     fabric.setup_optimizers(stale)  # the same parameter objects: accepted
     fabric.strategy.teardown()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ from lightning_pipe.step.generation import decoding_of  # noqa: E402
 from lightning_pipe.step.interception import CallInterceptor  # noqa: E402
 from tests.generation_models import build, run_generation  # noqa: E402
 from tests.hf_models import padded_batches  # noqa: E402
-from tests.launch import run_script  # noqa: E402
+from tests.launch import Launch, run_scenarios  # noqa: E402
 
 TOL = 1e-5
 
@@ -239,10 +238,9 @@ def reference(family: str, sample: bool, layers: int) -> dict:
     return run_generation(family=family, sample=sample, layers=layers)
 
 
-def _check(out, cfg):
+def _check(launch: Launch, cfg):
     ref = reference(cfg["family"], cfg["sample"], cfg["layers"])
-    for rank in range(cfg["devices"]):
-        got = torch.load(out / f"{cfg['name']}.rank{rank}.pt")
+    for rank, got in enumerate(launch.ranks(cfg["name"])):  # fails with the scenario's own traceback
         # every rank ran the same generate loop: every rank holds the one device's ids
         assert len(got["generated"]) == len(ref["generated"])
         for a, b in zip(got["generated"], ref["generated"]):
@@ -256,11 +254,17 @@ def _check(out, cfg):
                 assert torch.equal(a, b), (a, b)
 
 
+# Each launch once per module; each scenario has its own test.
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
+def two(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("generation2")
-    run_script("generation.py", str(out), json.dumps(TWO), nprocs=2, launcher="lightning", timeout=900)
-    return out
+    return run_scenarios("generation.py", out, TWO, nprocs=2, launcher="lightning", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> Launch:
+    out = tmp_path_factory.mktemp("generation4")
+    return run_scenarios("generation.py", out, FOUR, nprocs=4, launcher="torchrun", timeout=900)
 
 
 @pytest.mark.slow
@@ -271,7 +275,6 @@ def test_generate_in_validation_and_predict_equals_one_device(two, cfg):
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_generate_under_interleaved_1f1b_at_four_processes(tmp_path):
-    run_script("generation.py", str(tmp_path), json.dumps(FOUR), nprocs=4, launcher="torchrun", timeout=900)
-    for cfg in FOUR:
-        _check(tmp_path, cfg)
+@pytest.mark.parametrize("cfg", FOUR, ids=lambda c: c["name"])
+def test_generate_under_interleaved_1f1b_at_four_processes(four, cfg):
+    _check(four, cfg)

@@ -262,7 +262,9 @@ def test_refuses_model_without_pipeline_plan():
     network = _llama()
     network.config.base_model_pp_plan = None
     with pytest.raises(
-        PipelineModelError, match=r"LlamaForCausalLM has no pipeline plan.*give the strategy its plan: `Pipeline"
+        PipelineModelError,
+        match=r"LlamaForCausalLM.*no pipeline plan.*`LlamaConfig\.base_model_pp_plan`"
+        r".*`PipelineParallelStrategy\(model_plan=",
     ):
         hf_layout(network)
     if transformers.GPT2Config.base_model_pp_plan is None:  # GPT-2 has none up to transformers 5.23 at least
@@ -377,7 +379,7 @@ def test_refuses_a_forward_that_changes_the_hidden_states_between_blocks():
     stages[1].model.layers[1].register_forward_pre_hook(scale_once)
     with pytest.raises(
         PipelineModelError,
-        match=r"forward of LlamaForCausalLM does not hand its block 2 the previous block's output",
+        match=r"LlamaForCausalLM does not hand.*block 2.*previous block's output.*another model family",
     ):
         hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
 
@@ -394,7 +396,9 @@ def test_refuses_a_forward_that_gives_the_blocks_values_of_the_embeddings():
 
     rotary.forward = from_values
     with pytest.raises(
-        PipelineModelError, match=r"gives its blocks a value computed from the embeddings \(\w+ inside a block\)"
+        PipelineModelError,
+        match=r"LlamaForCausalLM gives its blocks.*computed from the embeddings \(\w+ inside a block\)"
+        r".*another model family",
     ):
         hf_stage_call(stages[1], (), kwargs, (hidden,), False, True)
 
@@ -402,13 +406,18 @@ def test_refuses_a_forward_that_gives_the_blocks_values_of_the_embeddings():
 def test_refuses_a_forward_that_stops_before_the_next_stage():
     stages, kwargs, _ = _two_stage_run(_llama())
     stages[0].config.num_hidden_layers = 2  # the forward runs `self.layers[: num_hidden_layers]`
-    with pytest.raises(PipelineModelError, match=r"reached `model.norm`, which belongs to the last pipeline stage"):
+    with pytest.raises(
+        PipelineModelError,
+        match=r"reached `model\.norm`.*last pipeline stage.*next stage's first block.*`config\.num_hidden_layers`",
+    ):
         hf_stage_call(stages[0], (), kwargs, None, True, False)
 
 
 def test_embedding_stand_in_outside_a_stage_call():
     stand_in = hf_placeholder(_llama())("model.embed_tokens")
-    with pytest.raises(PipelineModelError, match=r"`model.embed_tokens` belongs to another pipeline stage"):
+    with pytest.raises(
+        PipelineModelError, match=r"`model\.embed_tokens` belongs to another.*stage.*called outside.*pipeline strategy"
+    ):
         stand_in(torch.zeros(2, 3, dtype=torch.long))
 
 
@@ -417,7 +426,8 @@ def test_refuses_unsupported_family_by_name():
     network.config.model_type = "hrm_text"
     with pytest.raises(
         PipelineModelError,
-        match=r"LlamaForCausalLM \(model_type 'hrm_text'\) cannot be pipelined: it runs its two block stacks several",
+        match=r"LlamaForCausalLM \(model_type 'hrm_text'\) cannot be pipelined.*block stacks.*several times"
+        r".*another strategy",
     ):
         hf_layout(network)
 
@@ -425,7 +435,11 @@ def test_refuses_unsupported_family_by_name():
 def test_refuses_a_plan_naming_modules_the_model_lacks():
     network = _llama()
     network.config.base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]), "blocks": ([], [])}
-    with pytest.raises(PipelineModelError, match=r"names \['embed_tokens', 'blocks'\], which the model does not"):
+    with pytest.raises(
+        PipelineModelError,
+        match=r"plan of LlamaForCausalLM names \['embed_tokens', 'blocks'\].*does not have"
+        r".*`config\.base_model_pp_plan`",
+    ):
         hf_layout(network)
 
 
@@ -442,7 +456,9 @@ def test_refuses_stage_pruned_without_placeholders():
     stage = prune(copy.deepcopy(network), stage_units(layout, [2, 2])[1], layout.units, hf_placeholder(network))
     del stage.model.layers._modules["0"]  # block 2 would run at position 1
     with pytest.raises(
-        PipelineModelError, match=r"holds blocks \['1', '2', '3'\] of its block list and nothing in place"
+        PipelineModelError,
+        match=r"LlamaForCausalLM holds blocks \['1', '2', '3'\].*nothing in place"
+        r".*`placeholder=hf_placeholder\(network\)`",
     ):
         hf_stage_call(stage, (), _batch("right"), (torch.zeros(3, SEQ, 32),), False, True)
 
@@ -452,7 +468,9 @@ def test_refuses_a_forward_that_returns_before_the_next_stage():
     stages = _stages(base, 2)
     stages[0].norm = nn.Identity()
     stages[0].config.num_hidden_layers = 2
-    with pytest.raises(PipelineModelError, match=r"LlamaModel returned without calling the next stage's first block"):
+    with pytest.raises(
+        PipelineModelError, match=r"LlamaModel returned without calling.*next stage's first block.*every block"
+    ):
         hf_stage_call(stages[0], (), {"input_ids": _batch("right")["input_ids"]}, None, True, False)
 
 

@@ -71,14 +71,14 @@ def test_model_without_block_stack_is_refused():
             self.a = nn.Linear(2, 2)
             self.b = nn.Linear(2, 2)
 
-    with pytest.raises(PipelineModelError, match="has no splittable block stack"):
+    with pytest.raises(PipelineModelError, match=r"Plain .*splittable block stack.*`frontend='trace'`"):
         find_layout(Plain())
 
 
 def test_balance_blocks():
     assert balance_blocks(8, 4) == [2, 2, 2, 2]
     assert balance_blocks(7, 3) == [3, 2, 2]
-    with pytest.raises(PipelineConfigError, match="has 3 blocks but the pipeline needs 4 stages"):
+    with pytest.raises(PipelineConfigError, match=r"has 3 blocks.*needs 4 stages.*`pipeline_size`/`stages_per_rank`"):
         balance_blocks(3, 4)
 
 
@@ -87,19 +87,23 @@ def test_split_points():
     assert counts_from_split_points(blocks, ["layers.2", "layers.5"], 3) == [2, 3, 1]
     with pytest.raises(PipelineConfigError, match="has 1 entries but 3 stages need 2"):
         counts_from_split_points(blocks, ["layers.2"], 3)
-    with pytest.raises(PipelineConfigError, match="'layers.9' is not a block of the model"):
+    with pytest.raises(
+        PipelineConfigError, match=r"`split_points` entry 'layers\.9' is not a block.*Blocks are: layers\.0"
+    ):
         counts_from_split_points(blocks, ["layers.9"], 2)
-    with pytest.raises(PipelineConfigError, match="must name distinct blocks in model order"):
+    with pytest.raises(
+        PipelineConfigError, match=r"`split_points=\['layers\.4', 'layers\.2'\]`.*distinct blocks.*model order"
+    ):
         counts_from_split_points(blocks, ["layers.4", "layers.2"], 3)
-    with pytest.raises(PipelineConfigError, match="must name distinct blocks in model order"):
+    with pytest.raises(PipelineConfigError, match=r"`split_points=\['layers\.0'\]`.*distinct blocks.*model order"):
         counts_from_split_points(blocks, ["layers.0"], 2)
 
 
 def test_check_balance():
     assert check_balance([1, 3], 4, 2) == [1, 3]
-    with pytest.raises(PipelineConfigError, match=r"`balance=\[4\]` has 1 entries but the pipeline has 2 stages"):
+    with pytest.raises(PipelineConfigError, match=r"`balance=\[4\]` has 1 entries.*2 stages"):
         check_balance([4], 4, 2)
-    with pytest.raises(PipelineConfigError, match="gives a stage no blocks"):
+    with pytest.raises(PipelineConfigError, match=r"`balance=\[0, 4\]`.*no blocks.*at least 1"):
         check_balance([0, 4], 4, 2)
     with pytest.raises(PipelineConfigError, match=r"sums to 3 but the model has 4 blocks"):
         check_balance([1, 2], 4, 2)
@@ -138,10 +142,13 @@ def test_schedule_errors():
     with pytest.raises(PipelineConfigError, match=r"Unknown `schedule='Foo'`. Choose one of GPipe, 1F1B"):
         resolve_schedule("Foo", "auto")
     with pytest.raises(
-        PipelineConfigError, match=r"`schedule='GPipe'` runs one stage per rank but `stages_per_rank=2`"
+        PipelineConfigError, match=r"`schedule='GPipe'`.*one stage per rank.*`stages_per_rank=2`.*`stages_per_rank=1`"
     ):
         resolve_schedule("GPipe", 2)
-    with pytest.raises(PipelineConfigError, match=r"places exactly two stages per rank \(V shape\)"):
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"`schedule='DualPipeV'`.*two stages per rank.*`stages_per_rank=3`.*`stages_per_rank=2`",
+    ):
         resolve_schedule("DualPipeV", 3)
     with pytest.raises(PipelineConfigError, match=r"`stages_per_rank` must be 'auto' or an int >= 1, got 0"):
         resolve_schedule("1F1B", 0)
@@ -161,9 +168,11 @@ def test_microbatch_resolution():
     assert resolve_microbatches("auto", None, 2, 4, "microbatches") == 2  # short last batch under "auto"
     assert resolve_microbatches(2, None, 8, 4, "microbatches") == 2
     assert resolve_microbatches("auto", 2, 8, 4, "microbatches") == 4
-    with pytest.raises(MicrobatchError, match=r"A batch of 10 samples does not split into `microbatches=4` equal"):
+    with pytest.raises(
+        MicrobatchError, match=r"batch of 10 samples.*`microbatches=4`.*multiple of 4.*`drop_last=True`"
+    ):
         resolve_microbatches(4, None, 10, 2, "microbatches")
-    with pytest.raises(MicrobatchError, match=r"does not split into microbatches of `microbatch_size=3`"):
+    with pytest.raises(MicrobatchError, match=r"batch of 8 samples.*`microbatch_size=3`.*multiple of it"):
         resolve_microbatches("auto", 3, 8, 2, "microbatches")
 
 
@@ -176,7 +185,7 @@ def test_split_batch_structures():
     assert torch.equal(tuples[3][1][0], y[3:])
     assert batch_size([x]) == 4
     assert signature((x, y)) == (((4, 2), "torch.int64"), ((4,), "torch.int64"))
-    with pytest.raises(MicrobatchError, match="holds no tensor with a batch dimension"):
+    with pytest.raises(MicrobatchError, match=r"type dict into microbatches.*no tensor.*batch dimension.*dim 0"):
         batch_size({"a": "text"})
 
 

@@ -18,7 +18,7 @@ from lightning_pipe.models import kind_of  # noqa: E402
 from lightning_pipe.models.peft import PeftKind, base_name  # noqa: E402
 from tests.hf_models import build  # noqa: E402
 from tests.hf_pretrained import save_pretrained  # noqa: E402
-from tests.launch import run_script  # noqa: E402
+from tests.launch import Launch, run_script  # noqa: E402
 from tests.peft_models import fine_tune, peft_config  # noqa: E402
 
 TOL = 1e-5
@@ -135,25 +135,35 @@ def _reference_model(path: str, tuner: str, start: tuple):
     return _reference_run(path, tuner, start)[0].model
 
 
-def _check(work, schedule: str, nprocs: int, runs: list[str]) -> None:
-    for run in runs:
-        name, tuner = run.split(":")
-        ranks = [torch.load(work / f"{schedule}-{name}-{tuner}.rank{r}.pt") for r in range(nprocs)]
-        initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
-        losses, val, trainable, frozen = _reference(str(work / name), tuner, tuple(sorted(initial.items())))
-        assert sorted(initial) == sorted(trainable), run  # every adapter on exactly the ranks' stages
-        for key, value in initial.items():  # peft's initialisation: the second factor starts at zero
-            if ".lora_B." in key or ".hada_w2_b." in key:
-                assert not value.any(), key
-        for rank in ranks:
-            torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0)
-            torch.testing.assert_close(rank["val"], val, rtol=TOL, atol=0)
-            assert rank["frozen_unchanged"], run
-            # the base weights loaded from the directory, under peft's names, as from_pretrained loads them
-            assert all(torch.equal(v, frozen[k]) for k, v in rank["frozen_loaded"].items()), run
-            # gradients and optimizer state for the trainable tensors only
-            assert rank["optimizer_state"] == len(rank["initial"]), run
-        _check_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}", ranks, frozen)
+def _launch(work, schedule: str, nprocs: int, runs: list[str], **kwargs) -> Launch:
+    """One launch of ``runs``, once per module; each run's test reads its own outcome (:meth:`Launch.ranks`)."""
+    proc = run_script("peft_adapters.py", str(work), schedule, str(nprocs), *runs, nprocs=nprocs, check=False, **kwargs)
+    return Launch(work, nprocs, proc)
+
+
+def _ranks(launch: Launch, schedule: str, run: str) -> list[dict]:
+    """The run's per-rank results; fails with the run's own traceback (the run and its continuation)."""
+    return launch.ranks(f"{schedule}-{'-'.join(run.split(':')[:2])}")
+
+
+def _check(launch: Launch, schedule: str, run: str) -> None:
+    name, tuner = run.split(":")[:2]
+    ranks = _ranks(launch, schedule, run)
+    initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
+    losses, val, trainable, frozen = _reference(str(launch.out / name), tuner, tuple(sorted(initial.items())))
+    assert sorted(initial) == sorted(trainable), run  # every adapter on exactly the ranks' stages
+    for key, value in initial.items():  # peft's initialisation: the second factor starts at zero
+        if ".lora_B." in key or ".hada_w2_b." in key:
+            assert not value.any(), key
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0)
+        torch.testing.assert_close(rank["val"], val, rtol=TOL, atol=0)
+        assert rank["frozen_unchanged"], run
+        # the base weights loaded from the directory, under peft's names, as from_pretrained loads them
+        assert all(torch.equal(v, frozen[k]) for k, v in rank["frozen_loaded"].items()), run
+        # gradients and optimizer state for the trainable tensors only
+        assert rank["optimizer_state"] == len(rank["initial"]), run
+    _check_checkpoint(launch.out / f"ckpt-{schedule}-{name}-{tuner}", ranks, frozen)
 
 
 def _check_checkpoint(path, ranks: list[dict], frozen: dict) -> None:
@@ -238,27 +248,57 @@ def test_export_of_a_peft_checkpoint_names_adapter_and_merge(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+RUNS_1F1B = ["llama-tied:lora", "llama-untied:lora-saved:continue", "qwen2-tied:loha", "qwen2-untied:lora-late"]
+#: ZBVZeroBubble splits each backward in two; with `lora-late` the stages before layer 6 hold no adapter, and the
+#: gradients still reach the later stages' adapters.
+RUNS_ZBV = ["llama-tied:lora-late", "qwen2-tied:lora"]
+RUNS_INTERLEAVED = ["llama-tied:lora", "qwen2-untied:loha"]
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(work) -> Launch:
+    return _launch(work, "1F1B", 2, RUNS_1F1B)
+
+
+@pytest.fixture(scope="module")
+def zbv(work) -> Launch:
+    return _launch(work, "ZBVZeroBubble", 2, RUNS_ZBV)
+
+
+@pytest.fixture(scope="module")
+def interleaved(work) -> Launch:
+    return _launch(work, "Interleaved1F1B", 4, RUNS_INTERLEAVED, launcher="torchrun")
+
+
 @pytest.mark.slow
-def test_lora_loha_modules_to_save_1f1b_2_procs(work):
-    runs = ["llama-tied:lora", "llama-untied:lora-saved:continue", "qwen2-tied:loha", "qwen2-untied:lora-late"]
-    run_script("peft_adapters.py", str(work), "1F1B", "2", *runs, nprocs=2)
-    runs[1] = "llama-untied:lora-saved"
-    _check(work, "1F1B", 2, runs)
-    # the adapters start as on one process for the same seed (per-tensor seeds: whatever the layout)
+@pytest.mark.parametrize("run", RUNS_1F1B)
+def test_lora_loha_modules_to_save_1f1b_2_procs(one_f_one_b, run):
+    _check(one_f_one_b, "1F1B", run)
+
+
+@pytest.mark.slow
+def test_adapters_start_as_on_one_process_for_the_same_seed(one_f_one_b, work):
+    # per-tensor seeds: whatever the layout
     model, _, _ = fine_tune(
         work / "llama-tied", "lora", PipelineParallelStrategy(init_weights=work / "llama-tied"), devices=1
     )
-    ranks = [torch.load(work / f"1F1B-llama-tied-lora.rank{r}.pt") for r in range(2)]
-    initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
+    initial = {k: v for rank in _ranks(one_f_one_b, "1F1B", "llama-tied:lora") for k, v in rank["initial"].items()}
     assert all(torch.equal(initial[k], v) for k, v in model.initial.items())
-    # the 2-process run's checkpoint exported: adapters and merged model give the single-device fine-tune's logits
-    for run in ("llama-untied:lora-saved", "qwen2-tied:loha"):
-        name, tuner = run.split(":")
-        start = {
-            k: v for r in range(2) for k, v in torch.load(work / f"1F1B-{name}-{tuner}.rank{r}.pt")["initial"].items()
-        }
-        reference = _reference_model(str(work / name), tuner, tuple(sorted(start.items())))
-        _check_exports(work / f"ckpt-1F1B-{name}-{tuner}", work / name, work / f"export-{name}-{tuner}", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["llama-untied:lora-saved", "qwen2-tied:loha"])
+def test_a_2_procs_checkpoint_exports_adapters_and_merged_model_as_one_device(one_f_one_b, work, run):
+    # adapters and merged model give the single-device fine-tune's logits
+    name, tuner = run.split(":")
+    start = {k: v for rank in _ranks(one_f_one_b, "1F1B", run) for k, v in rank["initial"].items()}
+    reference = _reference_model(str(work / name), tuner, tuple(sorted(start.items())))
+    _check_exports(work / f"ckpt-1F1B-{name}-{tuner}", work / name, work / f"export-{name}-{tuner}", reference)
+
+
+@pytest.mark.slow
+def test_a_fine_tune_continued_from_its_exported_adapters_2_procs(one_f_one_b, work):
+    _ranks(one_f_one_b, "1F1B", "llama-untied:lora-saved")  # the run and its continuation ended without error
     _check_continued(work, "1F1B", 2, "llama-untied", "lora-saved")
 
 
@@ -283,20 +323,16 @@ def _check_continued(work, schedule: str, nprocs: int, name: str, tuner: str) ->
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_frozen_first_stage_lora_zbv_zero_bubble_2_procs(work):
-    """ZBVZeroBubble splits each backward in two; with `lora-late` the stages before layer 6 hold no adapter, and
-    the gradients still reach the later stages' adapters."""
-    runs = ["llama-tied:lora-late", "qwen2-tied:lora"]
-    run_script("peft_adapters.py", str(work), "ZBVZeroBubble", "2", *runs, nprocs=2)
-    _check(work, "ZBVZeroBubble", 2, runs)
+@pytest.mark.parametrize("run", RUNS_ZBV)
+def test_frozen_first_stage_lora_zbv_zero_bubble_2_procs(zbv, run):
+    _check(zbv, "ZBVZeroBubble", run)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_lora_interleaved_1f1b_4_procs(work):
-    runs = ["llama-tied:lora", "qwen2-untied:loha"]
-    run_script("peft_adapters.py", str(work), "Interleaved1F1B", "4", *runs, nprocs=4, launcher="torchrun")
-    _check(work, "Interleaved1F1B", 4, runs)
+@pytest.mark.parametrize("run", RUNS_INTERLEAVED)
+def test_lora_interleaved_1f1b_4_procs(interleaved, run):
+    _check(interleaved, "Interleaved1F1B", run)
 
 
 def test_units_of_a_peft_model_are_timed_as_its_stages_call_them():

@@ -23,7 +23,10 @@ def test_num_items_is_read_and_checked():
     loss, items = _loss_and_items("training_step", {"loss": torch.tensor(2.0), "num_items": torch.tensor(7)})
     assert float(loss) == 2.0 and int(items) == 7
     assert _loss_and_items("training_step", torch.tensor(1.0))[1] is None
-    with pytest.raises(PipelineUsageError, match=r"returned `num_items=\[1, 2\]`; it must be the number of items"):
+    with pytest.raises(
+        PipelineUsageError,
+        match=r"`training_step` returned `num_items=\[1, 2\]`.*number of items.*non-negative integer",
+    ):
         _loss_and_items("training_step", {"loss": torch.tensor(1.0), "num_items": torch.tensor([1, 2])})
     with pytest.raises(PipelineUsageError, match="returned `num_items=2.5`"):
         _loss_and_items("training_step", {"loss": torch.tensor(1.0), "num_items": 2.5})
@@ -32,7 +35,9 @@ def test_num_items_is_read_and_checked():
 def test_num_items_from_all_microbatches_or_none():
     assert _check_items("training_step", [torch.tensor(3), torch.tensor(4)])
     assert not _check_items("training_step", [None, None])
-    with pytest.raises(PipelineUsageError, match="returned `num_items` for some microbatches of a batch but not"):
+    with pytest.raises(
+        PipelineUsageError, match=r"`training_step` returned `num_items` for some.*but not for others.*every step"
+    ):
         _check_items("training_step", [torch.tensor(3), None])
     with pytest.raises(PipelineUsageError, match="returned `num_items` that sum to 0 over the batch"):
         _check_items("validation_step", [torch.tensor(0), torch.tensor(0)])
@@ -52,14 +57,18 @@ def test_activation_takes_the_place_of_the_first_input():
     # keyword call: the activation goes into the keyword of forward's first parameter
     out = call_with_activation(net, (), {"idx": torch.zeros(2), "mask": mask}, (h,), False, True)
     assert torch.equal(out, h * mask)
-    with pytest.raises(PipelineUsageError, match="was called with keyword arguments \\['mask'\\] only"):
+    with pytest.raises(
+        PipelineUsageError, match=r"_Net .*keyword arguments \['mask'\] only.*1 activation.*positionally"
+    ):
         call_with_activation(net, (), {"mask": mask}, (h,), False, True)
 
 
 def test_a_stage_before_the_last_must_return_tensors():
     step = StepContext([Call((torch.ones(2),), {})], [2])
     stage = StageModule(nn.Identity(), 0, 2, lambda *a: {"hidden": torch.ones(2)})
-    with pytest.raises(PipelineUsageError, match="Pipeline stage 0 returned dict; a stage before the last must"):
+    with pytest.raises(
+        PipelineUsageError, match=r"Pipeline stage 0 returned dict.*before the last.*tensor or a tuple.*hidden state"
+    ):
         stage(step=step, microbatch=0)
 
 
@@ -144,7 +153,7 @@ def test_mesh_layout_places_ranks():
 
 
 def test_device_mesh_exists_only_once_processes_start():
-    with pytest.raises(PipelineUsageError, match="The device mesh is built when the processes start"):
+    with pytest.raises(PipelineUsageError, match=r"device mesh.*when the processes start.*\(setup_environment\)"):
         _ = PipelineParallelStrategy().device_mesh
 
 

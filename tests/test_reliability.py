@@ -151,7 +151,10 @@ def test_a_checkpoint_exception_is_the_failing_ranks_own_error_and_a_peers_failu
     assert failures.first_failure().error == "OSError: disk full"
 
     Board.connect(2).record(failures.entry_index() + 1, Failure(1, (1,), "while saving a checkpoint", "E: x"))
-    with pytest.raises(PipelinePeerFailure, match=r"Rank 1 .* \(a checkpoint save failed on rank\(s\) \[1\]\)"):
+    with pytest.raises(
+        PipelinePeerFailure,
+        match=r"Rank 1 \(pipeline stage 1\) failed first.*saving a checkpoint.*save failed on rank\(s\) \[1\]",
+    ):
         with failures.entry():
             raise CheckpointException("save failed", {1: (OSError("x"), traceback.StackSummary())})
 

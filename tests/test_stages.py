@@ -65,7 +65,9 @@ def test_parameters_outside_units_are_refused():
     model = TinyLM(n_layers=2)
     model.scale = nn.Parameter(torch.ones(1))
     layout = find_layout(model)
-    with pytest.raises(PipelineModelError, match=r"Parameter 'scale' lies outside every pipeline unit"):
+    with pytest.raises(
+        PipelineModelError, match=r"Parameter 'scale' lies outside.*pipeline unit.*no stage.*Move it into"
+    ):
         check_ownership(model, layout.units)
 
 
@@ -86,18 +88,19 @@ def test_resolve_module():
     lm = LitLM()
     assert resolve_module(lm, "auto")[0] == "model"
     assert resolve_module(lm, "")[1] is lm
-    with pytest.raises(PipelineModelError, match=r"`module='net'`: LitLM has no submodule of that name"):
+    with pytest.raises(PipelineModelError, match=r"`module='net'`: LitLM has no submodule.*'model'.*'auto'"):
         resolve_module(lm, "net")
     empty = LitLM(meta_init=True)  # no network before configure_model
-    with pytest.raises(PipelineModelError, match="has no submodule with parameters to pipeline"):
+    with pytest.raises(
+        PipelineModelError, match=r"LitLM has no submodule.*parameters to pipeline.*`__init__`.*`configure_model`"
+    ):
         resolve_module(empty, "auto")
 
 
 def test_build_refuses_more_stages_than_blocks():
     with pytest.raises(
         PipelineConfigError,
-        match=r"needs 4 stages \(2 ranks x 2 stages per rank\) but the network"
-        r" has only 3 blocks",
+        match=r"needs 4 stages \(2 ranks x 2 stages per rank\).*only 3 blocks.*`pipeline_size`.*`stages_per_rank`",
     ):
         _build(LitLM(n_layers=3), stages_per_rank=2, schedule="Interleaved1F1B")
 
@@ -113,7 +116,7 @@ def test_build_rank_holds_only_its_stages():
 
 
 def test_trace_frontend_needs_example_input():
-    with pytest.raises(PipelineModelError, match="`frontend='trace'` traces the network with an example input"):
+    with pytest.raises(PipelineModelError, match=r"`frontend='trace'`.*example input.*`self\.example_input_array`"):
         _build(LitLM(), frontend="trace")
 
 
@@ -122,7 +125,7 @@ def test_trace_frontend_needs_network_attribute():
 
     flat = FlatLM()
     flat.example_input_array = torch.zeros(8, 6, dtype=torch.long)
-    with pytest.raises(PipelineModelError, match="`frontend='trace'` needs the network in an attribute"):
+    with pytest.raises(PipelineModelError, match=r"`frontend='trace'` needs the network.*attribute.*`module=`"):
         _build(flat, frontend="trace")
 
 
@@ -131,7 +134,7 @@ def test_trace_frontend_reports_untraceable_networks():
     lm.example_input_array = torch.zeros(8, 6, dtype=torch.long)
     # TinyLM's forward reads `self.embed is not None`: traceable. Break tracing with data-dependent control flow.
     lm.model.forward = lambda idx: idx if idx.sum() > 0 else idx  # noqa: E731
-    with pytest.raises(PipelineModelError, match="torch's tracer could not split TinyLM"):
+    with pytest.raises(PipelineModelError, match=r"torch's tracer.*split TinyLM.*`frontend='modules'`"):
         _build(lm, frontend="trace")
 
 
@@ -166,7 +169,7 @@ def test_out_of_memory_while_tracing_is_reported_as_out_of_memory(monkeypatch):
         raise RuntimeError("data-dependent control flow")
 
     monkeypatch.setattr(pipelining, "pipeline", unreadable)
-    with pytest.raises(PipelineModelError, match="torch's tracer could not split TinyLM"):
+    with pytest.raises(PipelineModelError, match=r"torch's tracer.*split TinyLM.*`frontend='modules'`"):
         trace_stages(TinyLM(n_layers=2), (torch.zeros(2, 4, dtype=torch.long),), {}, ["layers.1"])
 
 

@@ -1,5 +1,5 @@
 """Data parallel x pipeline scenarios (``data_parallel="ddp"|"fsdp"``, mesh layouts, activation checkpointing),
-several per launch; each rank saves what it saw per scenario.
+several per launch; each rank saves what it saw per scenario, or the scenario's traceback (tests/scripts/outcomes.py).
 
 Usage: data_parallel.py OUT CONFIGS_JSON. A config: {"name", "devices", "pipeline_size", "data_parallel", "schedule",
 "accumulate", "clip", "inner_axis", "num_nodes", "activation_checkpointing", "bucket_bytes", "max_steps", "precision",
@@ -30,6 +30,7 @@ from lightning_pipe.measure import memory
 from tests.eval_models import LitEvalLM
 from tests.models import VOCAB, LitLM
 from tests.scripts.ckpt_common import LitLMScheduled
+from tests.scripts.outcomes import run_each
 
 #: torch.distributed calls that move gradients (DDP buckets: all_reduce; FSDP: reduce_scatter_single) or gather
 #: FSDP parameters (all_gather_single); counted per group.
@@ -208,7 +209,7 @@ def run(out: Path, cfg: dict) -> None:
     error = None
     try:
         trainer.fit(model, ckpt_path=ckpt)
-    except lightning_pipe.PipelineConfigError as err:  # an expected error ends the launch: it is its last config
+    except lightning_pipe.PipelineConfigError as err:  # an expected error is the scenario's result; the next one runs
         error = str(err)
     if cfg.get("save"):
         trainer.save_checkpoint(out / cfg["save"])
@@ -242,8 +243,7 @@ def run(out: Path, cfg: dict) -> None:
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
     _count_calls()
-    for cfg in configs:
-        run(out, cfg)
+    run_each(out, configs, run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Generate in validation_step and predict_step (tests/generation_models.py) under pipeline configurations.
 Usage: generation.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "sample"}, optionally
-"layers" and "eval_microbatches"); one launch runs them all."""
+"layers" and "eval_microbatches"); one launch runs them all, each leaving its result or its traceback
+(tests/scripts/outcomes.py)."""
 
 import json
 import sys
@@ -10,21 +11,23 @@ import torch
 
 import lightning_pipe
 from tests.generation_models import run_generation
+from tests.scripts.outcomes import run_each
 
 
 def main() -> None:
-    out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
-    for cfg in configs:
+    run_each(Path(sys.argv[1]), json.loads(sys.argv[2]), run)
 
-        def strategy(cfg=cfg):
-            return lightning_pipe.PipelineParallelStrategy(
-                schedule=cfg["schedule"], eval_microbatches=cfg.get("eval_microbatches", "auto")
-            )
 
-        result = run_generation(
-            strategy, devices=cfg["devices"], family=cfg["family"], sample=cfg["sample"], layers=cfg.get("layers", 4)
+def run(out: Path, cfg: dict) -> None:
+    def strategy():
+        return lightning_pipe.PipelineParallelStrategy(
+            schedule=cfg["schedule"], eval_microbatches=cfg.get("eval_microbatches", "auto")
         )
-        torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
+
+    result = run_generation(
+        strategy, devices=cfg["devices"], family=cfg["family"], sample=cfg["sample"], layers=cfg.get("layers", 4)
+    )
+    torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
 
 
 if __name__ == "__main__":

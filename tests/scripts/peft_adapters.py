@@ -10,6 +10,9 @@ A RUN ``<directory>:<tuner>:continue`` then continues the fine-tune in a second 
 checkpoint's adapters (``export-hf --adapter``) to ``adapter-<schedule>-<directory>-<tuner>``, and a new run starts
 from the directory and that adapter directory (``init_adapter``) for 2 steps; each rank saves its losses, validation
 loss and the trainable tensors it started from as ``continued-<schedule>-<directory>-<tuner>.rank<r>.pt``.
+
+A run that raises leaves its traceback in ``<schedule>-<directory>-<tuner>.rank<r>.failed`` and the next run goes on
+(tests/scripts/outcomes.py).
 """
 
 import sys
@@ -19,32 +22,37 @@ import torch
 
 from lightning_pipe import PipelineParallelStrategy
 from tests.peft_models import fine_tune
+from tests.scripts.outcomes import run_each
 
 
 def main() -> None:
     work, schedule, devices = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    for run in sys.argv[4:]:
-        name, tuner, *then = run.split(":")
-        strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name)
-        model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices)
-        grads = {n for n, p in model.named_parameters() if p.grad is not None}
-        state = trainer.optimizers[0].state
-        result = {
-            "losses": model.step_losses,
-            "val": val,
-            "initial": model.initial,
-            "frozen": sorted(model.frozen),
-            "frozen_unchanged": all(torch.equal(model.frozen[n], v) for n, v in model.frozen_after.items()),
-            "frozen_loaded": {n: v for n, v in model.frozen.items()},
-            "with_grad": sorted(grads),
-            "optimizer_state": len(state),
-            "trainable": len(model.initial),
-        }
-        result["final"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        torch.save(result, work / f"{schedule}-{name}-{tuner}.rank{trainer.global_rank}.pt")
-        trainer.save_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}")
-        if then == ["continue"]:
-            _continue(work, schedule, devices, name, tuner, trainer)
+    configs = [{"name": f"{schedule}-{'-'.join(run.split(':')[:2])}", "run": run} for run in sys.argv[4:]]
+    run_each(work, configs, lambda work, cfg: fine_tune_run(work, schedule, devices, cfg["run"]))
+
+
+def fine_tune_run(work: Path, schedule: str, devices: int, run: str) -> None:
+    name, tuner, *then = run.split(":")
+    strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name)
+    model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices)
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    state = trainer.optimizers[0].state
+    result = {
+        "losses": model.step_losses,
+        "val": val,
+        "initial": model.initial,
+        "frozen": sorted(model.frozen),
+        "frozen_unchanged": all(torch.equal(model.frozen[n], v) for n, v in model.frozen_after.items()),
+        "frozen_loaded": {n: v for n, v in model.frozen.items()},
+        "with_grad": sorted(grads),
+        "optimizer_state": len(state),
+        "trainable": len(model.initial),
+    }
+    result["final"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save(result, work / f"{schedule}-{name}-{tuner}.rank{trainer.global_rank}.pt")
+    trainer.save_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}")
+    if then == ["continue"]:
+        _continue(work, schedule, devices, name, tuner, trainer)
 
 
 def _continue(work: Path, schedule: str, devices: int, name: str, tuner: str, trainer) -> None:
