@@ -161,8 +161,15 @@ def test_custom_schedules_train_exactly_and_bad_ones_are_refused_on_every_rank(t
         {"name": "deadlock", "schedule": write(tmp_path / "deadlock.csv", DEADLOCK), "refused": True},
         {"name": "malformed", "schedule": write(tmp_path / "malformed.csv", MALFORMED), "refused": True},
         {"name": "named", "schedule": "1F1B", "microbatches": 4},
-        {"name": "csv", "schedule": one_f_one_b},
+        {"name": "csv", "schedule": one_f_one_b, "save": str(tmp_path / "saved")},
         {"name": "interleaved", "schedule": edited_interleaved(tmp_path / "interleaved.csv")},
+        # the checkpoint saved under the hand-written 1F1B (2 stages), resumed under the edited interleaved (4 stages)
+        {
+            "name": "resumed",
+            "schedule": str(tmp_path / "interleaved.csv"),
+            "ckpt_path": str(tmp_path / "saved" / "last.ckpt"),
+            "max_epochs": 2,
+        },
     ]
     run_script("custom_schedule.py", str(tmp_path), json.dumps(configs), nprocs=2, timeout=240)
     errors = agreed_errors(tmp_path)
@@ -178,3 +185,10 @@ def test_custom_schedules_train_exactly_and_bad_ones_are_refused_on_every_rank(t
     interleaved = load_ranks(tmp_path, "interleaved")
     assert [r["stages_per_rank"] for r in interleaved] == [2, 2]
     assert_parity(interleaved, *single_device_run(accumulate=2, clip=0.05, max_steps=4), rtol=0, atol=1e-5)
+    # the second epoch, resumed from the first's checkpoint, continues as one device's 8 steps
+    ref_losses, ref_state = single_device_run(accumulate=2, clip=0.05, max_steps=8)
+    assert_parity(load_ranks(tmp_path, "resumed"), ref_losses[8:], ref_state, rtol=0, atol=1e-5)
+    # validation runs the forward-only pass of every schedule: the same loss on every rank, as under 1F1B
+    val = named[0]["val_loss"]
+    assert {r["val_loss"] for r in named + csv} == {val}
+    assert all(abs(r["val_loss"] - val) < 1e-5 for r in interleaved)

@@ -1,7 +1,8 @@
 """Train LitLM under schedules given as CSV files, and a named one, in one process group; each rank saves its losses
 and weights. Schedules that cannot run must be refused on every rank before any step; each rank saves the message.
 
-Usage: custom_schedule.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "microbatches", "refused"}).
+Usage: custom_schedule.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "microbatches", "refused", "save",
+"ckpt_path", "max_epochs"}).
 """
 
 import json
@@ -11,12 +12,22 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_pipe
 from lightning_pipe.errors import PipelineConfigError
-from tests.models import LitLM
+from tests.models import VOCAB, LitLM, quiet_trainer
 
 CLIP = 0.05
+
+
+class Validated(LitLM):
+    """LitLM with a validation step, run after training (fit has no validation loader: training is as LitLM's)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)))
 
 
 def main() -> None:
@@ -34,24 +45,23 @@ def main() -> None:
             torch.save({"error": error}, out / f"error-{cfg['name']}.rank{rank}.pt")
             continue
         L.seed_everything(0)
-        model = LitLM()
+        model = Validated()
         strategy = lightning_pipe.PipelineParallelStrategy(
             schedule=cfg["schedule"], microbatches=cfg.get("microbatches", "auto")
         )
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             strategy=strategy,
-            accelerator="cpu",
             devices=2,
-            max_steps=4,
+            max_epochs=cfg.get("max_epochs", 1),  # an epoch of LitLM: 8 batches, 4 optimizer steps
             accumulate_grad_batches=2,
             gradient_clip_val=CLIP,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            # a checkpoint at the end of the epoch: the resumed run starts the next one
+            callbacks=[ModelCheckpoint(dirpath=cfg["save"], save_last=True)] if cfg.get("save") else [],
+            enable_checkpointing=bool(cfg.get("save")),
         )
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=cfg.get("ckpt_path"))
         state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        validated = trainer.validate(model, dataloaders=model.train_dataloader(), verbose=False)
         torch.save(
             {
                 "losses": model.step_losses,
@@ -60,6 +70,7 @@ def main() -> None:
                 "dp_rank": strategy.data_parallel_rank,
                 "stages_per_rank": strategy.stages_per_rank,
                 "schedule": strategy.schedule_name,
+                "val_loss": validated[0]["val_loss"],
             },
             out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
         )
