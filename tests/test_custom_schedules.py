@@ -16,7 +16,7 @@ from lightning_pipe.schedules.names import SCHEDULES
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.step.executors.schedule import microbatch_plan
 from tests.launch import agreed_errors, run_script
-from tests.reference import assert_parity, load_ranks, single_device_run
+from tests.reference import assert_data_parallel_parity, assert_parity, load_ranks, single_device_run
 
 #: the 1F1B of 2 stages and 4 microbatches, by hand: stage 0 warms up with two forwards, stage 1 with one
 ONE_F_ONE_B = [
@@ -74,6 +74,20 @@ def test_the_cli_exports_and_checks(tmp_path, capsys):
     assert load_schedule(out).actions == schedule_orders("1F1B", 2, 4, 1)
     assert schedules_cli(["check", write(tmp_path / "d.csv", DEADLOCK)]) == 1
     assert "deadlocks" in capsys.readouterr().err
+
+
+def test_lightning_cli_passes_a_path(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    from lightning_pipe import PipelineParallelStrategy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(PipelineParallelStrategy, "strategy")
+    path = write(tmp_path / "1f1b.csv", ONE_F_ONE_B)
+    assert parser.parse_args(["--strategy.schedule", path]).strategy.schedule == path
+    made = parser.instantiate(parser.parse_args(["--strategy.schedule", path])).strategy
+    assert made.schedule_name == f"custom schedule {path}"
+    assert parser.parse_args(["--strategy.schedule", "gpipe"]).strategy.schedule == "gpipe"
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -192,3 +206,13 @@ def test_custom_schedules_train_exactly_and_bad_ones_are_refused_on_every_rank(t
     val = named[0]["val_loss"]
     assert {r["val_loss"] for r in named + csv} == {val}
     assert all(abs(r["val_loss"] - val) < 1e-5 for r in interleaved)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_custom_schedule_under_data_parallelism(tmp_path):
+    """2 replicas (DDP) of the hand-written 1F1B on 2 stages, 4 processes: as one device on the global batch."""
+    schedule = write(tmp_path / "1f1b.csv", ONE_F_ONE_B)
+    config = {"name": "dp2-pp2", "schedule": schedule, "devices": 4, "pipeline_size": 2, "accumulate": 2, "clip": 0.05}
+    run_script("parity.py", str(tmp_path), json.dumps([config]), nprocs=4, launcher="torchrun", timeout=240)
+    assert_data_parallel_parity(load_ranks(tmp_path, "dp2-pp2"), accumulate=2, clip=0.05)
