@@ -68,6 +68,16 @@ def test_every_builtin_schedule_exports_and_reads_back(tmp_path, schedule):
     assert read.actions == schedule_orders(schedule, 2, 4, spr)
 
 
+def test_the_timeline_explains_a_bubble_from_the_given_actions():
+    from lightning_pipe.measure.simulate import explain_bubble
+
+    durations = {(s, k): t for s in range(2) for k, t in (("F", 1.0), ("B", 2.0), ("L", 0.1))}
+    given = [[tuple(a) for a in rank] for rank in load_schedule(ONE_F_ONE_B).actions]
+    assert explain_bubble(durations, 0.3, given, 2, 4, 1, [0, 1]) == explain_bubble(
+        durations, 0.3, "1F1B", 2, 4, 1, [0, 1]
+    )
+
+
 def test_the_cli_exports_and_checks(tmp_path, capsys):
     out = tmp_path / "i.csv"
     assert schedules_cli(["export", "--schedule", "1f1b", "--pipeline-size", "2", "--microbatches", "4", str(out)]) == 0
@@ -116,6 +126,22 @@ def test_refusals_name_the_rank_the_action_and_the_reason(rows, rank, action, re
     assert f"rank {rank}" in text and reason in text
     if action:
         assert f"action {action!r}" in text
+
+
+def test_lists_of_another_shape_and_counts_torch_refuses(tmp_path):
+    with pytest.raises(PipelineConfigError, match="one list of action strings per rank, got"):
+        PipelineSettings(schedule=[0, 1])
+    with pytest.raises(PipelineConfigError, match="torch's 1F1B schedule does not run 2 microbatches on 4 ranks"):
+        export_schedule("1F1B", 4, 2, tmp_path / "s.csv")
+
+
+def test_the_tuner_refuses_a_custom_schedule():
+    from lightning_pipe import PipelineParallelStrategy, tune
+    from tests.models import LitLM, quiet_trainer
+
+    trainer = quiet_trainer(devices=1, strategy=PipelineParallelStrategy(schedule=[["0F0", "0B0"]]))
+    with pytest.raises(PipelineConfigError, match="searches torch's named schedules, but the strategy runs a custom"):
+        tune(trainer, LitLM())
 
 
 def test_a_csv_refused_names_the_file(tmp_path):
