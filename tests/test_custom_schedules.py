@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError
 from lightning_pipe.measure.simulate import schedule_orders
@@ -242,3 +243,25 @@ def test_a_custom_schedule_under_data_parallelism(tmp_path):
     config = {"name": "dp2-pp2", "schedule": schedule, "devices": 4, "pipeline_size": 2, "accumulate": 2, "clip": 0.05}
     run_script("parity.py", str(tmp_path), json.dumps([config]), nprocs=4, launcher="torchrun", timeout=240)
     assert_data_parallel_parity(load_ranks(tmp_path, "dp2-pp2"), accumulate=2, clip=0.05)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_custom_schedule_under_fsdp_in_fabric(tmp_path):
+    """2 FSDP replicas of the hand-written 1F1B on 2 stages under Fabric, 4 processes: the losses and the clip's
+    global norms of one device on the global batch (FSDP's weights are shards)."""
+    from lightning.fabric import Fabric
+
+    from tests.fabric_loop import train
+
+    schedule = write(tmp_path / "1f1b.csv", ONE_F_ONE_B)
+    loop = {"accumulate": 2, "clip": 0.05, "batch": 16}
+    config = {"name": "fsdp", "schedule": schedule, "devices": 4, "pipeline_size": 2, "data_parallel": "fsdp"}
+    run_script("fabric_parity.py", str(tmp_path), json.dumps([config | loop | {"replicas": 2}]), nprocs=4, timeout=240)
+    one_device = Fabric(accelerator="cpu", devices=1)
+    losses, _, norms = train(one_device, loop | {"n_layer": 4, "lora": False}, pipelined=False)
+    assert max(norms) > 0.05, "the clip is active in the reference"
+    for r in range(4):
+        ran = torch.load(tmp_path / f"fsdp.rank{r}.pt")
+        torch.testing.assert_close(torch.tensor(ran["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(ran["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
