@@ -265,3 +265,18 @@ def test_a_custom_schedule_under_fsdp_in_fabric(tmp_path):
         ran = torch.load(tmp_path / f"fsdp.rank{r}.pt")
         torch.testing.assert_close(torch.tensor(ran["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(ran["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_custom_schedule_under_tensor_parallelism(tmp_path):
+    """The exported 1F1B of 2 stages x 2 microbatches, each stage over 2 tensor-parallel processes (4 in all), with
+    validation: as one device."""
+    from tests import test_tensor_parallel as tp
+
+    tp._needs_dtensor_stages()
+    schedule = str(tmp_path / "1f1b.csv")
+    export_schedule("1F1B", 2, 2, schedule)
+    config = {**tp.TP2, "name": "csv", "clip": tp.CLIP, "val": 2, "schedule": schedule}
+    run_script("tensor_parallel.py", str(tmp_path), json.dumps([config]), nprocs=4, launcher="torchrun", timeout=400)
+    tp._assert_parity(load_ranks(tmp_path, "csv"), tp.decoder_reference())
