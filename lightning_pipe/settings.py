@@ -447,7 +447,8 @@ class PipelineSettings:
 
     @property
     def placement(self) -> str:
-        """How stages sit on the ranks of a pipeline: ``"v"`` (there and back) for V schedules, else ``"loop"``."""
+        """How stages sit on the ranks of a pipeline: ``"v"`` (there and back) for V schedules, else ``"loop"``; a
+        schedule of one's own places them as its rows name them (one of the two, checked when it is read)."""
         self._require("schedule")
         if isinstance(self.schedule, CustomSchedule):
             return self.schedule.placement

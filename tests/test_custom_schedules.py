@@ -132,6 +132,8 @@ def test_refusals_name_the_rank_the_action_and_the_reason(rows, rank, action, re
 def test_lists_of_another_shape_and_counts_torch_refuses(tmp_path):
     with pytest.raises(PipelineConfigError, match="one list of action strings per rank, got"):
         PipelineSettings(schedule=[0, 1])
+    with pytest.raises(PipelineConfigError, match="one list of action strings per rank, got"):
+        PipelineSettings(schedule=[[0, 1]])
     with pytest.raises(PipelineConfigError, match="torch's 1F1B schedule does not run 2 microbatches on 4 ranks"):
         export_schedule("1F1B", 4, 2, tmp_path / "s.csv")
 

@@ -169,20 +169,33 @@ def load_schedule(schedule: Union[str, os.PathLike, Rows]) -> CustomSchedule:
         source = str(path)
     else:
         texts, source = schedule, "the given lists"
-        if isinstance(texts, str) or not all(isinstance(r, Sequence) and not isinstance(r, str) for r in texts):
+        if isinstance(texts, str) or not all(
+            isinstance(r, Sequence) and not isinstance(r, str) and all(isinstance(c, str) for c in r) for r in texts
+        ):
             raise PipelineConfigError(
                 f"A schedule given as lists needs one list of action strings per rank, got {schedule!r}."
             )
     try:
         rows = tuple(tuple(parse_cell(t, rank) for t in row if t.strip()) for rank, row in enumerate(texts))
-        made = CustomSchedule(rows, source)
-        check_schedule(made)
     except _Refusal as err:
-        where = f"rank {err.rank}, action {err.action!r}" if err.action else f"rank {err.rank}"
-        raise PipelineConfigError(
-            f"The schedule in {source} cannot run: {where}: {err.reason} (docs/custom-schedules.md)."
-        ) from None
-    return made
+        raise _refused(source, err) from None
+    return checked(CustomSchedule(rows, source))
+
+
+def checked(schedule: CustomSchedule) -> CustomSchedule:
+    """``schedule``, once :func:`check_schedule` finds nothing to refuse (else a :class:`PipelineConfigError`)."""
+    try:
+        check_schedule(schedule)
+    except _Refusal as err:
+        raise _refused(schedule.source, err) from None
+    return schedule
+
+
+def _refused(source: str, err: _Refusal) -> PipelineConfigError:
+    where = f"rank {err.rank}, action {err.action!r}" if err.action else f"rank {err.rank}"
+    return PipelineConfigError(
+        f"The schedule in {source} cannot run: {where}: {err.reason} (docs/custom-schedules.md)."
+    )
 
 
 def check_schedule(schedule: CustomSchedule) -> None:

@@ -8,7 +8,7 @@ from typing import Union
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.schedules.custom import Action, CustomSchedule, check_schedule
+from lightning_pipe.schedules.custom import Action, CustomSchedule, checked
 from lightning_pipe.schedules.names import SINGLE_STAGE, canonical_schedule, resolve_schedule
 
 
@@ -24,9 +24,7 @@ def builtin_schedule(schedule: str, pipeline_size: int, microbatches: int, stage
     if schedule in SINGLE_STAGE:
         cells = [single_stage_order(schedule, stage, pipeline_size, microbatches) for stage in range(pipeline_size)]
     rows = tuple(tuple(tuple(Action(*a) for a in cell) for cell in row) for row in cells)
-    made = CustomSchedule(rows, f"exported from {schedule}")
-    check_schedule(made)
-    return made
+    return checked(CustomSchedule(rows, f"exported from {schedule}"))
 
 
 def single_stage_order(schedule: str, stage: int, num_stages: int, microbatches: int) -> list[list[tuple]]:

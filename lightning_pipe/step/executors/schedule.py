@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -52,10 +52,10 @@ def schedule_accepts(schedule: str, pipeline_size: int, stages_per_rank: int, mi
 FALLBACK_SCHEDULES = {"1F1B": "GPipe", "DualPipeV": "ZBVZeroBubble"}
 
 
-def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, str]:
+def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, Union[str, CustomSchedule]]:
     """How many equal microbatches a training batch of ``size`` samples runs as under ``settings`` (resolved), and
     the schedule that runs them: the configured one, or (a batch it cannot run, such as a last batch of one sample
-    under 1F1B) its :data:`FALLBACK_SCHEDULES` entry."""
+    under 1F1B) its :data:`FALLBACK_SCHEDULES` entry. A schedule of one's own runs its own count, or refuses."""
     s = settings
     if isinstance(s.schedule, CustomSchedule):
         return custom_microbatches(s.schedule, size), s.schedule
