@@ -122,7 +122,7 @@ class PipelineSession(MeshAxes):
             data_parallel_rank=self.data_parallel_rank,
             data_parallel_size=self.data_parallel_size,
             stages_per_rank=int(settings.stages_per_rank),
-            schedule=settings.schedule,
+            schedule=str(settings.schedule),
             pipeline_group=self.pipeline_group,
             aliases=tied.aliases(split.shared, split.prefix) if split is not None else {},
             sharded=self.wrapped.sharded,
@@ -253,7 +253,7 @@ class PipelineArguments(MeshAxes):
     def __init__(
         self,
         pipeline_size: Union[Literal["auto"], PositiveInt] = "auto",
-        schedule: ScheduleName = "auto",
+        schedule: Union[ScheduleName, str, list[list[str]]] = "auto",
         microbatches: Union[Literal["auto"], PositiveInt] = "auto",
         microbatch_size: Optional[PositiveInt] = None,
         stages_per_rank: Union[Literal["auto"], PositiveInt] = "auto",
@@ -285,7 +285,9 @@ class PipelineArguments(MeshAxes):
                 size. ``"auto"``: all processes.
             schedule: A torch schedule by name, any letter case (``GPipe``, ``1F1B``, ``Interleaved1F1B``,
                 ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``). ``"auto"``: ``1F1B``
-                with one stage per rank, ``Interleaved1F1B`` with more.
+                with one stage per rank, ``Interleaved1F1B`` with more. Or a schedule of one's own: the path to a
+                CSV file of per-rank actions in torch's format, or (in Python) a list of action strings per rank;
+                it decides the pipeline size, the stages per rank and the microbatches (docs/custom-schedules.md).
             microbatches: Microbatches per training batch. A divisor of the batch size. ``"auto"``: the number of
                 stages.
             microbatch_size: Samples per microbatch instead of a count. Default ``None``: use ``microbatches``.
@@ -396,7 +398,8 @@ class PipelineArguments(MeshAxes):
 
     @property
     def schedule_name(self) -> str:
-        return self._settings.schedule
+        """The schedule's canonical name, or ``"custom schedule <source>"``."""
+        return str(self._settings.schedule)
 
     @property
     def stages_per_rank(self) -> int:

@@ -26,20 +26,16 @@ from jsonargparse.typing import PositiveInt as PositiveInt
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
+from lightning_pipe.schedules.custom import CustomSchedule
+from lightning_pipe.schedules.names import SCHEDULES as SCHEDULES
+from lightning_pipe.schedules.names import SINGLE_STAGE as SINGLE_STAGE
+from lightning_pipe.schedules.names import SPLIT_BACKWARD as SPLIT_BACKWARD
+from lightning_pipe.schedules.names import V_SHAPED as V_SHAPED
+from lightning_pipe.schedules.names import ScheduleName as ScheduleName
+from lightning_pipe.schedules.names import canonical_schedule as canonical_schedule
+from lightning_pipe.schedules.names import check_custom_counts, normal_schedule, splits_backward
+from lightning_pipe.schedules.names import resolve_schedule as resolve_schedule
 
-ScheduleName = Literal[
-    "auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
-]
-#: Every schedule torch ships, by its canonical name (the names of :data:`ScheduleName` but ``"auto"``).
-SCHEDULES: tuple[str, ...] = get_args(ScheduleName)[1:]
-#: Schedules that drive exactly one stage per rank.
-SINGLE_STAGE: frozenset[str] = frozenset({"GPipe", "1F1B"})
-#: Schedules that place two stages per rank in a V: stage s and stage 2*P-1-s share a rank, so the last stage is on
-#: pipeline rank 0.
-V_SHAPED: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
-#: Schedules that split each backward into an input-gradient and a weight-gradient action (zero bubble). torch 2.13
-#: refuses compiled stages under them (docs/compile.md says why).
-SPLIT_BACKWARD: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
 #: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
 COMPILE_OPTIONS: tuple[str, ...] = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 BalanceMode = Literal["auto", "params", "blocks"]
@@ -63,44 +59,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def canonical_schedule(name: str) -> str:
-    """Map a schedule name, in any letter case, to its canonical spelling (``"auto"`` stays ``"auto"``)."""
-    lookup = {s.lower(): s for s in (*SCHEDULES, "auto")}
-    try:
-        return lookup[str(name).lower()]
-    except KeyError:
-        raise PipelineConfigError(
-            f"Unknown `schedule={name!r}`. Choose one of {', '.join(SCHEDULES)} or 'auto'."
-        ) from None
-
-
-def resolve_schedule(schedule: str, stages_per_rank: Union[int, str]) -> tuple[str, int]:
-    """Resolve ``schedule`` and ``stages_per_rank`` together.
-
-    ``schedule="auto"`` is ``"1F1B"`` with one stage per rank and ``"Interleaved1F1B"`` with more.
-    ``stages_per_rank="auto"`` is 1 for GPipe/1F1B and 2 for every multi-stage schedule.
-    """
-    name = canonical_schedule(schedule)
-    if stages_per_rank != "auto" and (not _is_int(stages_per_rank) or stages_per_rank < 1):  # type: ignore[operator]
-        raise PipelineConfigError(f"`stages_per_rank` must be 'auto' or an int >= 1, got {stages_per_rank!r}.")
-    if name == "auto":
-        spr = 1 if stages_per_rank == "auto" else int(stages_per_rank)
-        return ("1F1B" if spr == 1 else "Interleaved1F1B"), spr
-    if stages_per_rank == "auto":
-        return name, 1 if name in SINGLE_STAGE else 2
-    if name in SINGLE_STAGE and stages_per_rank != 1:
-        raise PipelineConfigError(
-            f"`schedule={name!r}` runs one stage per rank but `stages_per_rank={stages_per_rank}`. Use"
-            " `stages_per_rank=1`, or a multi-stage schedule such as 'Interleaved1F1B'."
-        )
-    if name in V_SHAPED and stages_per_rank != 2:
-        raise PipelineConfigError(
-            f"`schedule={name!r}` places exactly two stages per rank (V shape) but `stages_per_rank={stages_per_rank}`."
-            " Use `stages_per_rank=2` or 'auto'."
-        )
-    return name, int(stages_per_rank)
-
-
 def _listed(names: Sequence[str]) -> str:
     """``'a', 'b', 'c'``: a list of allowed names for a message."""
     return ", ".join(repr(n) for n in names)
@@ -306,15 +264,16 @@ def resolve_compile(compile: Union[bool, dict[str, Any], None]) -> Optional[dict
     return dict(compile)
 
 
-def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: str) -> None:
-    """Refuse compiled blocks under the schedules that split the backward (:data:`SPLIT_BACKWARD`)."""
-    if compile is not None and schedule in SPLIT_BACKWARD:
+def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: Union[str, CustomSchedule]) -> None:
+    """Refuse compiled blocks under the schedules that split the backward (:data:`SPLIT_BACKWARD`, or I and W
+    actions in a schedule of one's own)."""
+    if compile is not None and splits_backward(schedule):
         raise PipelineConfigError(
-            f"`compile` cannot be used with `schedule={schedule!r}`: {', '.join(sorted(SPLIT_BACKWARD))} split each"
-            " backward into an input-gradient and a weight-gradient pass over the same autograd graph, and a"
-            " compiled block's backward is a single node that computes both at once (torch 2.13 refuses compiled"
-            " stages under these schedules). Use `schedule` 'GPipe', '1F1B', 'Interleaved1F1B' or 'LoopedBFS' with"
-            " `compile`, or turn `compile` off."
+            f"`compile` cannot be used with `schedule={str(schedule)!r}`: {', '.join(sorted(SPLIT_BACKWARD))} (and"
+            " schedules of one's own with I and W actions) split each backward into an input-gradient and a"
+            " weight-gradient pass over the same autograd graph, and a compiled block's backward is a single node"
+            " that computes both at once (torch 2.13 refuses compiled stages under these schedules). Use"
+            " `schedule` 'GPipe', '1F1B', 'Interleaved1F1B' or 'LoopedBFS' with `compile`, or turn `compile` off."
         )
 
 
@@ -357,7 +316,8 @@ class PipelineSettings:
     """
 
     pipeline_size: Union[Literal["auto"], PositiveInt] = "auto"
-    schedule: ScheduleName = "auto"
+    #: a name, a CSV path or lists of per-rank actions (normalised to the canonical name or a ``CustomSchedule``)
+    schedule: Union[ScheduleName, str, list[list[str]]] = "auto"
     microbatches: Union[Literal["auto"], PositiveInt] = "auto"
     microbatch_size: Optional[PositiveInt] = None
     stages_per_rank: Union[Literal["auto"], PositiveInt] = "auto"
@@ -395,7 +355,8 @@ class PipelineSettings:
 
     def __post_init__(self) -> None:
         check_pipeline_size(self.pipeline_size)
-        resolve_schedule(self.schedule, self.stages_per_rank)
+        schedule = normal_schedule(self.schedule)
+        resolve_schedule(schedule, self.stages_per_rank)
         check_microbatch_settings(self.microbatches, self.microbatch_size)
         check_eval_microbatches(self.eval_microbatches)
         check_balance_setting(self.balance)
@@ -410,11 +371,11 @@ class PipelineSettings:
         if not isinstance(self.loss_parallel, bool):
             raise PipelineConfigError(f"`loss_parallel` must be True or False, got {self.loss_parallel!r}.")
         compile_options = resolve_compile(self.compile)
-        check_compile_schedule(compile_options, canonical_schedule(self.schedule))
+        check_compile_schedule(compile_options, schedule)
         check_max_restarts(self.max_restarts)
         check_async_checkpoint(self.async_checkpoint)
         normal = {
-            "schedule": canonical_schedule(self.schedule),
+            "schedule": schedule,
             "frontend": self.frontend,
             "split_points": None if self.split_points is None else tuple(self.split_points),
             "blocks": self.blocks if isinstance(self.blocks, str) else tuple(self.blocks),
@@ -425,6 +386,10 @@ class PipelineSettings:
             "compile": compile_options,
             "model_plan": check_model_plan(self.model_plan),
         }
+        if isinstance(schedule, CustomSchedule):
+            # the schedule decides the pipeline size and the microbatch count (given ones must agree)
+            check_custom_counts(schedule, self.pipeline_size, self.microbatches, self.microbatch_size)
+            normal.update(pipeline_size=schedule.pipeline_size, microbatches=schedule.microbatches)
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 
@@ -482,8 +447,11 @@ class PipelineSettings:
 
     @property
     def placement(self) -> str:
-        """How stages sit on the ranks of a pipeline: ``"v"`` (there and back) for V schedules, else ``"loop"``."""
+        """How stages sit on the ranks of a pipeline: ``"v"`` (there and back) for V schedules, else ``"loop"``; a
+        schedule of one's own places them as its rows name them (one of the two, checked when it is read)."""
         self._require("schedule")
+        if isinstance(self.schedule, CustomSchedule):
+            return self.schedule.placement
         return "v" if self.schedule in V_SHAPED else "loop"
 
     @property

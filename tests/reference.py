@@ -140,6 +140,18 @@ def assert_parity(
             )
 
 
+def assert_data_parallel_parity(ranks: list[dict], accumulate: int, clip: float | None) -> None:
+    """2 replicas x 2 stages, each replica on its shard: the replicas' mean loss and every replica's weights equal one
+    device on both shards (the global batch)."""
+    assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ref_losses, ref_state = single_device_data_parallel_run(2, accumulate=accumulate, clip=clip)
+    per_replica = {r["dp_rank"]: r["losses"] for r in ranks}
+    assert per_replica[0] != per_replica[1]  # the replicas really saw different data
+    mean = [(a + b) / 2 for a, b in zip(per_replica[0], per_replica[1])]
+    # The reference's per-step loss is the global batch mean; the replicas' mean equals it; weights equal everywhere.
+    assert_parity([{**r, "losses": mean} for r in ranks], ref_losses, ref_state)
+
+
 def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
     """Reference for ``initialize``: allocate a meta-device module on ``device`` and initialise it with each
     submodule's ``reset_parameters``.

@@ -41,6 +41,7 @@ from lightning_pipe.measure.timeline import (
     summarize,
     theoretical_bubble,
 )
+from lightning_pipe.schedules.custom import CustomSchedule
 
 # A child of Lightning's logger: its lines appear wherever Lightning's own INFO lines do.
 log = logging.getLogger("lightning.pytorch.lightning_pipe")
@@ -239,10 +240,11 @@ def explain(strategy: Any, per_rank: list[list[Event]], bubbles: list[float]) ->
     stages = strategy.pipeline_size * strategy.stages_per_rank
     if sorted(stage_rank) != list(range(stages)):
         return None  # a stage recorded nothing in the traced steps: nothing to take apart
+    schedule = strategy.settings.schedule
     return explain_bubble(
         action_durations(events),
         statistics.median(bubbles),
-        strategy.schedule_name,
+        [[tuple(a) for a in rank] for rank in schedule.actions] if isinstance(schedule, CustomSchedule) else schedule,
         strategy.pipeline_size,
         microbatches,
         strategy.stages_per_rank,

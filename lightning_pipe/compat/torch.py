@@ -291,7 +291,14 @@ def user_frame(own_file: str) -> str:
 def schedule_actions(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> list[list[tuple]]:
     """Each pipeline rank's compute actions, in the order torch's schedule runs them: ``(stage, kind, microbatch)``
     with kind ``"F"`` (forward), ``"B"`` (full backward), ``"I"`` (input-gradient backward) or ``"W"`` (weight-gradient
-    backward); a DualPipeV ``OVERLAP_F_B`` action becomes its forward then its backward.
+    backward); a DualPipeV ``OVERLAP_F_B`` action becomes its forward then its backward."""
+    cells = schedule_cells(schedule, pipeline_size, microbatches, stages_per_rank)
+    return [[action for cell in rank for action in cell] for rank in cells]
+
+
+def schedule_cells(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> list[list[list]]:
+    """Each pipeline rank's compute cells in torch's order: one ``(stage, kind, microbatch)`` action, or the two of a
+    DualPipeV ``OVERLAP_F_B`` (its forward and backward, run back to back).
 
     ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops`` builds the schedule on mock stages, so the
     schedule's own checks run: an invalid combination (1F1B with fewer microbatches than stages, DualPipeV with fewer
@@ -304,7 +311,7 @@ def schedule_actions(schedule: str, pipeline_size: int, microbatches: int, stage
         ops = get_schedule_ops(schedule, pipeline_size, microbatches, stages_per_rank)
     except AssertionError as err:  # the visualizer asserts the stages-per-rank rule of single/multi-stage schedules
         raise ValueError(str(err)) from None
-    return [[action for op in rank if op is not None for action in _split_action(op)] for rank in ops]
+    return [[cell for op in rank if op is not None for cell in [_split_action(op)] if cell] for rank in ops]
 
 
 def _split_action(op: Any) -> list[tuple]:
@@ -314,6 +321,22 @@ def _split_action(op: Any) -> list[tuple]:
     if kind not in ("F", "B", "I", "W"):
         return []  # communication, resharding, gradient reduction: not compute
     return [(op.stage_index, kind, op.microbatch_index)]
+
+
+def custom_schedule(stages: list[Any], microbatches: int, loss_fn: Any, rows: list[list[str]]) -> Any:
+    """A schedule that runs each pipeline rank's compute actions as given (``rows[rank]``, in torch's spelling:
+    ``0F1``, ``1B0``, ``(0F1;3B0)OVERLAP_F_B``).
+
+    torch's ``_PipelineScheduleRuntime`` is the runtime under its own multi-stage schedules: it takes a compute-only
+    order (``_Action.from_str``, what its private ``_load_csv`` reads), checks it and adds the sends, receives and
+    gradient reductions (``_prepare_schedule_with_comms``). torch 2.13 has no public schedule built from actions.
+    """
+    from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule.pipeline_order = {rank: [_Action.from_str(text) for text in row] for rank, row in enumerate(rows)}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    return schedule
 
 
 # ------------------------------------------------------------------------------------------- pipelining versions

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Union
 
-from lightning_pipe.compat import torch as torch_compat
+from lightning_pipe.schedules.export import builtin_schedule
 
 Action = tuple[int, str, int]
 """``(stage, kind, microbatch)``, kind one of ``"F"``, ``"B"``, ``"I"``, ``"W"``."""
@@ -101,37 +102,15 @@ class Simulation:
 
 def schedule_orders(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> list[list[Action]]:
     """Each rank's compute actions in the order ``schedule`` runs them (cached). Raises ``ValueError`` for a
-    combination torch's schedule refuses.
-
-    GPipe and 1F1B follow their ``_step_microbatches`` loops (GPipe: every forward, then every backward; 1F1B: stage
-    ``s`` runs ``min(M, K - s)`` forwards, then alternates backward and forward, then the remaining backwards): torch
-    2.13's descriptive order of 1F1B starts its last rank at microbatch 1. The multi-stage schedules run torch's own
-    order (:func:`lightning_pipe.compat.torch.schedule_actions`).
-    """
+    combination torch's schedule refuses (:func:`lightning_pipe.schedules.export.builtin_schedule`: GPipe and 1F1B
+    as their ``_step_microbatches`` loops run, the multi-stage schedules in torch's own order)."""
     return [list(rank) for rank in _orders(schedule, pipeline_size, microbatches, stages_per_rank)]
 
 
 @lru_cache(maxsize=256)
 def _orders(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> tuple[tuple[Action, ...]]:
-    k, m = pipeline_size, microbatches
-    if schedule not in ("GPipe", "1F1B"):
-        return tuple(tuple(r) for r in torch_compat.schedule_actions(schedule, k, m, stages_per_rank))
-    if stages_per_rank != 1:
-        raise ValueError(f"{schedule} runs one stage per rank, not {stages_per_rank}.")
-    if schedule == "GPipe":
-        return tuple(tuple([(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)]) for r in range(k))
-    if m < k:
-        raise ValueError(f"Number of microbatches ({m}) must be greater than or equal to the number of stages ({k}).")
-    orders = []
-    for r in range(k):
-        warmup = min(m, k - r)
-        order = [(r, "F", i) for i in range(warmup)]
-        for i in range(m):
-            order.append((r, "B", i))
-            if warmup + i < m:
-                order.append((r, "F", warmup + i))
-        orders.append(tuple(order))
-    return tuple(orders)
+    actions = builtin_schedule(schedule, pipeline_size, microbatches, stages_per_rank).actions
+    return tuple(tuple(tuple(a) for a in rank) for rank in actions)  # type: ignore[misc]
 
 
 def _lifetimes(timeline: Sequence[tuple[int, int, str, int, float, float]]) -> list[tuple[float, float, int]]:
@@ -250,7 +229,7 @@ class BubbleGap:
 def explain_bubble(
     durations: Mapping[tuple[int, str], float],
     measured: float,
-    schedule: str,
+    schedule: Union[str, Sequence[Sequence[Action]]],
     pipeline_size: int,
     microbatches: int,
     stages_per_rank: int,
@@ -258,7 +237,8 @@ def explain_bubble(
 ) -> BubbleGap:
     """Take ``measured`` (a step's bubble) apart, from ``durations``: the recorded median seconds of each ``(stage,
     kind)`` action (kinds ``F``, ``B``, ``W``, ``L`` as the timeline records them; ``B`` is the input-gradient half
-    when ``W`` actions exist)."""
+    when ``W`` actions exist). ``schedule``: a torch schedule's name, or each rank's actions (a schedule of one's
+    own)."""
     from lightning_pipe.measure.timeline import theoretical_bubble
 
     stages = pipeline_size * stages_per_rank
@@ -270,7 +250,10 @@ def explain_bubble(
     forward, backward, weight = per_stage("F"), per_stage("B"), per_stage("W")
     full = [b + w for b, w in zip(backward, weight)] if split else backward
     loss = durations.get((stages - 1, "L"), 0.0)
-    orders = schedule_orders(schedule, pipeline_size, microbatches, stages_per_rank)
+    if isinstance(schedule, str):
+        orders = schedule_orders(schedule, pipeline_size, microbatches, stages_per_rank)
+    else:
+        orders = [list(rank) for rank in schedule]
 
     def bubble(f: Sequence[float], i: Sequence[float], w: Sequence[float], b: Sequence[float], lost: float) -> float:
         times = StageTimes(tuple(f), tuple(b), tuple(i), tuple(w), loss=lost)

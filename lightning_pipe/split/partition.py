@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.models.units import Layout
+from lightning_pipe.schedules.custom import stage_to_rank as stage_to_rank
 from lightning_pipe.settings import PipelineSettings
 
 
@@ -115,18 +116,6 @@ def stage_units(layout: Layout, counts: Sequence[int]) -> list[tuple[str, ...]]:
         stages.append(units)
         start += n
     return stages
-
-
-def stage_to_rank(num_stages: int, pipeline_size: int, style: str) -> list[int]:
-    """The pipeline rank that holds each stage: round robin (``"loop"``) or there and back (``"v"``)."""
-    if style == "loop":
-        return [s % pipeline_size for s in range(num_stages)]
-    if style == "v":
-        return [
-            s % pipeline_size if (s // pipeline_size) % 2 == 0 else pipeline_size - 1 - s % pipeline_size
-            for s in range(num_stages)
-        ]
-    raise ValueError(f"Unknown placement style {style!r}.")
 
 
 def _preview(names: Sequence[str], limit: int = 6) -> str:

@@ -43,6 +43,7 @@ import torch
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.measure.memory import device_memory, format_bytes
+from lightning_pipe.schedules.custom import CustomSchedule
 from lightning_pipe.split.builder import is_split
 from lightning_pipe.tune import prune, record
 from lightning_pipe.tune.cost import BalanceRule, Profile, Trial, calibrate, predict
@@ -138,6 +139,12 @@ def tune(
     _check_budget(steps, warmup_steps, max_trials, confirm, margin, memory_limit)
     space = space or SearchSpace()
     settings = strategy.settings
+    if isinstance(settings.schedule, CustomSchedule):
+        raise PipelineConfigError(
+            f"`tune` searches torch's named schedules, but the strategy runs a {settings.schedule}, which it cannot"
+            " take as a candidate. Tune with a named schedule, then export the chosen one to a CSV to edit"
+            " (docs/custom-schedules.md)."
+        )
     target = Path(path) if path is not None else Path(trainer.default_root_dir) / "pipeline_tune"
     # A DataLoader passed built cannot take another batch size.
     knob = find_batch_knob(model, datamodule) if space.searches_layout and train_dataloaders is None else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -12,6 +12,7 @@ from lightning_pipe.comm.dtensor import local
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import MicrobatchError, PipelineConfigError
 from lightning_pipe.microbatch import training_microbatches
+from lightning_pipe.schedules.custom import CustomSchedule
 from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
 from lightning_pipe.step.runtime import PipelineRuntime
 from lightning_pipe.step.stage import STEP, StepContext, chunk_aware_stage_class
@@ -51,11 +52,13 @@ def schedule_accepts(schedule: str, pipeline_size: int, stages_per_rank: int, mi
 FALLBACK_SCHEDULES = {"1F1B": "GPipe", "DualPipeV": "ZBVZeroBubble"}
 
 
-def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, str]:
+def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, Union[str, CustomSchedule]]:
     """How many equal microbatches a training batch of ``size`` samples runs as under ``settings`` (resolved), and
     the schedule that runs them: the configured one, or (a batch it cannot run, such as a last batch of one sample
-    under 1F1B) its :data:`FALLBACK_SCHEDULES` entry."""
+    under 1F1B) its :data:`FALLBACK_SCHEDULES` entry. A schedule of one's own runs its own count, or refuses."""
     s = settings
+    if isinstance(s.schedule, CustomSchedule):
+        return custom_microbatches(s.schedule, size), s.schedule
 
     def count(schedule: str) -> int:
         accepts = functools.partial(schedule_accepts, schedule, s.pipeline_size, s.stages_per_rank)
@@ -74,6 +77,17 @@ def microbatch_plan(settings: PipelineSettings, size: int) -> tuple[int, str]:
     if auto and other is not None and not schedule_accepts(s.schedule, s.pipeline_size, s.stages_per_rank, n):
         return count(other), other
     return n, s.schedule
+
+
+def custom_microbatches(schedule: CustomSchedule, size: int) -> int:
+    """A schedule of one's own runs its microbatch count, whatever the batch: one it does not divide is refused."""
+    if size % schedule.microbatches:
+        raise MicrobatchError(
+            f"A batch of {size} samples does not split into the {schedule.microbatches} equal microbatches of the"
+            f" {schedule}. Use a batch size that is a multiple of {schedule.microbatches}, or `drop_last=True` in the"
+            " DataLoader if only the last batch is short."
+        )
+    return schedule.microbatches
 
 
 def microbatch_count(settings: PipelineSettings, size: int) -> int:
@@ -149,6 +163,9 @@ class ScheduleExecutor:
             for index, module in runtime.stages.items()
         ]
         name = self.settings.schedule
+        if isinstance(name, CustomSchedule):
+            schedule = torch_compat.custom_schedule(stages, n, self._loss, name.texts())
+            return self._keep(key, schedule)
         if n in self._fallback:
             name = FALLBACK_SCHEDULES[name]
         cls = get_schedule_class(name)
@@ -163,6 +180,10 @@ class ScheduleExecutor:
                 f"torch's {name} schedule rejects {n} microbatches for {runtime.num_stages}"
                 f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it{gpipe}."
             ) from err
+        return self._keep(key, schedule)
+
+    def _keep(self, key: tuple, schedule: Any) -> tuple[Any, dict[str, Any]]:
+        """Cache ``schedule`` for ``key`` (the least recently used one goes beyond the cache's size)."""
         self._schedules[key] = (schedule, step_options(schedule))
         if len(self._schedules) > _MAX_CACHED_SCHEDULES:
             self._schedules.popitem(last=False)
