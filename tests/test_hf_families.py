@@ -188,3 +188,18 @@ def test_tensor_parallelism_is_refused_for_gemma4_by_its_plan_styles():
 
     with pytest.raises(PipelineModelError, match=r"Gemma4ForCausalLM uses styles .*'packed_colwise'"):
         hf_tensor_parallel_plan(_tiny_gemma4(), 2)
+
+
+def test_a_stage_before_a_last_stage_without_blocks_is_refused():
+    """The timed split may give the last stage only the head; the stage before it cannot leave the forward."""
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.stage import hf_stage_call
+    from lightning_pipe.split.partition import stage_units
+    from lightning_pipe.split.surgery import prune
+    from tests.hf_families import batch, build
+
+    model = build("llama")
+    layout = hf_layout(model)
+    first = prune(model, stage_units(layout, [4, 0])[0], layout.units, hf_placeholder(model))
+    with pytest.raises(PipelineModelError, match=r"The stage of LlamaForCausalLM after this one holds none of its"):
+        hf_stage_call(first, (), batch(), None, True, False)
