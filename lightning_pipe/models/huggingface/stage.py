@@ -15,6 +15,8 @@ of other stages are stand-ins (:func:`lightning_pipe.models.huggingface.plan.hf_
 - the last stage's call returns what the model returns on one device (logits, ``loss`` when ``labels`` are given).
 - mixture-of-experts models called with ``output_router_logits=True``: every stage's router logits travel with the
   hidden states to the last stage, whose load-balancing loss sees every layer's (:mod:`.router_logits`).
+- per-layer inputs (Gemma 4): the first stage computes them and each stage sends, right after the hidden states, the
+  slices of the layers after its own (:mod:`.per_layer`).
 
 transformers 4.x blocks of some families return tuples that the forward unpacks (``layer_outputs[0]``); the stand-ins
 return the hidden states the way the stage's blocks do, found on the stage's first call (:data:`_STYLE`).
