@@ -49,6 +49,10 @@ SIZES = dict(
     qk_rope_head_dim=4,
     qk_nope_head_dim=4,
     v_head_dim=8,
+    # per-layer inputs (Gemma 3n, Gemma 4): a table of vocabulary x layers x this width
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+    num_kv_shared_layers=0,  # layers reading another layer's keys and values: tests/test_hf_families.py
 )
 
 #: Families with blocks whose outputs the 4.x forward unpacks, with embedding scales or multipliers, parameter-free
@@ -68,6 +72,7 @@ MATRIX = (
     "mixtral",
     "deepseek_v3",
     "glm4",
+    "gemma4_text",  # per-layer inputs, sent by the first stage (transformers 5)
 )
 
 
@@ -87,15 +92,22 @@ def registry() -> dict[str, tuple[Any, str]]:
     return families
 
 
-def tiny_config(model_type: str, tie: bool = False, layers: int = 4) -> Any:
+def _has(config: Any, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:  # transformers 5's per-layer attributes (Gemma 4's head_dim) raise their own error on reading
+        return True
+
+
+def tiny_config(model_type: str, tie: bool = False, layers: int = 4, **overrides: Any) -> Any:
     config_class, _ = registry()[model_type]
     default = config_class()
-    kwargs = {key: value for key, value in SIZES.items() if hasattr(default, key)}
+    kwargs = {key: value for key, value in SIZES.items() if _has(default, key)}
     kwargs["num_hidden_layers"] = layers
     if hasattr(default, "kv_lora_rank"):  # latent attention: as many key/value heads as query heads, head_dim derived
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         kwargs.pop("head_dim", None)
-    config = config_class(**kwargs, tie_word_embeddings=tie)
+    config = config_class(**{**kwargs, **overrides}, tie_word_embeddings=tie)
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
@@ -149,14 +161,14 @@ def split_error(model_type: str, stage_counts: tuple[int, ...] = (2, 4)) -> floa
         outs, received = [], None
         for i, stage in enumerate(stages):
             out = hf_stage_call(stage, (), kwargs, received, i == 0, i == n - 1)
-            outs.append(out)
-            if i < n - 1:
-                received = (out.detach().requires_grad_(True),)
-                outs.append(received[0])
-        outs[-1].loss.backward()
-        for k in range(n - 2, -1, -1):
-            outs[2 * k].backward(outs[2 * k + 1].grad)
-        worst = max(worst, (outs[-1].logits - expected.logits).abs().max().item())
+            if i < n - 1:  # the hidden states, and what travels with them (Gemma 4's per-layer inputs)
+                out = out if isinstance(out, tuple) else (out,)
+                received = tuple(t.detach().requires_grad_(True) for t in out)
+                outs.append((out, received))
+        out.loss.backward()
+        for sent, got in reversed(outs):
+            torch.autograd.backward(sent, [t.grad for t in got])
+        worst = max(worst, (out.logits - expected.logits).abs().max().item())
         grads: dict[str, torch.Tensor] = {}
         for stage in stages:
             for name, param in stage.named_parameters():

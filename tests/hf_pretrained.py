@@ -11,7 +11,7 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader
 
-from tests.hf_models import VOCAB, build, padded_batches
+from tests.hf_models import LEARNING_RATES, VOCAB, build, padded_batches
 from tests.models import quiet_trainer
 
 #: several shards for the tiny models (~80-160 KB of weights)
@@ -62,7 +62,8 @@ class LitPretrained(L.LightningModule):
         self.step_losses.append(float(outputs["loss"]))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        lr = LEARNING_RATES.get(self.model.config.model_type, 0.05)
+        return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
 
     def train_dataloader(self):
         return DataLoader(padded_batches(48, 0, "right"), batch_size=8, shuffle=True)

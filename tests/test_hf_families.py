@@ -4,7 +4,9 @@ transformers version (CI: the newest 5.x, the test extra's 4.57 and the lowest s
 - fast: the families of the multi-process matrix, split into 2 and 4 stages in one process, give the unsplit model's
   logits and gradients;
 - slow: every registered family is exact or refused by name with its reason; the matrix trains and validates at 2
-  processes under 1F1B and ZBVZeroBubble as on one device (one launch for the whole matrix).
+  processes under 1F1B and ZBVZeroBubble as on one device (one launch for the whole matrix);
+- slow: Gemma 4's text model (per-layer inputs, transformers 5) at 2 processes in one launch: trained and validated
+  under 1F1B and ZBVZeroBubble as on one device, fine-tuned from a ``save_pretrained`` directory and exported.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lightning_pipe.errors import PipelineModelError  # noqa: E402
 from lightning_pipe.models.huggingface.plan import UNSUPPORTED  # noqa: E402
 from tests.hf_families import MATRIX, registry, split_error, unsplit  # noqa: E402
 from tests.hf_models import run_hf  # noqa: E402
+from tests.hf_pretrained import fine_tune, probe_logits, save_pretrained  # noqa: E402
 from tests.launch import run_script  # noqa: E402
 from tests.reference import assert_parity, load_ranks  # noqa: E402
 
@@ -29,6 +32,8 @@ SCHEDULES = ("1F1B", "ZBVZeroBubble")
 CONFIGS = [
     {"name": f"{family}-{schedule}", "schedule": schedule, "devices": 2, "family": family, "tie": False}
     | {"side": "right", "layers": 4}
+    # Gemma 4: the timed split may leave the last stage only the head, refused for transformers models
+    | ({"balance": "blocks"} if family == "gemma4_text" else {})
     for family in IN_MATRIX
     for schedule in SCHEDULES
 ]
@@ -88,3 +93,113 @@ def test_family_trains_and_validates_as_on_one_device(matrix, cfg):
         assert rank["metrics"].keys() == ref["metrics"].keys()
         for key, value in ref["metrics"].items():
             assert rank["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-6), key
+
+
+PER_LAYER = "gemma4_text"
+
+
+@pytest.fixture(scope="module")
+def per_layer_run(tmp_path_factory):
+    if PER_LAYER not in FAMILIES:
+        pytest.skip(f"transformers {transformers.__version__} has no {PER_LAYER} family")
+    work = tmp_path_factory.mktemp("per-layer")
+    save_pretrained(work / "gemma4-pretrained", PER_LAYER, tie=True, layers=4)
+    run_script("per_layer.py", str(work), nprocs=2, timeout=900)
+    return work
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, schedule):
+    ranks = load_ranks(per_layer_run, f"train-{schedule}")
+    ref = reference(PER_LAYER)
+    assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-6)
+    assert "model.model.embed_tokens_per_layer.weight" in ranks[0]["state"]
+    for rank in ranks:
+        assert rank["metrics"].keys() == ref["metrics"].keys()
+        for key, value in ref["metrics"].items():
+            assert rank["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_per_layer_inputs_from_directory_and_export_hf(per_layer_run):
+    import torch
+
+    from lightning_pipe.checkpoint import hf_export
+    from tests.scripts.per_layer import STEPS
+
+    path = per_layer_run / "gemma4-pretrained"
+    reference_model, _ = fine_tune(path, max_steps=STEPS)
+    ranks = [torch.load(per_layer_run / f"pretrained.rank{r}.pt") for r in range(2)]
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], reference_model.step_losses, rtol=TOL, atol=0)
+    # the first rank holds (and read) the per-layer table with the token embedding
+    assert "model.model.embed_tokens_per_layer.weight" in ranks[0]["keys"]
+    assert "model.model.embed_tokens_per_layer.weight" not in ranks[1]["keys"]
+    out = hf_export.export(per_layer_run / "ckpt-pretrained", per_layer_run / "export")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert type(exported).__name__ == "Gemma4ForCausalLM"
+    torch.testing.assert_close(probe_logits(exported), probe_logits(reference_model.model), rtol=0, atol=TOL)
+
+
+def _tiny_gemma4(**overrides):
+    if PER_LAYER not in FAMILIES:
+        pytest.skip(f"transformers {transformers.__version__} has no {PER_LAYER} family")
+    from tests.hf_families import tiny_config
+
+    config = tiny_config(PER_LAYER, **overrides)
+    return getattr(transformers, registry()[PER_LAYER][1])(config)
+
+
+def test_per_layer_modules_are_units_of_the_first_stage():
+    from lightning_pipe.models.huggingface.plan import hf_layout
+
+    layout = hf_layout(_tiny_gemma4())
+    assert layout.pre == (
+        "model.embed_tokens",
+        "model.embed_tokens_per_layer",
+        "model.per_layer_model_projection",
+        "model.per_layer_projection_norm",
+    )
+
+
+def test_layers_reusing_another_stages_keys_and_values_are_refused():
+    import copy
+
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.stage import hf_stage_call
+    from lightning_pipe.split.partition import stage_units
+    from lightning_pipe.split.surgery import prune
+    from tests.hf_families import batch
+
+    # layers 2 and 3 reuse the keys and values of layers 0 and 1 (kv_sharing_modes: store, store, reuse, reuse)
+    model = _tiny_gemma4(num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2)
+    layout, placeholder = hf_layout(model), hf_placeholder(model)
+    first, second = (
+        prune(copy.deepcopy(model), keep, layout.units, placeholder) for keep in stage_units(layout, [2, 2])
+    )
+    sent = hf_stage_call(first, (), batch(), None, True, False)
+    with pytest.raises(PipelineModelError, match=r"Layer 2 of Gemma4TextModel reuses the keys and values of layer 0"):
+        hf_stage_call(second, (), batch(), sent, False, True)
+
+
+def test_tensor_parallelism_is_refused_for_gemma4_by_its_plan_styles():
+    from lightning_pipe.models.huggingface.tensor_parallel import hf_tensor_parallel_plan
+
+    with pytest.raises(PipelineModelError, match=r"Gemma4ForCausalLM uses styles .*'packed_colwise'"):
+        hf_tensor_parallel_plan(_tiny_gemma4(), 2)
+
+
+def test_a_stage_before_a_last_stage_without_blocks_is_refused():
+    """The timed split may give the last stage only the head; the stage before it cannot leave the forward."""
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.stage import hf_stage_call
+    from lightning_pipe.split.partition import stage_units
+    from lightning_pipe.split.surgery import prune
+    from tests.hf_families import batch, build
+
+    model = build("llama")
+    layout = hf_layout(model)
+    first = prune(model, stage_units(layout, [4, 0])[0], layout.units, hf_placeholder(model))
+    with pytest.raises(PipelineModelError, match=r"The stage of LlamaForCausalLM after this one holds none of its"):
+        hf_stage_call(first, (), batch(), None, True, False)

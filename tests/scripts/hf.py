@@ -1,7 +1,7 @@
 """Train an unmodified Hugging Face causal LM (tests/hf_models.py) under pipeline configurations.
 Usage: hf.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "tie", "side"}, optionally
-"layers", "max_steps", "weighted", "pipeline_size" and "data_parallel"); one launch runs them all, so the family
-matrix pays the process start-up once. Parameters sharded over data-parallel replicas (``data_parallel="fsdp"``)
+"layers", "max_steps", "weighted", "pipeline_size", "data_parallel" and "balance"); one launch runs them all, so the
+family matrix pays the process start-up once. Parameters sharded over data-parallel replicas (``data_parallel="fsdp"``)
 are saved whole."""
 
 import json
@@ -21,6 +21,7 @@ def main() -> None:
             schedule=cfg["schedule"],
             pipeline_size=cfg.get("pipeline_size", "auto"),
             data_parallel=cfg.get("data_parallel", "ddp"),
+            balance=cfg.get("balance", "auto"),
         )
         try:
             result = run_hf(

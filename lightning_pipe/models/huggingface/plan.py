@@ -25,6 +25,7 @@ from lightning_pipe.compat.transformers import head_pp_plan, set_head_pp_plan
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface.heads import HEAD_SPEC, task_heads
+from lightning_pipe.models.huggingface.per_layer import plan_entries
 from lightning_pipe.models.huggingface.vision import vision_plan
 from lightning_pipe.models.units import CONTAINERS, Layout
 
@@ -34,6 +35,9 @@ MIN_TRANSFORMERS = "4.54"
 UNSUPPORTED = {
     "glm_moe_dsa": "its blocks hand the next block their top-k attention indices besides the hidden states"
     " (`hidden_states, topk_indices = decoder_layer(...)`), and a stage sends the next one the hidden states only",
+    "gemma3n_text": "its blocks take a stack of `altup_num_inputs` hidden states, which projections outside its"
+    " pipeline plan build before the blocks and merge after them (AltUp), and a stage sends one hidden-states tensor"
+    " in the model's plan",
     "hrm_text": "it runs its two block stacks several times per forward (recurrent cycles), so its blocks do not run"
     " once each, in order, as pipeline stages do",
 }
@@ -163,12 +167,29 @@ def _plan(network: nn.Module) -> _Plan:
     base_plan = dict(getattr(network.config, "base_model_pp_plan", None) or {})
     prefix = base_prefix(network)
     plan: _Plan = {(f"{prefix}.{name}" if prefix else name): spec for name, spec in base_plan.items()}
+    plan = _with_per_layer_modules(network, prefix, plan)
     for name, spec in head_pp_plan(network).items():
         if not (prefix and name.startswith(prefix + ".")) and _find(network, name) is not None:
             plan.setdefault(name, spec)
     for name in task_heads(network, prefix):  # transformers' plan names no task head but the causal LM's
         plan.setdefault(name, HEAD_SPEC)
     return {name: (list(spec[0]), list(spec[1])) for name, spec in plan.items()}
+
+
+def _with_per_layer_modules(network: nn.Module, prefix: str, plan: _Plan) -> _Plan:
+    """``plan`` with the modules that compute per-layer inputs (Gemma 4) before its block list: units the first stage
+    holds (:mod:`.per_layer`)."""
+    base = _find(network, prefix) if prefix else network
+    extra = [f"{prefix}.{name}" if prefix else name for name in plan_entries(base)] if base is not None else []
+    if not extra:
+        return plan
+    stack = next((name for name in plan if isinstance(_find(network, name), CONTAINERS)), None)
+    ordered: _Plan = {}
+    for name, spec in plan.items():
+        if name == stack:
+            ordered.update({entry: ([], []) for entry in extra})
+        ordered[name] = spec
+    return ordered
 
 
 def _require_plan(network: nn.Module) -> _Plan:

@@ -15,6 +15,8 @@ of other stages are stand-ins (:func:`lightning_pipe.models.huggingface.plan.hf_
 - the last stage's call returns what the model returns on one device (logits, ``loss`` when ``labels`` are given).
 - mixture-of-experts models called with ``output_router_logits=True``: every stage's router logits travel with the
   hidden states to the last stage, whose load-balancing loss sees every layer's (:mod:`.router_logits`).
+- per-layer inputs (Gemma 4): the first stage computes them and each stage sends, right after the hidden states, the
+  slices of the layers after its own (:mod:`.per_layer`).
 
 transformers 4.x blocks of some families return tuples that the forward unpacks (``layer_outputs[0]``); the stand-ins
 return the hidden states the way the stage's blocks do, found on the stage's first call (:data:`_STYLE`).
@@ -38,7 +40,8 @@ from lightning_pipe.compat.transformers import cache_argument
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
 from lightning_pipe.models.huggingface import router_logits, vision
 from lightning_pipe.models.huggingface.generation import StageCaches
-from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, block_stack
+from lightning_pipe.models.huggingface.per_layer import PerLayerInputs, check_shared_kv, has_per_layer_inputs
+from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, base_prefix, block_stack
 
 #: On a stage view, how its blocks return their output: "tensor" or "tuple" (transformers 4.x families whose forward
 #: unpacks ``layer_outputs[0]``). A stage view is lightning-pipe's own shallow copy of the network.
@@ -101,18 +104,30 @@ def run_stage(
             " (fewer stages, or `balance=` that puts a block on it)."
         )
     # A first stage may hold only what precedes the blocks (a vision-language model's embedding and vision tower).
-    exit_block = None if is_last else blocks[local[-1] + 1 if local else 0]
+    exit_index = local[-1] + 1 if local else 0
+    if not is_last and exit_index == len(blocks):
+        raise PipelineModelError(
+            f"The stage of {type(view).__name__} after this one holds none of its blocks (only what follows them),"
+            " so it has no block at which to take the hidden states this stage sends. Give every stage after the"
+            " first at least one block (`balance='blocks'`, or fewer stages)."
+        )
+    exit_block = None if is_last else blocks[exit_index]
+    base = _per_layer_base(model, local, is_first and is_last)
     if is_first:
         carry = router_logits.Carry(model, call, (), is_last)
-        with carry.recording():
-            return carry.output(_run(view, call, exit_block, None))
+        inputs = PerLayerInputs(base, 0, None)
+        with carry.recording(), inputs.installed():
+            out = carry.output(_run(view, call, exit_block, None))
+        return _send_per_layer(out, inputs, exit_index, is_last)
     hidden, carried = _received(received)
+    per_layer, carried = (carried[0], carried[1:]) if base is not None and carried else (None, carried)
+    inputs = PerLayerInputs(base, local[0], per_layer)
     carry = router_logits.Carry(model, call, carried, is_last)
     known = view.__dict__.get(_STYLE)
     for style in (known,) if known else _STYLES:
         entry = _Entry(view, blocks, local[0], hidden, style)
         try:
-            with carry.recording():
+            with carry.recording(), inputs.installed():
                 if _CHECKED in view.__dict__:
                     out = _run(view, call, exit_block, entry)
                 else:
@@ -122,12 +137,31 @@ def run_stage(
         except _WrongStyle:
             continue
         view.__dict__[_STYLE] = style
-        return carry.output(out)
+        return _send_per_layer(carry.output(out), inputs, exit_index, is_last)
     raise PipelineModelError(
         f"The forward of {type(view).__name__} does not hand its block {local[0]} the previous block's output"
         " (neither the tensor nor `outputs[0]` of the block before it): it changes the hidden states between blocks,"
         " so a stage cannot start from the hidden states the previous stage sends. Pipeline another model family."
     )
+
+
+def _per_layer_base(model: nn.Module, local: list[int], whole: bool) -> nn.Module | None:
+    """The base model when it gives its blocks per-layer inputs (Gemma 4) and the model is split, else ``None``;
+    refuses a stage whose layers reuse another stage's keys and values."""
+    prefix = base_prefix(model)
+    base = model.get_submodule(prefix) if prefix else model
+    if whole or not has_per_layer_inputs(base):
+        return None
+    check_shared_kv(base, local)
+    return base
+
+
+def _send_per_layer(out: Any, inputs: PerLayerInputs, exit_index: int, is_last: bool) -> Any:
+    """A stage's output with, after the hidden states, the per-layer inputs of the layers after the stage."""
+    if is_last or not inputs.active:
+        return out
+    hidden, *rest = out if isinstance(out, tuple) else (out,)
+    return (hidden, inputs.to_send(exit_index), *rest)
 
 
 def prepare_call(
