@@ -130,9 +130,9 @@ def test_refusals_name_the_rank_the_action_and_the_reason(rows, rank, action, re
 
 
 def test_lists_of_another_shape_and_counts_torch_refuses(tmp_path):
-    with pytest.raises(PipelineConfigError, match="one list of action strings per rank, got"):
+    with pytest.raises(PipelineConfigError, match=r"list of action strings.*got"):
         PipelineSettings(schedule=[0, 1])
-    with pytest.raises(PipelineConfigError, match="one list of action strings per rank, got"):
+    with pytest.raises(PipelineConfigError, match=r"list of action strings.*got"):
         PipelineSettings(schedule=[[0, 1]])
     with pytest.raises(PipelineConfigError, match="torch's 1F1B schedule does not run 2 microbatches on 4 ranks"):
         export_schedule("1F1B", 4, 2, tmp_path / "s.csv")
@@ -143,7 +143,7 @@ def test_the_tuner_refuses_a_custom_schedule():
     from tests.models import LitLM, quiet_trainer
 
     trainer = quiet_trainer(devices=1, strategy=PipelineParallelStrategy(schedule=[["0F0", "0B0"]]))
-    with pytest.raises(PipelineConfigError, match="searches torch's named schedules, but the strategy runs a custom"):
+    with pytest.raises(PipelineConfigError, match=r"named schedules.*custom"):
         tune(trainer, LitLM())
 
 
@@ -151,7 +151,7 @@ def test_a_csv_refused_names_the_file(tmp_path):
     path = write(tmp_path / "bad.csv", MALFORMED)
     with pytest.raises(PipelineConfigError, match="bad.csv.*rank 0, action '0X1'"):
         PipelineSettings(schedule=path)
-    with pytest.raises(PipelineConfigError, match="neither a schedule name nor a CSV file"):
+    with pytest.raises(PipelineConfigError, match=r"missing\.csv.*neither a schedule name"):
         PipelineSettings(schedule=str(tmp_path / "missing.csv"))
     with pytest.raises(PipelineConfigError, match="Unknown `schedule='1f2b'`"):
         PipelineSettings(schedule="1f2b")
@@ -192,7 +192,7 @@ def test_compile_is_refused_with_split_backwards():
 def test_a_batch_the_microbatches_do_not_divide_is_refused():
     s = PipelineSettings(schedule=ONE_F_ONE_B).resolve(world_size=2)
     assert microbatch_plan(s, 8) == (4, s.schedule)
-    with pytest.raises(MicrobatchError, match="A batch of 6 samples does not split into the 4 equal microbatches"):
+    with pytest.raises(MicrobatchError, match=r"6 samples.*4 equal microbatches"):
         microbatch_plan(s, 6)
 
 

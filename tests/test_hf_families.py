@@ -179,7 +179,7 @@ def test_layers_reusing_another_stages_keys_and_values_are_refused():
         prune(copy.deepcopy(model), keep, layout.units, placeholder) for keep in stage_units(layout, [2, 2])
     )
     sent = hf_stage_call(first, (), batch(), None, True, False)
-    with pytest.raises(PipelineModelError, match=r"Layer 2 of Gemma4TextModel reuses the keys and values of layer 0"):
+    with pytest.raises(PipelineModelError, match=r"Layer 2 of Gemma4TextModel.*keys and values.*layer 0"):
         hf_stage_call(second, (), batch(), sent, False, True)
 
 
@@ -201,5 +201,5 @@ def test_a_stage_before_a_last_stage_without_blocks_is_refused():
     model = build("llama")
     layout = hf_layout(model)
     first = prune(model, stage_units(layout, [4, 0])[0], layout.units, hf_placeholder(model))
-    with pytest.raises(PipelineModelError, match=r"The stage of LlamaForCausalLM after this one holds none of its"):
+    with pytest.raises(PipelineModelError, match=r"LlamaForCausalLM.*holds none of its"):
         hf_stage_call(first, (), batch(), None, True, False)
