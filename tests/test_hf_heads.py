@@ -21,7 +21,7 @@ from lightning_pipe.models import kind_of  # noqa: E402
 from lightning_pipe.models.huggingface import directory as hf  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout  # noqa: E402
 from tests.hf_heads import TASKS, config, fine_tune, lora_config, probe, save_pretrained  # noqa: E402
-from tests.launch import run_script  # noqa: E402
+from tests.launch import Launch, run_scenarios  # noqa: E402
 
 TOL = 1e-5
 
@@ -118,59 +118,86 @@ def reference(path: str, task: str, side: str, user_loss: bool, init_weights: st
     return model.step_losses, model.val_losses, probe(model.model)
 
 
+@pytest.fixture(scope="module")
+def heads(work) -> Launch:
+    """The one launch of every config, once per module; each test reads its own config's outcome."""
+    return run_scenarios("hf_heads.py", work, CONFIGS + LORA_CONFIGS, nprocs=2)
+
+
 @pytest.mark.extended
 @pytest.mark.slow
-def test_task_heads_fine_tune_and_export_2_procs(work):
-    run_script("hf_heads.py", str(work), json.dumps(CONFIGS + LORA_CONFIGS), nprocs=2)
-    for cfg in CONFIGS:
-        task, name = cfg["task"], cfg["name"]
-        start = str(work / cfg["directory"]) if "directory" in cfg else None
-        losses, val_losses, logits = reference(str(work / task), task, cfg["side"], cfg["user_loss"], start)
-        ranks = [torch.load(work / f"{name}.rank{r}.pt") for r in range(2)]
-        for rank in ranks:
-            torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0, msg=name)
-        heads = ("score.weight", "qa_outputs.weight")
-        last = next(rank for rank in ranks if any(key.endswith(heads) for key in rank["state"]))
-        assert len(val_losses) == 2
-        torch.testing.assert_close(last["val_losses"], val_losses, rtol=TOL, atol=0, msg=name)
-        out = export.export(work / f"ckpt-{name}", work / f"export-{name}")
-        assert json.loads((out / "config.json").read_text())["architectures"] == [TASKS[task][0]]
-        exported = getattr(transformers, TASKS[task][0]).from_pretrained(out, attn_implementation="eager")
-        torch.testing.assert_close(probe(exported), logits, rtol=0, atol=TOL, msg=name)
-    warned = [w for w in torch.load(work / "reward-from-causal-lm.rank0.pt")["warnings"] if "new head" in w]
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[cfg["name"] for cfg in CONFIGS])
+def test_task_head_fine_tunes_and_exports_2_procs(heads, cfg):
+    work, task, name = heads.out, cfg["task"], cfg["name"]
+    ranks = heads.ranks(name)
+    start = str(work / cfg["directory"]) if "directory" in cfg else None
+    losses, val_losses, logits = reference(str(work / task), task, cfg["side"], cfg["user_loss"], start)
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0, msg=name)
+    head_names = ("score.weight", "qa_outputs.weight")
+    last = next(rank for rank in ranks if any(key.endswith(head_names) for key in rank["state"]))
+    assert len(val_losses) == 2
+    torch.testing.assert_close(last["val_losses"], val_losses, rtol=TOL, atol=0, msg=name)
+    out = export.export(work / f"ckpt-{name}", work / f"export-{name}")
+    assert json.loads((out / "config.json").read_text())["architectures"] == [TASKS[task][0]]
+    exported = getattr(transformers, TASKS[task][0]).from_pretrained(out, attn_implementation="eager")
+    torch.testing.assert_close(probe(exported), logits, rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_causal_lm_directory_warns_once_of_the_new_head_2_procs(heads):
+    warned = [w for w in heads.ranks("reward-from-causal-lm")[0]["warnings"] if "new head" in w]
     assert len(warned) == 1 and "'model.score.weight' are not in it" in warned[0]
-    _check_lora_reward_model(work)
 
 
-def _check_lora_reward_model(work) -> None:
+@functools.cache
+def _lora_one_device(launch: Launch, name: str):
+    """A LoRA config's per-rank results and the one-device fine-tune it compares with: ``from_pretrained`` +
+    ``get_peft_model`` started from the pipeline's adapters or, from a causal LM's directory, a one-stage pipeline."""
+    cfg = next(cfg for cfg in LORA_CONFIGS if cfg["name"] == name)
+    ranks = launch.ranks(name)
+    initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
+    work = launch.out
+    strategy = PipelineParallelStrategy(init_weights=work / cfg["directory"]) if "directory" in cfg else None
+    start = None if strategy is not None else initial
+    model, _ = fine_tune(work / "reward", "reward", strategy, lora=True, start=start)
+    return ranks, model
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [cfg["name"] for cfg in LORA_CONFIGS])
+def test_lora_reward_model_2_procs_as_one_device(heads, name):
     """The LoRA reward model at 2 processes against one device (``from_pretrained`` + ``get_peft_model``, started
     from the pipeline's adapters) and, from a causal LM's directory, against a one-stage pipeline (the new head
-    initialised, its ``modules_to_save`` copy equal to it); the frozen base unchanged; ``export-hf --adapter``."""
+    initialised, its ``modules_to_save`` copy equal to it); the frozen base unchanged."""
+    ranks, model = _lora_one_device(heads, name)
+    initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
+    frozen = {k: v for rank in ranks for k, v in rank["frozen"].items()}
+    assert all(rank["frozen_unchanged"] for rank in ranks), name
+    assert torch.equal(initial[f"{HEAD}.modules_to_save.default.weight"], frozen[f"{HEAD}.original_module.weight"])
+    if "directory" in next(cfg for cfg in LORA_CONFIGS if cfg["name"] == name):  # the same initial tensors as on two
+        assert model.initial.keys() == initial.keys()
+        assert all(torch.equal(v, initial[k]) for k, v in model.initial.items()), name
+    last = next(rank for rank in ranks if f"{HEAD}.original_module.weight" in rank["frozen"])
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], model.step_losses, rtol=TOL, atol=0, msg=name)
+    torch.testing.assert_close(last["val_losses"], model.val_losses, rtol=TOL, atol=0, msg=name)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_lora_reward_model_exports_its_adapters_2_procs(heads):
+    """``export-hf --adapter`` of the 2-process LoRA reward model loads with ``PeftModel.from_pretrained`` and gives
+    the one-device model's logits."""
     import peft
 
     from lightning_pipe.checkpoint.__main__ import main
 
-    models = {}
-    for cfg in LORA_CONFIGS:
-        name = cfg["name"]
-        ranks = [torch.load(work / f"{name}.rank{r}.pt") for r in range(2)]
-        initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
-        frozen = {k: v for rank in ranks for k, v in rank["frozen"].items()}
-        assert all(rank["frozen_unchanged"] for rank in ranks), name
-        assert torch.equal(initial[f"{HEAD}.modules_to_save.default.weight"], frozen[f"{HEAD}.original_module.weight"])
-        strategy = PipelineParallelStrategy(init_weights=work / cfg["directory"]) if "directory" in cfg else None
-        start = None if strategy is not None else initial
-        model, _ = fine_tune(work / "reward", "reward", strategy, lora=True, start=start)
-        models[name] = model
-        if strategy is not None:  # the same initial tensors on one process as on two
-            assert model.initial.keys() == initial.keys()
-            assert all(torch.equal(v, initial[k]) for k, v in model.initial.items()), name
-        last = next(rank for rank in ranks if f"{HEAD}.original_module.weight" in rank["frozen"])
-        for rank in ranks:
-            torch.testing.assert_close(rank["losses"], model.step_losses, rtol=TOL, atol=0, msg=name)
-        torch.testing.assert_close(last["val_losses"], model.val_losses, rtol=TOL, atol=0, msg=name)
-    out = work / "export-reward-lora"
+    _, model = _lora_one_device(heads, "reward-lora-1f1b")
+    work, out = heads.out, heads.out / "export-reward-lora"
     assert main(["export-hf", str(work / "ckpt-reward-lora-1f1b"), str(out), "--adapter", "--no-progress"]) == 0
     base = transformers.LlamaForSequenceClassification.from_pretrained(work / "reward", attn_implementation="eager")
     loaded = peft.PeftModel.from_pretrained(base, out)
-    torch.testing.assert_close(probe(loaded), probe(models["reward-lora-1f1b"].model), atol=TOL, rtol=0)
+    torch.testing.assert_close(probe(loaded), probe(model.model), atol=TOL, rtol=0)
