@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from lightning_pipe.checkpoint import export  # noqa: E402
 from lightning_pipe.models.huggingface import export as hf_export  # noqa: E402
 from tests.hf_pretrained import fine_tune, probe_logits, save_pretrained  # noqa: E402
-from tests.launch import agreed_errors, run_script  # noqa: E402
+from tests.launch import Launch, run_scenarios  # noqa: E402
 
 NAMES = ("llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied")
 TOL = 1e-5
@@ -39,54 +39,100 @@ def reference(path: str) -> tuple[list[float], torch.Tensor]:
     return model.step_losses, probe_logits(model.model)
 
 
-def _check_schedule(work, schedule: str, nprocs: int) -> None:
+def _fine_tunes(schedule: str, devices: int) -> list[dict]:
+    return [
+        dict(name=f"{schedule}-{name}", run="fine-tune", schedule=schedule, devices=devices, directory=name)
+        for name in NAMES
+    ]
+
+
+CHECKS = [dict(name="bf16", run="bf16"), dict(name="ckpt-path", run="ckpt-path")] + [
+    dict(name=f"error-{error}", run="error", error=error)
+    for error in ("model-type", "missing", "unexpected", "fit-resume")
+]
+
+
+# The launches' results, collected once per module: each test reads its own run's (Launch.ranks).
+@pytest.fixture(scope="module")
+def one_f_one_b(work) -> Launch:
+    return run_scenarios("hf_pretrained.py", work, _fine_tunes("1F1B", 2), nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def interleaved(work) -> Launch:
+    return run_scenarios("hf_pretrained.py", work, _fine_tunes("Interleaved1F1B", 4), nprocs=4, launcher="torchrun")
+
+
+@pytest.fixture(scope="module")
+def checks(work) -> Launch:
+    return run_scenarios("hf_pretrained.py", work, CHECKS, nprocs=2)
+
+
+def _check_fine_tune(launch: Launch, schedule: str, name: str) -> None:
     import transformers
 
-    for name in NAMES:
-        losses, logits = reference(str(work / name))
-        ranks = [torch.load(work / f"{schedule}-{name}.rank{r}.pt") for r in range(nprocs)]
-        for rank in ranks:
-            torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0)
-            assert rank["load_peak"][0] is not None
-        src, dst = work / f"ckpt-{schedule}-{name}", work / f"export-{schedule}-{name}"
-        out = export.export(src, dst, max_shard_size="40KB")
-        files = sorted(p.name for p in out.iterdir())
-        assert "config.json" in files and "generation_config.json" in files and hf_export.INDEX in files
-        assert len([f for f in files if f.endswith(".safetensors")]) > 1
-        weight_map = json.loads((out / hf_export.INDEX).read_text())["weight_map"]
-        assert ("lm_head.weight" in weight_map) == name.endswith("untied")
-        exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-        assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == name.endswith("-tied")
-        torch.testing.assert_close(probe_logits(exported), logits, rtol=0, atol=TOL)
+    ranks = launch.ranks(f"{schedule}-{name}")
+    work = launch.out
+    losses, logits = reference(str(work / name))
+    for rank in ranks:
+        torch.testing.assert_close(rank["losses"], losses, rtol=TOL, atol=0)
+        assert rank["load_peak"][0] is not None
+    src, dst = work / f"ckpt-{schedule}-{name}", work / f"export-{schedule}-{name}"
+    out = export.export(src, dst, max_shard_size="40KB")
+    files = sorted(p.name for p in out.iterdir())
+    assert "config.json" in files and "generation_config.json" in files and hf_export.INDEX in files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1
+    weight_map = json.loads((out / hf_export.INDEX).read_text())["weight_map"]
+    assert ("lm_head.weight" in weight_map) == name.endswith("untied")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) == name.endswith("-tied")
+    torch.testing.assert_close(probe_logits(exported), logits, rtol=0, atol=TOL)
 
 
 @pytest.mark.slow
-def test_fine_tune_from_directory_and_export_1f1b_2_procs(work):
-    run_script("hf_pretrained.py", str(work), "1F1B", "2", nprocs=2)
-    _check_schedule(work, "1F1B", 2)
+@pytest.mark.parametrize("name", NAMES)
+def test_fine_tune_from_directory_and_export_1f1b_2_procs(one_f_one_b, name):
+    _check_fine_tune(one_f_one_b, "1F1B", name)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_fine_tune_from_directory_and_export_interleaved_4_procs(work):
-    run_script("hf_pretrained.py", str(work), "Interleaved1F1B", "4", nprocs=4, launcher="torchrun")
-    _check_schedule(work, "Interleaved1F1B", 4)
+@pytest.mark.parametrize("name", NAMES)
+def test_fine_tune_from_directory_and_export_interleaved_4_procs(interleaved, name):
+    _check_fine_tune(interleaved, "Interleaved1F1B", name)
 
 
 @pytest.mark.slow
-def test_precision_ckpt_path_and_agreed_errors_2_procs(work):
-    run_script("hf_pretrained.py", str(work), "checks", nprocs=2)
-    ranks = [torch.load(work / f"checks.rank{r}.pt") for r in range(2)]
+def test_bf16_true_each_rank_loads_its_own_stages_in_bf16_2_procs(checks):
+    ranks = checks.ranks("bf16")
     for rank in ranks:
-        assert rank["dtypes"] == ["torch.bfloat16"] and rank["bf16_equal"] and rank["ckpt_path_equal"]
+        assert rank["dtypes"] == ["torch.bfloat16"] and rank["bf16_equal"]
     # each rank holds (and read) only its own stages' tensors
     assert not set(ranks[0]["keys"]) & set(ranks[1]["keys"]) - {"model.lm_head.weight"}
     assert "model.lm_head.weight" in ranks[1]["keys"] and "model.model.embed_tokens.weight" in ranks[0]["keys"]
-    errors = agreed_errors(work)
-    assert "holds a 'llama' model (its config.json) but the network is a Qwen2ForCausalLM" in errors["model-type"]
-    assert "the model's 'model.lm_head.weight' are not in it" in errors["missing"]
-    assert "it holds 'model.layers.6.input_layernorm.weight'" in errors["unexpected"]
-    assert "is a Hugging Face model directory: it holds weights only" in errors["fit-resume"]
+
+
+@pytest.mark.slow
+def test_validate_with_the_directory_as_ckpt_path_2_procs(checks):
+    for rank in checks.ranks("ckpt-path"):
+        assert rank["ckpt_path_equal"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        ("model-type", "holds a 'llama' model (its config.json) but the network is a Qwen2ForCausalLM"),
+        ("missing", "the model's 'model.lm_head.weight' are not in it"),
+        ("unexpected", "it holds 'model.layers.6.input_layernorm.weight'"),
+        ("fit-resume", "is a Hugging Face model directory: it holds weights only"),
+    ],
+    ids=["model-type", "missing", "unexpected", "fit-resume"],
+)
+def test_every_rank_raises_the_same_error_2_procs(checks, error, message):
+    messages = {rank["error"] for rank in checks.ranks(f"error-{error}")}
+    assert len(messages) == 1, f"ranks disagree on {error}: {messages}"
+    assert message in messages.pop()
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """Fine-tune tiny pretrained Hugging Face directories under the pipeline, starting from them with ``init_weights``.
 
-Usage: hf_pretrained.py WORK SCHEDULE DEVICES, or hf_pretrained.py WORK checks (2 ranks). WORK holds the
-directories ``<family>-<tied|untied>`` (written by the pytest side with ``save_pretrained`` in several shards). Each
-rank saves per directory its losses and what it measured while loading (``<schedule>-<name>.rank<r>.pt``); the run's
-checkpoint is saved as ``ckpt-<schedule>-<name>``. ``checks``: precision ``bf16-true`` weights,
-``validate(ckpt_path=<directory>)``, and the errors every rank must raise alike (``error-<name>.rank<r>.pt``).
+Usage: hf_pretrained.py WORK CONFIGS_JSON, a list of {"name", "run"} and the run's arguments. WORK holds the
+directories ``<family>-<tied|untied>`` (written by the pytest side with ``save_pretrained`` in several shards).
+``fine-tune`` ({"schedule", "devices", "directory"}): each rank saves its losses and what it measured while loading;
+the run's checkpoint is saved as ``ckpt-<name>``. ``bf16`` (2 ranks): precision ``bf16-true`` weights. ``ckpt-path``:
+``validate(ckpt_path=<directory>)``. ``error`` ({"error"}: which): the error message every rank must raise alike.
+Each rank saves ``<name>.rank<r>.pt``; a run that raises leaves its traceback in ``<name>.rank<r>.failed`` and the next
+one runs (tests/scripts/outcomes.py).
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,22 +21,21 @@ from lightning_pipe import PipelineCheckpointError, PipelineParallelStrategy
 from lightning_pipe.models.huggingface import directory as hf
 from tests.hf_pretrained import LitPretrained, fine_tune
 from tests.models import quiet_trainer
-
-NAMES = ("llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied")
+from tests.scripts.outcomes import run_each
 
 
 def save(obj, out: Path, name: str, rank: int) -> None:
     torch.save(obj, out / f"{name}.rank{rank}.pt")
 
 
-def fine_tune_all(work: Path, schedule: str, devices: int) -> None:
-    for name in NAMES:
-        strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name)
-        model, trainer = fine_tune(work / name, strategy, devices=devices)
-        peak = trainer.strategy.memory_report.load_peak
-        result = {"losses": model.step_losses, "load_peak": (peak.bytes, peak.rss_bytes)}
-        save(result, work, f"{schedule}-{name}", trainer.global_rank)
-        trainer.save_checkpoint(work / f"ckpt-{schedule}-{name}")
+def fine_tune_run(work: Path, cfg: dict) -> None:
+    path = work / cfg["directory"]
+    strategy = PipelineParallelStrategy(schedule=cfg["schedule"], init_weights=path)
+    model, trainer = fine_tune(path, strategy, devices=cfg["devices"])
+    peak = trainer.strategy.memory_report.load_peak
+    result = {"losses": model.step_losses, "load_peak": (peak.bytes, peak.rss_bytes)}
+    save(result, work, cfg["name"], trainer.global_rank)
+    trainer.save_checkpoint(work / f"ckpt-{cfg['name']}")
 
 
 def stored_values(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -48,9 +50,9 @@ def stored_values(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor
     return values
 
 
-def checks(work: Path) -> None:
+def bf16(work: Path, cfg: dict) -> None:
+    """bf16-true: the weights follow the Trainer's precision, each rank holding only its stages' tensors."""
     path = work / "llama-tied"
-    # bf16-true: the weights follow the Trainer's precision, each rank holding only its stages' tensors
     L.seed_everything(0)
     model = LitPretrained(str(path))
     trainer = quiet_trainer(devices=2, precision="bf16-true", strategy=PipelineParallelStrategy(init_weights=path))
@@ -62,38 +64,50 @@ def checks(work: Path) -> None:
         "bf16_equal": all(torch.equal(state[k], values[k].to(torch.bfloat16)) for k in state),
         "keys": sorted(state),
     }
-    # validate(ckpt_path=<directory>): the same directory as a checkpoint to evaluate
+    save(result, work, cfg["name"], trainer.global_rank)
+
+
+def ckpt_path(work: Path, cfg: dict) -> None:
+    """validate(ckpt_path=<directory>): the same directory as a checkpoint to evaluate."""
+    path = work / "llama-tied"
     L.seed_everything(0)
     model = LitPretrained(str(path))
     trainer = quiet_trainer(devices=2, strategy=PipelineParallelStrategy())
     trainer.validate(model, ckpt_path=path, verbose=False)
     values = stored_values(path, model)
-    result["ckpt_path_equal"] = all(torch.equal(v, values[k]) for k, v in model.state_dict().items())
-    save(result, work, "checks", trainer.global_rank)
-    errors = {
-        "model-type": LitPretrained(str(path), config_path=str(work / "qwen2-tied")),
-        "missing": LitPretrained(str(path), config_path=str(work / "llama-untied")),
-        "unexpected": LitPretrained(str(path), config_path=str(work / "llama-6-layers")),
-        "fit-resume": LitPretrained(str(path)),
-    }
-    for name, module in errors.items():
-        L.seed_everything(0)
-        strategy = PipelineParallelStrategy(init_weights=None if name == "fit-resume" else path)
-        trainer = quiet_trainer(devices=2, max_steps=1, strategy=strategy)
-        try:
-            trainer.fit(module, ckpt_path=path if name == "fit-resume" else None)
-            message = "no error"
-        except PipelineCheckpointError as err:
-            message = str(err)
-        save({"error": message}, work, f"error-{name}", trainer.global_rank)
+    result = {"ckpt_path_equal": all(torch.equal(v, values[k]) for k, v in model.state_dict().items())}
+    save(result, work, cfg["name"], trainer.global_rank)
+
+
+ERRORS = {  # each error's network: config.json of another directory than the weights' (or, fit-resume, the same)
+    "model-type": "qwen2-tied",
+    "missing": "llama-untied",
+    "unexpected": "llama-6-layers",
+    "fit-resume": None,
+}
+
+
+def error(work: Path, cfg: dict) -> None:
+    path, name = work / "llama-tied", cfg["error"]
+    config = ERRORS[name]
+    module = LitPretrained(str(path), **({} if config is None else {"config_path": str(work / config)}))
+    L.seed_everything(0)
+    strategy = PipelineParallelStrategy(init_weights=None if name == "fit-resume" else path)
+    trainer = quiet_trainer(devices=2, max_steps=1, strategy=strategy)
+    try:
+        trainer.fit(module, ckpt_path=path if name == "fit-resume" else None)
+        message = "no error"
+    except PipelineCheckpointError as err:
+        message = str(err)
+    save({"error": message}, work, cfg["name"], trainer.global_rank)
+
+
+RUNS = {"fine-tune": fine_tune_run, "bf16": bf16, "ckpt-path": ckpt_path, "error": error}
 
 
 def main() -> None:
-    work, schedule = Path(sys.argv[1]), sys.argv[2]
-    if schedule == "checks":
-        checks(work)
-    else:
-        fine_tune_all(work, schedule, int(sys.argv[3]))
+    work, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    run_each(work, configs, lambda work, cfg: RUNS[cfg["run"]](work, cfg))
 
 
 if __name__ == "__main__":
