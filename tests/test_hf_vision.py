@@ -7,6 +7,7 @@ run with the vision tower frozen, and its export reloads with ``from_pretrained`
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 
@@ -24,7 +25,7 @@ from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
 from lightning_pipe.models.huggingface.vision import later_stage_call  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.hf_vision import LAYERS, LitVision, batches, build, probe, run_vision, save_pretrained  # noqa: E402
-from tests.launch import run_script  # noqa: E402
+from tests.launch import Launch, run_scenarios  # noqa: E402
 from tests.models import quiet_trainer  # noqa: E402
 
 TOL = 1e-5
@@ -139,32 +140,63 @@ CONFIGS = [
 ] + [dict(name="llava-directory", family="llava", schedule="1F1B", devices=2, freeze_vision=True, directory=True)]
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hf-vision")
+    save_pretrained(work / "llava", "llava")
+    return work
+
+
+# The launches' results, collected once per module: each test reads its own config's (Launch.ranks).
+@pytest.fixture(scope="module")
+def two(work) -> Launch:
+    return run_scenarios("hf_vision.py", work, CONFIGS, nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def four(work) -> Launch:
+    cfg = dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)
+    return run_scenarios("hf_vision.py", work, [cfg], nprocs=4)
+
+
+@functools.cache
+def _one_device(family: str, freeze_vision: bool, path: str | None) -> dict:
+    """One device's run per model: both schedules of a family compare with it."""
+    directory = {} if path is None else {"path": path, "pretrained": True}
+    return run_vision(family=family, freeze_vision=freeze_vision, **directory)
+
+
+def _one_device_of(work, cfg: dict) -> dict:
+    path = str(work / "llava") if cfg.get("directory") else None
+    return _one_device(cfg["family"], cfg.get("freeze_vision", False), path)
+
+
 @pytest.mark.extended
 @pytest.mark.slow
-def test_vision_language_models_2_procs(tmp_path):
-    save_pretrained(tmp_path / "llava", "llava")
-    run_script("hf_vision.py", str(tmp_path), json.dumps(CONFIGS), nprocs=2)
-    ones: dict[tuple, dict] = {}  # one device's run per model: both schedules of a family compare with it
-    for cfg in CONFIGS:
-        directory = {"path": str(tmp_path / "llava"), "pretrained": True} if cfg.get("directory") else {}
-        key = (cfg["family"], cfg.get("freeze_vision", False), bool(directory))
-        if key not in ones:
-            ones[key] = run_vision(family=cfg["family"], freeze_vision=cfg.get("freeze_vision", False), **directory)
-        one = ones[key]
-        for rank in range(2):
-            found = torch.load(tmp_path / f"{cfg['name']}.rank{rank}.pt")
-            torch.testing.assert_close(found["losses"], one["losses"], rtol=TOL, atol=0, msg=cfg["name"])
-            torch.testing.assert_close(found["metrics"]["val_loss"], one["metrics"]["val_loss"], rtol=TOL, atol=0)
-            for key, value in found["state"].items():
-                want = one["state"][key]
-                if "vision_tower" in key and cfg.get("freeze_vision"):
-                    assert torch.equal(value, want), key
-                    continue
-                # to the tensor's scale: Gemma3's zero-initialised image projection grows to ~1e16 in this tiny
-                # random model, where float sums differ in the 8th digit of the largest entries
-                scale = float(want.abs().max()) if want.is_floating_point() and want.numel() else 1.0
-                torch.testing.assert_close(value, want, rtol=TOL, atol=TOL * max(1.0, scale), msg=key)
-    out = export.export(tmp_path / "ckpt-llava-directory", tmp_path / "export")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[cfg["name"] for cfg in CONFIGS])
+def test_vision_language_model_2_procs_as_one_device(two, cfg):
+    ranks = two.ranks(cfg["name"])
+    one = _one_device_of(two.out, cfg)
+    for found in ranks:
+        torch.testing.assert_close(found["losses"], one["losses"], rtol=TOL, atol=0, msg=cfg["name"])
+        torch.testing.assert_close(found["metrics"]["val_loss"], one["metrics"]["val_loss"], rtol=TOL, atol=0)
+        for key, value in found["state"].items():
+            want = one["state"][key]
+            if "vision_tower" in key and cfg.get("freeze_vision"):
+                assert torch.equal(value, want), key
+                continue
+            # to the tensor's scale: Gemma3's zero-initialised image projection grows to ~1e16 in this tiny
+            # random model, where float sums differ in the 8th digit of the largest entries
+            scale = float(want.abs().max()) if want.is_floating_point() and want.numel() else 1.0
+            torch.testing.assert_close(value, want, rtol=TOL, atol=TOL * max(1.0, scale), msg=key)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_llava_started_from_its_directory_exports_for_from_pretrained_2_procs(two):
+    two.ranks("llava-directory")  # the run and its checkpoint ended without error
+    one = _one_device_of(two.out, next(cfg for cfg in CONFIGS if cfg["name"] == "llava-directory"))
+    out = export.export(two.out / "ckpt-llava-directory", two.out / "export")
     exported = transformers.LlavaForConditionalGeneration.from_pretrained(out, attn_implementation="eager")
     torch.testing.assert_close(probe(exported, "llava"), probe(one["model"].model, "llava"), rtol=0, atol=TOL)
 
@@ -178,14 +210,12 @@ def test_tensor_parallelism_of_a_vision_language_model_is_refused_by_name():
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_vision_language_model_interleaved_1f1b_4_procs(tmp_path):
+def test_vision_language_model_interleaved_1f1b_4_procs(four):
     """Llava with 8 text layers, 8 stages on 4 processes (Interleaved1F1B, 2 stages each): the vision tower and
     projector on the first stage, losses, validation and parameters as on one device."""
-    cfg = dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)
-    run_script("hf_vision.py", str(tmp_path), json.dumps([cfg]), nprocs=4)
+    ranks = four.ranks("llava-interleaved")
     one = run_vision(family="llava", layers=8)
-    for rank in range(4):
-        found = torch.load(tmp_path / f"llava-interleaved.rank{rank}.pt")
+    for found in ranks:
         torch.testing.assert_close(found["losses"], one["losses"], rtol=TOL, atol=0)
         torch.testing.assert_close(found["metrics"]["val_loss"], one["metrics"]["val_loss"], rtol=TOL, atol=0)
         for key, value in found["state"].items():
