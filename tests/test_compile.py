@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -19,8 +17,8 @@ from lightning_pipe.parallel.compile import (
 )
 from lightning_pipe.parallel.wrappers import unwrap_stages
 from lightning_pipe.settings import SPLIT_BACKWARD, PipelineSettings
-from tests.launch import run_script
-from tests.reference import assert_parity, load_ranks, single_device_run
+from tests.launch import Launch, run_scenarios
+from tests.reference import assert_parity, single_device_run
 
 # Inductor compiles C++ in a pool of worker processes by default; one worker keeps two ranks on a busy machine from
 # oversubscribing it (the compiled code is the same).
@@ -147,17 +145,16 @@ def test_a_stage_without_named_blocks_is_compiled_whole():
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(tmp_path_factory):
+def compiled_runs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("compile")
-    run_script("parity.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning", env=COMPILE_ENV, timeout=900)
-    return out
+    return run_scenarios("parity.py", out, CONFIGS, nprocs=2, launcher="lightning", env=COMPILE_ENV, timeout=900)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_compiled_stages_match_eager_one_device(compiled_runs, cfg):
-    ranks = load_ranks(compiled_runs, cfg["name"])
+    ranks = compiled_runs.ranks(cfg["name"])
     assert len(ranks) == 2
     # rtol 1e-5 against eager training on one device (inductor fuses and reorders float operations)
     assert_parity(ranks, *single_device_run(n_layers=4))

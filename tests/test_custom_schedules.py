@@ -16,7 +16,7 @@ from lightning_pipe.schedules.__main__ import main as schedules_cli
 from lightning_pipe.schedules.names import SCHEDULES
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.step.executors.schedule import microbatch_plan
-from tests.launch import agreed_errors, run_script
+from tests.launch import agreed_errors, run_scenarios, run_script
 from tests.reference import assert_data_parallel_parity, assert_parity, load_ranks, single_device_run
 
 #: the 1F1B of 2 stages and 4 microbatches, by hand: stage 0 warms up with two forwards, stage 1 with one
@@ -243,8 +243,8 @@ def test_a_custom_schedule_under_data_parallelism(tmp_path):
     """2 replicas (DDP) of the hand-written 1F1B on 2 stages, 4 processes: as one device on the global batch."""
     schedule = write(tmp_path / "1f1b.csv", ONE_F_ONE_B)
     config = {"name": "dp2-pp2", "schedule": schedule, "devices": 4, "pipeline_size": 2, "accumulate": 2, "clip": 0.05}
-    run_script("parity.py", str(tmp_path), json.dumps([config]), nprocs=4, launcher="torchrun", timeout=240)
-    assert_data_parallel_parity(load_ranks(tmp_path, "dp2-pp2"), accumulate=2, clip=0.05)
+    launch = run_scenarios("parity.py", tmp_path, [config], nprocs=4, launcher="torchrun", timeout=240)
+    assert_data_parallel_parity(launch.ranks("dp2-pp2"), accumulate=2, clip=0.05)
 
 
 @pytest.mark.extended

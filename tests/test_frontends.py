@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.launch import SCRIPTS, clean_env, free_port, run_command, run_script
-from tests.reference import assert_parity, load_ranks, single_device_model_run
+from tests.launch import SCRIPTS, Launch, clean_env, free_port, run_command, run_scenarios
+from tests.reference import assert_parity, single_device_model_run
 
 # Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
 pytestmark = pytest.mark.slow
@@ -52,18 +52,16 @@ ONE_PROC_CONFIGS = [
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     pytest.importorskip("litgpt")
     out = tmp_path_factory.mktemp("frontends2")
-    run_script("frontends.py", str(out), json.dumps(TWO_PROC_CONFIGS), nprocs=2, launcher="torchrun")
-    return out
+    return run_scenarios("frontends.py", out, TWO_PROC_CONFIGS, nprocs=2, launcher="torchrun")
 
 
 @pytest.fixture(scope="module")
-def one_proc(tmp_path_factory):
+def one_proc(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("frontends1")
-    run_script("frontends.py", str(out), json.dumps(ONE_PROC_CONFIGS), nprocs=1, launcher="lightning")
-    return out
+    return run_scenarios("frontends.py", out, ONE_PROC_CONFIGS, nprocs=1, launcher="lightning")
 
 
 @pytest.mark.parametrize(
@@ -80,20 +78,20 @@ def one_proc(tmp_path_factory):
     ],
 )
 def test_frontend_parity(two_procs, name, model):
-    ranks = load_ranks(two_procs, name)
+    ranks = two_procs.ranks(name)
     assert_parity(ranks, *single_device_model_run(model))
 
 
 def test_short_last_batch_gets_its_own_schedule(two_procs):
     """A smaller final batch changes microbatch shapes; it must train exactly, not reuse stale stage shapes."""
-    ranks = load_ranks(two_procs, "short-last-batch")
+    ranks = two_procs.ranks("short-last-batch")
     assert len(ranks[0]["losses"]) == 10
     assert_parity(ranks, *single_device_model_run("lm-short-last", max_steps=10))
 
 
 @pytest.mark.parametrize("name", ["odd-last-1F1B", "odd-last-interleaved"])
 def test_a_last_batch_the_microbatches_do_not_divide_trains_exactly(two_procs, name):
-    ranks = load_ranks(two_procs, name)
+    ranks = two_procs.ranks(name)
     assert len(ranks[0]["losses"]) == 9  # 7 batches of 8, one of 5, then the next epoch's first
     assert_parity(ranks, *single_device_model_run("lm-odd-last", max_steps=9))
 
@@ -104,7 +102,7 @@ def test_training_metric_objects_reach_every_rank(two_procs):
     from tests.reference import single_device_model_logged
 
     losses, state, logged = single_device_model_logged("lm-metric", max_steps=12)
-    ranks = load_ranks(two_procs, "train-metric")
+    ranks = two_procs.ranks("train-metric")
     assert_parity(ranks, losses, state)
     for r in ranks:
         for key in ("train_acc_epoch", "train_loss_epoch"):
@@ -113,32 +111,32 @@ def test_training_metric_objects_reach_every_rank(two_procs):
         assert r["step_acc"] == pytest.approx(logged["step_acc"], rel=1e-5)
 
 
-def test_uneven_balance_and_split_points(two_procs):
+@pytest.mark.parametrize(("name", "first_blocks"), [("uneven", 1), ("split-points", 3)])
+def test_uneven_balance_and_split_points(two_procs, name, first_blocks):
     ref = single_device_model_run("lm5")
-    for name, first_blocks in (("uneven", 1), ("split-points", 3)):
-        ranks = load_ranks(two_procs, name)
-        assert_parity(ranks, *ref)
-        layers0 = {k.split(".")[2] for k in ranks[0]["state"] if k.startswith("model.layers.")}
-        assert layers0 == {str(i) for i in range(first_blocks)}
-        assert "model.embed.weight" in ranks[0]["state"] and "model.head.weight" in ranks[1]["state"]
+    ranks = two_procs.ranks(name)
+    assert_parity(ranks, *ref)
+    layers0 = {k.split(".")[2] for k in ranks[0]["state"] if k.startswith("model.layers.")}
+    assert layers0 == {str(i) for i in range(first_blocks)}
+    assert "model.embed.weight" in ranks[0]["state"] and "model.head.weight" in ranks[1]["state"]
 
 
 def test_meta_init_is_independent_of_pipeline_layout(two_procs, one_proc):
     """configure_model on the meta device: each rank materializes its stage; the weights do not depend on the layout."""
-    two = load_ranks(two_procs, "meta")
-    one = load_ranks(one_proc, "single-meta")
+    two = two_procs.ranks("meta")
+    one = one_proc.ranks("single-meta")
     assert_parity(two, one[0]["losses"], one[0]["state"])
 
 
-def test_one_process_pipeline_matches_single_device(one_proc):
+@pytest.mark.parametrize("name", ["single-lm", "single-zbv-like"])
+def test_one_process_pipeline_matches_single_device(one_proc, name):
     ref = single_device_model_run("lm")
-    assert_parity(load_ranks(one_proc, "single-lm"), *ref)
-    assert_parity(load_ranks(one_proc, "single-zbv-like"), *ref)
+    assert_parity(one_proc.ranks(name), *ref)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_precisions(two_procs, precision):
-    ranks = load_ranks(two_procs, precision)
+    ranks = two_procs.ranks(precision)
     ref_losses, _ = single_device_model_run("lm", precision=precision)
     # bf16 rounding depends on matmul shapes (microbatches), so parity is loose; fp32 parity is tested exactly.
     for r in ranks:
@@ -157,6 +155,6 @@ def test_two_nodes(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
     from tests.reference import single_device_run
 
-    ranks = load_ranks(tmp_path, "nodes")
+    ranks = Launch(tmp_path, 2, procs[0]).ranks("nodes")
     assert [r["pipeline_rank"] for r in ranks] == [0, 1]
     assert_parity(ranks, *single_device_run())

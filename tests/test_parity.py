@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.launch import run_script
-from tests.reference import assert_data_parallel_parity, assert_parity, load_ranks, single_device_run
+from tests.launch import Launch, run_scenarios
+from tests.reference import assert_data_parallel_parity, assert_parity, single_device_run
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 CLIP = 0.05
@@ -31,19 +29,16 @@ def _configs(devices: int) -> list[dict]:
     return configs
 
 
+# The launches' results, collected once per module: each test reads its own config's (Launch.ranks).
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity2")
+def two_procs(tmp_path_factory) -> Launch:
     # Lightning's own launcher: the script re-runs itself as rank 1.
-    run_script("parity.py", str(out), json.dumps(_configs(2)), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("parity.py", tmp_path_factory.mktemp("parity2"), _configs(2), nprocs=2, launcher="lightning")
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity4")
-    run_script("parity.py", str(out), json.dumps(_configs(4)), nprocs=4, launcher="torchrun")
-    return out
+def four_procs(tmp_path_factory) -> Launch:
+    return run_scenarios("parity.py", tmp_path_factory.mktemp("parity4"), _configs(4), nprocs=4, launcher="torchrun")
 
 
 def _reference(cfg: dict):
@@ -53,7 +48,7 @@ def _reference(cfg: dict):
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [c for c in _configs(2) if not c.get("sabotage")], ids=lambda c: c["name"])
 def test_two_process_parity(two_procs, cfg):
-    ranks = load_ranks(two_procs, cfg["name"])
+    ranks = two_procs.ranks(cfg["name"])
     assert len(ranks) == 2
     assert_parity(ranks, *_reference(cfg))
     # Every rank logs the same key with the last stage's value.
@@ -64,7 +59,7 @@ def test_two_process_parity(two_procs, cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [c for c in _configs(4) if "pipeline_size" not in c], ids=lambda c: c["name"])
 def test_four_process_parity(four_procs, cfg):
-    ranks = load_ranks(four_procs, cfg["name"])
+    ranks = four_procs.ranks(cfg["name"])
     assert len(ranks) == 4
     assert_parity(ranks, *_reference(cfg))
 
@@ -73,14 +68,14 @@ def test_four_process_parity(four_procs, cfg):
 @pytest.mark.slow
 def test_data_parallel_pipelines_match_one_device_on_the_global_batch(four_procs):
     """2 replicas x 2 stages: each replica trains on its shard; averaged gradients equal one device on both shards."""
-    assert_data_parallel_parity(load_ranks(four_procs, "dp2-pp2"), accumulate=2, clip=CLIP)
+    assert_data_parallel_parity(four_procs.ranks("dp2-pp2"), accumulate=2, clip=CLIP)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sabotage", "sabotage-zbv"])
 def test_parity_check_catches_dropped_stage_gradients(two_procs, name):
     """The parity comparison is not vacuous: losing one stage's gradients breaks it."""
-    ranks = load_ranks(two_procs, name)
+    ranks = two_procs.ranks(name)
     with pytest.raises(AssertionError):
         assert_parity(ranks, *single_device_run())
 

@@ -1,6 +1,8 @@
 """Train LitLM under several pipeline configurations in one process group; each rank saves losses and its weights.
 
 Usage: parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "sabotage", ...}).
+Each rank saves ``<name>.rank<r>.pt``; a config that raises leaves its traceback in ``<name>.rank<r>.failed`` and the
+next one runs (tests/scripts/outcomes.py).
 """
 
 import json
@@ -13,6 +15,7 @@ import torch
 import lightning_pipe
 from lightning_pipe.parallel.compile import compiled_blocks
 from tests.models import LitLM
+from tests.scripts.outcomes import run_each
 
 
 class DropStageGradients(L.Callback):
@@ -40,49 +43,52 @@ class Compiled(L.Callback):
 
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
-    for cfg in configs:
-        L.seed_everything(0)
-        model = LitLM(n_layers=cfg.get("n_layers", 8), optimizer=cfg.get("optimizer", "sgd"))
-        strategy = lightning_pipe.PipelineParallelStrategy(
-            schedule=cfg["schedule"],
-            pipeline_size=cfg.get("pipeline_size", "auto"),
-            microbatches=cfg.get("microbatches", "auto"),
-            activation_checkpointing=cfg.get("activation_checkpointing", False),
-            compile=cfg.get("compile", False),
-        )
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=cfg["devices"],
-            num_nodes=cfg.get("num_nodes", 1),
-            precision=cfg.get("precision", "32-true"),
-            max_steps=cfg.get("max_steps", 6),
-            accumulate_grad_batches=cfg.get("accumulate", 1),
-            gradient_clip_val=cfg.get("clip"),
-            callbacks=[DropStageGradients()] if cfg.get("sabotage") else [],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        compiled = Compiled()
-        trainer.callbacks.append(compiled)
-        trainer.fit(model)
-        state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-        logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        torch.save(
-            {
-                "losses": model.step_losses,
-                "state": state,
-                "logged": logged,
-                "pipeline_rank": strategy.pipeline_rank,
-                "dp_rank": strategy.data_parallel_rank,
-                "compiled": compiled.blocks,
-                "checkpointed": compiled.checkpointed,
-                "forwards_left": compiled.forwards_left(model),
-            },
-            out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
-        )
+    run_each(out, configs, run)
+
+
+def run(out: Path, cfg: dict) -> None:
+    L.seed_everything(0)
+    model = LitLM(n_layers=cfg.get("n_layers", 8), optimizer=cfg.get("optimizer", "sgd"))
+    strategy = lightning_pipe.PipelineParallelStrategy(
+        schedule=cfg["schedule"],
+        pipeline_size=cfg.get("pipeline_size", "auto"),
+        microbatches=cfg.get("microbatches", "auto"),
+        activation_checkpointing=cfg.get("activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=cfg["devices"],
+        num_nodes=cfg.get("num_nodes", 1),
+        precision=cfg.get("precision", "32-true"),
+        max_steps=cfg.get("max_steps", 6),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
+        gradient_clip_val=cfg.get("clip"),
+        callbacks=[DropStageGradients()] if cfg.get("sabotage") else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    compiled = Compiled()
+    trainer.callbacks.append(compiled)
+    trainer.fit(model)
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    torch.save(
+        {
+            "losses": model.step_losses,
+            "state": state,
+            "logged": logged,
+            "pipeline_rank": strategy.pipeline_rank,
+            "dp_rank": strategy.data_parallel_rank,
+            "compiled": compiled.blocks,
+            "checkpointed": compiled.checkpointed,
+            "forwards_left": compiled.forwards_left(model),
+        },
+        out / f"{cfg['name']}.rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":
