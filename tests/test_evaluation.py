@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
 import math
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from tests.eval_models import LitNormMLP, run_scenario
-from tests.launch import run_script
+from tests.launch import Launch, run_scenarios
 
 # Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
 pytestmark = pytest.mark.slow
@@ -62,24 +61,20 @@ def ref_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("eval-ref"))
 
 
-def _launch(tmp_path_factory, devices: int) -> Path:
+def _launch(tmp_path_factory, devices: int) -> Launch:
+    """One launch of the configs, once per module; each config's test reads its own outcome (Launch.ranks)."""
     out = tmp_path_factory.mktemp(f"eval{devices}")
-    run_script("evaluation.py", str(out), json.dumps(_configs(devices)), nprocs=devices, launcher="torchrun")
-    return out
+    return run_scenarios("evaluation.py", out, _configs(devices), nprocs=devices, launcher="torchrun")
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     return _launch(tmp_path_factory, 2)
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
+def four_procs(tmp_path_factory) -> Launch:
     return _launch(tmp_path_factory, 4)
-
-
-def _ranks(out: Path, name: str, devices: int) -> list[dict]:
-    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
 def _close_dicts(got: list[dict], ref: list[dict]) -> None:
@@ -144,8 +139,8 @@ def _check_ckpt(ranks: list[dict], ref: dict) -> None:
         assert (r["stopped_epoch"], r["current_epoch"]) == (ref["stopped_epoch"], ref["current_epoch"])
 
 
-def _check_config(out: Path, cfg: dict, ref_root: str) -> None:
-    ranks = _ranks(out, cfg["name"], cfg["devices"])
+def _check_config(launch: Launch, cfg: dict, ref_root: str) -> None:
+    ranks = launch.ranks(cfg["name"])
     ref = _reference(cfg["scenario"], ref_root)
     if cfg["scenario"] == "full":
         _check_full(ranks, ref)

@@ -1,6 +1,8 @@
 """Validation, test and predict under several pipeline configurations in one process group; each rank saves results.
 
-Usage: evaluation.py OUT_DIR CONFIGS_JSON  (a list of {"name", "scenario", "schedule", "devices", ...}).
+Usage: evaluation.py OUT_DIR CONFIGS_JSON  (a list of {"name", "scenario", "schedule", "devices", ...}). Each rank
+saves ``<name>.rank<r>.pt``; a config that raises leaves its traceback in ``<name>.rank<r>.failed`` and the next one
+runs (tests/scripts/outcomes.py).
 
 Scenarios (the same functions build the single-device references in the pytest process, see tests/test_evaluation.py):
 - "full": fit 2 epochs with validation (uneven last validation batch), CSV logger; then validate, test, predict.
@@ -18,20 +20,24 @@ import torch
 
 import lightning_pipe
 from tests.eval_models import run_scenario
+from tests.scripts.outcomes import run_each
 
 
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
-    for cfg in configs:
-        strategy = lightning_pipe.PipelineParallelStrategy(
-            schedule=cfg["schedule"],
-            pipeline_size=cfg.get("pipeline_size", "auto"),
-            eval_microbatches=cfg.get("eval_microbatches", "auto"),
-            frontend=cfg.get("frontend", "auto"),
-        )
-        result = run_scenario(cfg["scenario"], out / cfg["name"], strategy=strategy, devices=cfg["devices"])
-        result.update(pipeline_rank=strategy.pipeline_rank, dp_rank=strategy.data_parallel_rank)
-        torch.save(result, out / f"{cfg['name']}.rank{strategy.global_rank}.pt")
+    run_each(out, configs, run)
+
+
+def run(out: Path, cfg: dict) -> None:
+    strategy = lightning_pipe.PipelineParallelStrategy(
+        schedule=cfg["schedule"],
+        pipeline_size=cfg.get("pipeline_size", "auto"),
+        eval_microbatches=cfg.get("eval_microbatches", "auto"),
+        frontend=cfg.get("frontend", "auto"),
+    )
+    result = run_scenario(cfg["scenario"], out / cfg["name"], strategy=strategy, devices=cfg["devices"])
+    result.update(pipeline_rank=strategy.pipeline_rank, dp_rank=strategy.data_parallel_rank)
+    torch.save(result, out / f"{cfg['name']}.rank{strategy.global_rank}.pt")
 
 
 if __name__ == "__main__":
