@@ -6,15 +6,14 @@ a `save_pretrained` directory (`init_weights`); training, validation and predict
 from __future__ import annotations
 
 import functools
-import json
 
 import lightning.pytorch as L
 import pytest
 import torch
 
 from tests.crossing_models import MICROBATCHES, MODELS, accumulated_demo, fit_validate_predict
-from tests.launch import run_script
-from tests.reference import assert_parity, load_ranks
+from tests.launch import Launch, run_scenarios
+from tests.reference import assert_parity
 
 # Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
 pytestmark = pytest.mark.slow
@@ -43,19 +42,18 @@ def reference(model: str, pretrained: bool = False) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("crossing")
     torch.manual_seed(1)
     MODELS["t5gemma"]().model.save_pretrained(out / "t5gemma-seed1")
-    run_script("crossing.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("crossing.py", out, CONFIGS, nprocs=2, launcher="lightning")
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_crossing_two_processes(two_procs, cfg):
-    ranks = load_ranks(two_procs, cfg["name"])
+    ranks = two_procs.ranks(cfg["name"])
     ref = reference(cfg["model"], pretrained="init_weights" in cfg)
     if cfg["model"] == "demo":
         # The demo's own SGD (lr=0.1) turns the other summation order of microbatches (~1e-7) into weights 1.4e-6
