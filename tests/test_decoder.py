@@ -5,15 +5,14 @@ on one device under all 7 schedules at 2 processes and the main four at 4."""
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 import torch
 
 from lightning_pipe.settings import SCHEDULES
 from tests.decoder_models import run_decoder
-from tests.launch import run_script
-from tests.reference import assert_parity, load_ranks
+from tests.launch import Launch, run_scenarios
+from tests.reference import assert_parity
 
 ALL_SCHEDULES = list(SCHEDULES)
 CONFIGS = {
@@ -32,18 +31,15 @@ def reference(keyword: bool = False, tied: bool = True) -> dict:
     return run_decoder(keyword_mask=keyword, tied=tied)
 
 
+# The launches' results, collected once per module: each test reads its own config's (Launch.ranks).
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("decoder2")
-    run_script("decoder.py", str(out), json.dumps(CONFIGS[2]), nprocs=2, launcher="lightning")
-    return out
+def two_procs(tmp_path_factory) -> Launch:
+    return run_scenarios("decoder.py", tmp_path_factory.mktemp("decoder2"), CONFIGS[2], nprocs=2, launcher="lightning")
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("decoder4")
-    run_script("decoder.py", str(out), json.dumps(CONFIGS[4]), nprocs=4, launcher="torchrun")
-    return out
+def four_procs(tmp_path_factory) -> Launch:
+    return run_scenarios("decoder.py", tmp_path_factory.mktemp("decoder4"), CONFIGS[4], nprocs=4, launcher="torchrun")
 
 
 def _check(ranks: list[dict], ref: dict) -> None:
@@ -67,14 +63,14 @@ def _check(ranks: list[dict], ref: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[2], ids=lambda c: c["name"])
 def test_decoder_two_processes(two_procs, cfg):
-    _check(load_ranks(two_procs, cfg["name"]), reference(cfg["keyword"]))
+    _check(two_procs.ranks(cfg["name"]), reference(cfg["keyword"]))
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_decoder_four_processes(four_procs, cfg):
-    _check(load_ranks(four_procs, cfg["name"]), reference(cfg["keyword"]))
+    _check(four_procs.ranks(cfg["name"]), reference(cfg["keyword"]))
 
 
 def test_the_comparisons_are_not_vacuous():
