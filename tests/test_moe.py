@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError  # noqa: E402
-from tests.launch import run_script  # noqa: E402
+from tests.launch import Launch, run_scenarios  # noqa: E402
 from tests.moe_models import AUX_COEF, build_moe, first_router, run_moe  # noqa: E402
-from tests.reference import assert_parity, load_ranks, merged_state  # noqa: E402
+from tests.reference import assert_parity, merged_state  # noqa: E402
 from tests.stage_sim import run_stages, split_all, whole_network_grads  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe")
@@ -143,17 +142,15 @@ def reference(family: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("moe2")
-    run_script("moe.py", str(out), json.dumps(CONFIGS[2]), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("moe.py", out, CONFIGS[2], nprocs=2, launcher="lightning")
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
+def four_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("moe4")
-    run_script("moe.py", str(out), json.dumps(CONFIGS[4]), nprocs=4, launcher="torchrun")
-    return out
+    return run_scenarios("moe.py", out, CONFIGS[4], nprocs=4, launcher="torchrun")
 
 
 def _check(ranks: list[dict], family: str) -> None:
@@ -171,11 +168,11 @@ def _check(ranks: list[dict], family: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[2], ids=lambda c: c["name"])
 def test_moe_two_processes(two_procs, cfg):
-    _check(load_ranks(two_procs, cfg["name"]), cfg["family"])
+    _check(two_procs.ranks(cfg["name"]), cfg["family"])
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_moe_four_processes(four_procs, cfg):
-    _check(load_ranks(four_procs, cfg["name"]), cfg["family"])
+    _check(four_procs.ranks(cfg["name"]), cfg["family"])
