@@ -280,5 +280,5 @@ def test_a_custom_schedule_under_tensor_parallelism(tmp_path):
     schedule = str(tmp_path / "1f1b.csv")
     export_schedule("1F1B", 2, 2, schedule)
     config = {**tp.TP2, "name": "csv", "clip": tp.CLIP, "val": 2, "schedule": schedule}
-    run_script("tensor_parallel.py", str(tmp_path), json.dumps([config]), nprocs=4, launcher="torchrun", timeout=400)
-    tp._assert_parity(load_ranks(tmp_path, "csv"), tp.decoder_reference())
+    launch = run_scenarios("tensor_parallel.py", tmp_path, [config], nprocs=4, launcher="torchrun", timeout=400)
+    tp._assert_parity(launch.ranks("csv"), tp.decoder_reference())

@@ -36,8 +36,7 @@ from lightning_pipe.parallel.tensor_parallel import _differ, retie
 from lightning_pipe.settings import PipelineSettings, resolve_pipeline_size
 from lightning_pipe.split.builder import check_whole_before_split
 from lightning_pipe.step.executors.schedule import step_options
-from tests.launch import run_script
-from tests.reference import load_ranks
+from tests.launch import Launch, run_scenarios
 
 TOL = 1e-5
 CLIP = 0.5
@@ -357,7 +356,7 @@ def hf_reference(family: str, tied: bool) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- launches
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
+def four(tmp_path_factory) -> Launch:
     _needs_dtensor_stages()
     out = tmp_path_factory.mktemp("tp4")
     configs = [
@@ -368,8 +367,7 @@ def four(tmp_path_factory):
             network.save_pretrained(out / name, max_shard_size="40KB")  # several files
         else:
             _save_safetensors(network, out / name)
-    run_script("tensor_parallel.py", str(out), json.dumps(configs), nprocs=4, launcher="torchrun", timeout=1500)
-    return out
+    return run_scenarios("tensor_parallel.py", out, configs, nprocs=4, launcher="torchrun", timeout=1500)
 
 
 def _needs_dtensor_stages() -> None:
@@ -398,11 +396,10 @@ def _save_safetensors(network, directory) -> None:
 
 
 @pytest.fixture(scope="module")
-def eight(tmp_path_factory):
+def eight(tmp_path_factory) -> Launch:
     _needs_dtensor_stages()
     out = tmp_path_factory.mktemp("tp8")
-    run_script("tensor_parallel.py", str(out), json.dumps(EIGHT), nprocs=8, launcher="torchrun", timeout=1500)
-    return out
+    return run_scenarios("tensor_parallel.py", out, EIGHT, nprocs=8, launcher="torchrun", timeout=1500)
 
 
 def _merged(ranks: list[dict], which: str = "end") -> dict:
@@ -443,7 +440,7 @@ def _assert_parity(ranks: list[dict], ref: dict, replicas: int = 1) -> None:
 def test_decoder_with_the_users_plan_equals_one_device(four, name):
     ref = decoder_reference()
     assert all(n > CLIP for n in ref["norms"]), "clipping is active in every step"
-    ranks = load_ranks(four, name)
+    ranks = four.ranks(name)
     _assert_parity(ranks, ref)
     # pp outermost, tp innermost: each pipeline joins the same tensor-parallel rank of both stages.
     assert [r["ranks"]["tp_group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
@@ -457,10 +454,10 @@ def test_decoder_with_the_users_plan_equals_one_device(four, name):
 @pytest.mark.extended
 @pytest.mark.slow
 def test_checkpoint_resumes_exactly_and_reshards(four):
-    saved = _merged(load_ranks(four, "ck-save"))
-    resumed, straight = load_ranks(four, "ck-resume"), load_ranks(four, "ck-straight")
+    saved = _merged(four.ranks("ck-save"))
+    resumed, straight = four.ranks("ck-resume"), four.ranks("ck-straight")
     # Weights and optimizer state (Adam's moments, tensor-parallel shards gathered) as saved, bitwise.
-    for which in (resumed, load_ranks(four, "ck-reshard")):
+    for which in (resumed, four.ranks("ck-reshard")):
         start = _merged(which, "start")
         for part in ("state", "optim"):
             assert start[part].keys() == saved[part].keys() and start[part]
@@ -476,9 +473,9 @@ def test_checkpoint_resumes_exactly_and_reshards(four):
     assert _merged(resumed)["state"].keys() == _merged(straight)["state"].keys()
     for key, value in _merged(straight)["state"].items():
         assert torch.equal(_merged(resumed)["state"][key], value), key
-    reshard = load_ranks(four, "ck-reshard")
+    reshard = four.ranks("ck-reshard")
     assert sorted(r["ranks"]["dp"] for r in reshard) == [0, 0, 1, 1] and {r["ranks"]["tp"] for r in reshard} == {0}
-    manifest = json.loads((four / "tp.ckpt" / "lightning_pipe.json").read_text())
+    manifest = json.loads((four.out / "tp.ckpt" / "lightning_pipe.json").read_text())
     assert manifest["tensor_parallel_size"] == 2 and manifest["tied_aliases"] == {
         "model.head.weight": "model.embed.weight"
     }
@@ -496,7 +493,7 @@ def test_checkpoint_resumes_on_one_device(four, tmp_path):
     from tests.models import quiet_trainer
     from tests.tp_models import LitTPDecoder
 
-    saved = _merged(load_ranks(four, "ck-save"))
+    saved = _merged(four.ranks("ck-save"))
     starts = []
 
     class Start(L.Callback):
@@ -507,8 +504,10 @@ def test_checkpoint_resumes_on_one_device(four, tmp_path):
             flat = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
             starts.append(({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, flat))
 
-    single = convert.consolidate(four / "tp.ckpt", tmp_path / "single.ckpt", with_optimizer=True, weights_only=False)
-    for strategy, path in ((PipelineParallelStrategy(), four / "tp.ckpt"), ("auto", single)):
+    single = convert.consolidate(
+        four.out / "tp.ckpt", tmp_path / "single.ckpt", with_optimizer=True, weights_only=False
+    )
+    for strategy, path in ((PipelineParallelStrategy(), four.out / "tp.ckpt"), ("auto", single)):
         L.seed_everything(0)
         model = LitTPDecoder(optimizer="adam", samples=16, shuffle=False)
         trainer = quiet_trainer(devices=1, max_steps=3, strategy=strategy, callbacks=[Start()])
@@ -529,7 +528,7 @@ def test_initial_weights_from_a_hugging_face_directory_are_split(four, name):
     """``init_weights=<directory>`` at pp2 x tp2: the user's DTensor parameters (decoder) and the parameters the model's
     own plan splits after the load (Llama, built in ``__init__`` or from the directory's config in ``configure_model``)
     start from the directory's tensors, bitwise, on every rank."""
-    ranks = load_ranks(four, name)
+    ranks = four.ranks(name)
     expected = {
         f"model.{k}": v
         for k, v in _pretrained()["decoder-hf" if name == "init-dir" else "llama-hf"].state_dict().items()
@@ -552,8 +551,8 @@ def test_a_tensor_parallel_checkpoint_exports_to_hugging_face(four, tmp_path):
 
     from lightning_pipe.checkpoint import export
 
-    trained = _merged(load_ranks(four, "hf-llama-tied"))["state"]
-    out = export.export(four / "hf-tp.ckpt", tmp_path / "exported")
+    trained = _merged(four.ranks("hf-llama-tied"))["state"]
+    out = export.export(four.out / "hf-tp.ckpt", tmp_path / "exported")
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()  # still tied
     for key, value in trained.items():
@@ -564,7 +563,7 @@ def test_a_tensor_parallel_checkpoint_exports_to_hugging_face(four, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf-llama", "hf-llama-tied", "hf-qwen3"])
 def test_hugging_face_models_parallelised_by_their_own_plan(four, name):
-    ranks = load_ranks(four, name)
+    ranks = four.ranks(name)
     if name == "hf-qwen3" and not _transformers_5():
         error = {r["error"] for r in ranks}
         assert len(error) >= 1 and all(kind == "PipelineModelError" for kind, _ in error)
@@ -589,7 +588,7 @@ ERRORS = {
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_errors_are_raised_alike_on_every_rank(four, name):
     kind, fragment = ERRORS[name]
-    ranks = load_ranks(four, name)
+    ranks = four.ranks(name)
     assert len(ranks) == 4
     assert all(r["error"][0] == kind for r in ranks), [r["error"] for r in ranks]
     assert fragment in ranks[0]["error"][1]
@@ -601,7 +600,7 @@ def test_errors_are_raised_alike_on_every_rank(four, name):
 def test_pipeline_tensor_and_data_parallel_equal_one_device(eight, name):
     ref = replicas_reference()
     assert all(n > CLIP for n in ref["norms"])
-    ranks = load_ranks(eight, name)
+    ranks = eight.ranks(name)
     _assert_parity(ranks, ref, replicas=2)
     # Both replicas end with the same weights.
     replica = _merged([{**r, "ranks": {**r["ranks"], "dp": 0}} for r in ranks if r["ranks"]["dp"] == 1])["state"]

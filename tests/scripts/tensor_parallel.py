@@ -9,7 +9,8 @@ Hugging Face model directory the test wrote), "error": True (an error is expecte
 
 Per rank: losses, validation losses, whole parameters and optimizer state at the start (after a resume or an initial
 load) and at the end
-(DTensor shards gathered), the memory report, the mesh coordinates.
+(DTensor shards gathered), the memory report, the mesh coordinates, as ``<name>.rank<r>.pt``. A config that raises
+(unexpectedly) leaves its traceback in ``<name>.rank<r>.failed`` and the next one runs (tests/scripts/outcomes.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lightning_pipe.checkpoint import io as ckpt_io
 from tests.hf_models import LitHF
 from tests.hf_pretrained import LitPretrained
 from tests.models import quiet_trainer
+from tests.scripts.outcomes import run_each
 from tests.tp_models import LitTPDecoder
 
 MODEL_OPTIONS = ("plan", "tied", "weighted", "optimizer", "qk_norm", "build_late", "samples", "shuffle")
@@ -127,8 +129,7 @@ def run(out: Path, cfg: dict) -> None:
 
 def main() -> None:
     out, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
-    for cfg in configs:
-        run(out, cfg)
+    run_each(out, configs, run)
 
 
 if __name__ == "__main__":
