@@ -5,13 +5,11 @@ metric, per step and per epoch, in training and validation, at 2 and 4 processes
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
-from tests.launch import run_script
+from tests.launch import Launch, run_scenarios
 from tests.metric_models import fit_metrics_model
-from tests.reference import load_ranks
 
 CONFIGS = {
     2: [
@@ -35,17 +33,15 @@ def _reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("metrics2")
-    run_script("metrics_parity.py", str(out), json.dumps(CONFIGS[2]), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("metrics_parity.py", out, CONFIGS[2], nprocs=2, launcher="lightning")
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
+def four_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("metrics4")
-    run_script("metrics_parity.py", str(out), json.dumps([*CONFIGS[4], PROJECT_4]), nprocs=4, launcher="torchrun")
-    return out
+    return run_scenarios("metrics_parity.py", out, [*CONFIGS[4], PROJECT_4], nprocs=4, launcher="torchrun")
 
 
 def _assert_same(ranks: list[dict], expected: dict) -> None:
@@ -73,14 +69,14 @@ def _keys_logged(expected: dict) -> None:
 def test_metrics_two_processes(two_procs, name):
     expected = _reference()
     _keys_logged(expected)
-    _assert_same(load_ranks(two_procs, name), expected)
+    _assert_same(two_procs.ranks(name), expected)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c["name"] for c in CONFIGS[4]])
 def test_metrics_four_processes(four_procs, name):
-    _assert_same(load_ranks(four_procs, name), _reference())
+    _assert_same(four_procs.ranks(name), _reference())
 
 
 @pytest.mark.extended
@@ -89,7 +85,7 @@ def test_the_unmodified_project_under_interleaved_1f1b_equals_one_device(four_pr
     from tests.test_project import assert_same_as_one_device, reference
 
     expected = reference(str(tmp_path_factory.mktemp("project-reference-8")), PROJECT_4["n_layer"])
-    assert_same_as_one_device(load_ranks(four_procs, PROJECT_4["name"]), expected)
+    assert_same_as_one_device(four_procs.ranks(PROJECT_4["name"]), expected)
 
 
 def test_step_values_would_differ_without_the_batch_value():
