@@ -3,13 +3,11 @@ with Lightning's default TQDM bar and with ``RichProgressBar``."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
-import torch
 
-from tests.launch import run_script
+from tests.launch import Launch, run_scenarios
 from tests.progress import run
 
 BARS = ["tqdm", "rich"]
@@ -17,10 +15,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("progress")
-    run_script("progress_bar.py", str(out), json.dumps(BARS), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("progress_bar.py", out, [{"name": bar} for bar in BARS], nprocs=2, launcher="lightning")
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -41,7 +38,7 @@ def _close(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("bar", BARS)
 def test_the_bar_shows_what_one_device_shows(pipeline, tmp_path, bar):
     single = run(bar, tmp_path)
-    ranks = [torch.load(pipeline / f"{bar}.rank{r}.pt") for r in (0, 1)]
+    ranks = pipeline.ranks(bar)
     shown = ranks[0]["shown"]
     # The bar renders on global rank 0 (stage 0, which never computes the loss itself), as often as on one device.
     assert len(shown) == len(single["shown"]) > 8
