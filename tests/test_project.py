@@ -8,16 +8,15 @@ launch (tests/test_metrics.py); Lightning's demo transformer joins this file's 2
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.demo_models import fit_boring, fit_demo_model, fit_demo_transformer, fit_manual
-from tests.launch import run_script
+from tests.launch import Launch, run_scenarios
 from tests.project_models import TRAIN, run_project
-from tests.reference import load_ranks, merged_state
+from tests.reference import merged_state
 
 TOL = 1e-5
 CONFIGS = [
@@ -67,10 +66,9 @@ def assert_same_as_one_device(ranks: list[dict], expected: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("project2")
-    run_script("project.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("project.py", out, CONFIGS, nprocs=2, launcher="lightning")
 
 
 @pytest.mark.slow
@@ -80,7 +78,7 @@ def test_the_unmodified_project_equals_one_device(two_procs, name, tmp_path_fact
     assert {"train/loss_step", "train/acc_epoch", "val/loss", "val/acc", "lr-AdamW"} <= {
         key for _, logged in expected["history"] for key in logged
     }
-    assert_same_as_one_device(load_ranks(two_procs, name), expected)
+    assert_same_as_one_device(two_procs.ranks(name), expected)
 
 
 @pytest.mark.slow
@@ -94,7 +92,7 @@ def test_lightning_demo_transformer_under_the_default_strategy_equals_one_device
         expected = fit_demo_transformer(devices=1)
     finally:
         torch.set_num_threads(threads)
-    ranks = load_ranks(two_procs, "demo-transformer")
+    ranks = two_procs.ranks("demo-transformer")
     assert all(rank["losses"] == expected["losses"] for rank in ranks) and len(expected["losses"]) == 4
     state = merged_state([{**rank, "dp_rank": 0} for rank in ranks])
     assert state.keys() == expected["state"].keys()
@@ -115,7 +113,7 @@ def test_lightning_boring_model_fits_checkpoints_resumes_and_predicts_as_one_dev
     # One Linear on 2 stages: the second passes the output on and holds no parameter (its optimizer's groups are
     # empty, its checkpoint shard has no weights). Batches of one sample: one microbatch; one device is the reference.
     expected = _one_thread(fit_boring, tmp_path, devices=1)
-    ranks = load_ranks(two_procs, "boring")
+    ranks = two_procs.ranks("boring")
     assert len(expected["first"]["losses"]) == 8 and len(expected["losses"]) == 4
     for rank in ranks:
         assert rank["first"]["losses"] == expected["first"]["losses"]
@@ -139,7 +137,7 @@ def test_lightning_demo_model_equals_one_device_accumulating_the_microbatches_bi
     # loss the mean of theirs: Lightning's accumulation divides each by 2), parameters and predictions bitwise.
     expected = _one_thread(fit_demo_model, batch_size=2, accumulate_grad_batches=2, devices=1)
     per_step = [expected["losses"][2 * i] + expected["losses"][2 * i + 1] for i in range(4)]
-    ranks = load_ranks(two_procs, name)
+    ranks = two_procs.ranks(name)
     for rank in ranks:
         assert rank["losses"] == pytest.approx(per_step, rel=1e-6)
     state = merged_state([{**r, "dp_rank": 0} for r in ranks])
@@ -153,7 +151,7 @@ def test_lightning_manual_optimization_demo_equals_one_device(two_procs):
     # The step's zero_grad, manual_backward and step (and clip_gradients, the scheduler) are recorded on the last
     # stage, which holds no parameter here, and done on both ranks after the schedule. One microbatch: bitwise.
     expected = _one_thread(fit_manual, devices=1)
-    ranks = load_ranks(two_procs, "manual")
+    ranks = two_procs.ranks("manual")
     assert len(expected["losses"]) == 4
     for rank in ranks:
         assert rank["losses"] == expected["losses"] and rank["global_step"] == 4
@@ -163,7 +161,7 @@ def test_lightning_manual_optimization_demo_equals_one_device(two_procs):
     # Gradients accumulated over 2 batches of 2 microbatches each, clipped by the norm over both stages (a collective
     # both ranks join), stepped, zeroed, the scheduler stepped: one device up to the order of float sums.
     expected = _one_thread(fit_manual, batch_size=4, every=2, devices=1)
-    ranks = load_ranks(two_procs, "manual-accumulating")
+    ranks = two_procs.ranks("manual-accumulating")
     assert len(expected["losses"]) == 8 and expected["lr"] == pytest.approx([0.1 * 0.1**4])
     for rank in ranks:
         assert rank["losses"] == pytest.approx(expected["losses"], rel=1e-6)
