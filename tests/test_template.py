@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import io
-import json
 import pickle
 from types import SimpleNamespace
 
@@ -22,8 +21,7 @@ from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import CopiedSplit, split_module
 from lightning_pipe.step.interception import CallInterceptor
 from lightning_pipe.step.report import batch_dependent_modules
-from tests.launch import run_script
-from tests.reference import load_ranks
+from tests.launch import Launch, run_scenarios
 from tests.template_models import LitTemplate, SimpleDenseNet, held_out_loader, loaders, new_module, trainer
 
 TOL = 1e-5
@@ -127,10 +125,9 @@ def _reference(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("template")
-    run_script("template.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning")
-    return out
+    return run_scenarios("template.py", out, CONFIGS, nprocs=2, launcher="lightning")
 
 
 def _same(got, want) -> None:
@@ -144,7 +141,7 @@ def _same(got, want) -> None:
 @pytest.mark.slow
 def test_one_microbatch_under_gpipe_fits_checkpoints_resumes_and_tests_like_one_device(runs, tmp_path):
     expected = _reference(str(tmp_path / "reference"))
-    for rank in load_ranks(runs, "gpipe-one-microbatch"):
+    for rank in runs.ranks("gpipe-one-microbatch"):
         _same(rank["records"], expected["records"])
         _same([rank["test"]], [expected["test"]])
         _same(rank["resumed_records"], expected["resumed_records"])
@@ -158,7 +155,7 @@ def test_one_microbatch_under_gpipe_fits_checkpoints_resumes_and_tests_like_one_
 
 @pytest.mark.slow
 def test_two_microbatches_warn_once_naming_the_batchnorm_layers_and_the_alternatives(runs):
-    ranks = load_ranks(runs, "1F1B-two-microbatches")
+    ranks = runs.ranks("1F1B-two-microbatches")
     assert ranks[1]["warnings"] == []
     (warning,) = ranks[0]["warnings"]
     for part in (
@@ -174,7 +171,7 @@ def test_two_microbatches_warn_once_naming_the_batchnorm_layers_and_the_alternat
 
 @pytest.mark.slow
 def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_loads(runs, tmp_path):
-    source = runs / "gpipe-one-microbatch" / "ckpt" / "last.ckpt"
+    source = runs.out / "gpipe-one-microbatch" / "ckpt" / "last.ckpt"
     with pytest.raises(PipelineCheckpointError, match=r"SimpleDenseNet.*--trust-pickle"):
         convert.consolidate(source, tmp_path / "refused.ckpt")
     target = convert.consolidate(source, tmp_path / "model.ckpt", weights_only=False)
@@ -182,4 +179,4 @@ def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_
     loaded = LitTemplate.load_from_checkpoint(target, net=SimpleDenseNet(), weights_only=False)
     tested = trainer(tmp_path / "eval", devices=1).test(loaded, held_out_loader(), verbose=False)[0]
     # last.ckpt is the resumed run's (third epoch)
-    _same([tested], [load_ranks(runs, "gpipe-one-microbatch")[0]["resumed_test"]])
+    _same([tested], [runs.ranks("gpipe-one-microbatch")[0]["resumed_test"]])
