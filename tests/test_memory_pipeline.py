@@ -5,15 +5,14 @@ allocated only its own stages."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 
 import pytest
 import torch
 
-from tests.launch import run_script
+from tests.launch import Launch, run_scenarios
 from tests.memory_models import run_meta
-from tests.reference import load_ranks, merged_state
+from tests.reference import merged_state
 
 FAMILIES = ["gpt2", "llama", "free", "loop"]
 CONFIGS = {
@@ -30,12 +29,14 @@ def one_process(family: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(tmp_path_factory) -> dict[int, Launch]:
+    """The 2- and 4-process launches by process count; each test reads its own config's outcome (Launch.ranks)."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("meta")
-    run_script("memory_init.py", str(out), json.dumps(CONFIGS[2]), nprocs=2, launcher="lightning")
-    run_script("memory_init.py", str(out), json.dumps(CONFIGS[4]), nprocs=4, launcher="torchrun")
-    return out
+    return {
+        2: run_scenarios("memory_init.py", out, CONFIGS[2], nprocs=2, launcher="lightning"),
+        4: run_scenarios("memory_init.py", out, CONFIGS[4], nprocs=4, launcher="torchrun"),
+    }
 
 
 @pytest.mark.extended
@@ -43,7 +44,7 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [2, 4])
 def test_initial_weights_do_not_depend_on_the_layout(launched, family, k):
-    ranks = load_ranks(launched, f"{family}-{k}")
+    ranks = launched[k].ranks(f"{family}-{k}")
     whole = one_process(family)["state"]
     state = merged_state(ranks)
     assert state.keys() == whole.keys()
@@ -84,7 +85,7 @@ def test_init_written_as_a_free_function_or_a_loop_is_replayed(family):
 def test_each_rank_holds_its_share(launched, k):
     whole = one_process("gpt2")
     total = whole["parameters"] + whole["optimizer_state"]
-    for rank in load_ranks(launched, f"gpt2-{k}"):
+    for rank in launched[k].ranks(f"gpt2-{k}"):
         held = rank["parameters"] + rank["optimizer_state"]
         assert held <= total / k * 1.10, (held, total / k)
         # Construction allocated this rank's stages and little else: never another stage's parameters.
