@@ -34,6 +34,7 @@ from lightning_pipe.schedules.names import V_SHAPED as V_SHAPED
 from lightning_pipe.schedules.names import ScheduleName as ScheduleName
 from lightning_pipe.schedules.names import canonical_schedule as canonical_schedule
 from lightning_pipe.schedules.names import check_custom_counts, normal_schedule, splits_backward
+from lightning_pipe.schedules.names import placement as schedule_placement
 from lightning_pipe.schedules.names import resolve_schedule as resolve_schedule
 
 #: Keyword arguments of ``torch.compile`` that ``compile={...}`` may set.
@@ -450,9 +451,7 @@ class PipelineSettings:
         """How stages sit on the ranks of a pipeline: ``"v"`` (there and back) for V schedules, else ``"loop"``; a
         schedule of one's own places them as its rows name them (one of the two, checked when it is read)."""
         self._require("schedule")
-        if isinstance(self.schedule, CustomSchedule):
-            return self.schedule.placement
-        return "v" if self.schedule in V_SHAPED else "loop"
+        return schedule_placement(self.schedule)
 
     @property
     def sharded(self) -> bool:

@@ -138,13 +138,24 @@ def test_lists_of_another_shape_and_counts_torch_refuses(tmp_path):
         export_schedule("1F1B", 4, 2, tmp_path / "s.csv")
 
 
-def test_the_tuner_refuses_a_custom_schedule():
-    from lightning_pipe import PipelineParallelStrategy, tune
+def test_the_tuner_keeps_a_custom_schedule_runs_its_trials_and_names_its_csv(tmp_path):
+    import yaml
+
+    from lightning_pipe import PipelineParallelStrategy, SearchSpace, tune
     from tests.models import LitLM, quiet_trainer
 
-    trainer = quiet_trainer(devices=1, strategy=PipelineParallelStrategy(schedule=[["0F0", "0B0"]]))
-    with pytest.raises(PipelineConfigError, match=r"named schedules.*custom"):
-        tune(trainer, LitLM())
+    path = write(tmp_path / "one_rank.csv", [["0F0", "0F1", "0B0", "0B1"]])
+    strategy = PipelineParallelStrategy(schedule=path)
+    trainer = quiet_trainer(devices=1, strategy=strategy, default_root_dir=str(tmp_path))
+    # the space's schedules and microbatches give way to the strategy's schedule; checkpointing varies
+    space = SearchSpace(schedules=("GPipe",), microbatches=(1,), activation_checkpointing=(0, 1))
+    result = tune(trainer, LitLM(), space=space, steps=1, warmup_steps=1, max_trials=2, confirm=0)
+    assert {(r.candidate.schedule, r.candidate.microbatches) for r in result.rows} == {(strategy.settings.schedule, 2)}
+    assert sorted(r.candidate.activation_checkpointing for r in result.rows if r.measured) == [0, 1]  # both ran
+    assert result.settings["schedule"] == path and "one_rank.csv M=2 v=1" in result.table
+    init_args = yaml.safe_load(result.files[1].read_text())["trainer"]["strategy"]["init_args"]
+    assert init_args["schedule"] == path and init_args["microbatches"] == 2
+    assert trainer.strategy.settings.schedule == load_schedule(path)
 
 
 def test_a_csv_refused_names_the_file(tmp_path):

@@ -16,6 +16,7 @@ from lightning_pipe import PipelineConfigError, PipelineParallelStrategy, Pipeli
 from lightning_pipe.measure.simulate import StageTimes, schedule_orders, simulate
 from lightning_pipe.measure.timeline import theoretical_bubble
 from lightning_pipe.models.units import Layout
+from lightning_pipe.schedules import export_schedule, load_schedule
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.partition import stage_to_rank
 from lightning_pipe.tune import prune, record
@@ -488,6 +489,106 @@ def test_profile_names_a_step_that_needs_a_trainer():
     model.example_input_array = torch.randn(8, 4)
     args, _ = network_call(model, model.net, (torch.randn(2, 4), torch.randn(2, 4)))
     assert args[0].shape == (2, 4)
+
+
+# ------------------------------------------------------------------------------------------ schedules of one's own
+def _exported(tmp_path: Path, schedule: str = "1F1B", pipeline_size: int = 2, microbatches: int = 4, v: int = 1):
+    path = tmp_path / f"{schedule}.csv"
+    return path, export_schedule(schedule, pipeline_size, microbatches, path, v)
+
+
+def test_a_schedule_of_ones_own_fixes_its_counts_and_varies_the_rest(tmp_path):
+    path, _ = _exported(tmp_path)
+    space = SearchSpace(schedules=("gpipe", str(path)), microbatches=(2, 8), compile=(False, True))
+    custom = space.schedules[1]
+    assert space.schedules[0] == "GPipe" and custom == load_schedule(path)
+    found = [c for c in candidates(space, pipeline_size=2, batch_size=8, num_blocks=4) if c.schedule == custom]
+    # its own 4 microbatches and one stage per rank (not the space's (2, 8)); checkpointing and compile vary
+    assert [c.label for c in found] == [
+        "1F1B.csv M=4 v=1",
+        "1F1B.csv M=4 v=1 +compile",
+        "1F1B.csv M=4 v=1 +ckpt",
+        "1F1B.csv M=4 v=1 +ckpt +compile",
+    ]
+    assert found[2].settings() == {
+        "schedule": str(path),
+        "microbatches": 4,
+        "microbatch_size": None,
+        "stages_per_rank": 1,
+        "activation_checkpointing": 1,
+        "compile": False,
+    }
+    # another pipeline size, a batch its microbatches do not divide, fewer blocks than stages: not a candidate
+    for shape in [(4, 8, 4), (2, 6, 4), (2, 8, 1)]:
+        assert all(c.schedule != custom for c in candidates(space, *shape))
+    # its microbatch count is profiled; a space of schedules of one's own profiles only theirs
+    assert space.counts_to_profile(2, 8) == {2, 4, 8}
+    assert SearchSpace(schedules=(custom,)).counts_to_profile(2, 8) == {4}
+    # names before schedules of one's own when predictions tie
+    assert sorted(candidates(space, 2, 8, 4))[0].schedule == "GPipe"
+
+
+def test_a_schedule_of_ones_own_that_splits_the_backward_is_not_compiled(tmp_path):
+    _, zbv = _exported(tmp_path, "ZBVZeroBubble", 2, 4, 2)
+    found = candidates(SearchSpace(schedules=(zbv,), compile=(False, True)), 2, 8, 4)
+    assert {(c.stages_per_rank, c.microbatches, c.compile) for c in found} == {(2, 4, False)}
+    assert [c.label for c in found] == ["custom M=4 v=2", "custom M=4 v=2 +ckpt"]  # exported, not read from a CSV
+    assert found[0].settings()["schedule"] == zbv.texts()
+
+
+@pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_a_schedule_of_ones_own_is_predicted_from_its_actions(tmp_path, schedule, v):
+    _, custom = _exported(tmp_path, schedule, 2, 4, v)
+    profile, rule, calibration = _profile(), BalanceRule("blocks"), Calibration(latency=1e-4, action_overhead=1e-5)
+    for every in (0, 1):
+        own = predict(Candidate(custom, 4, v, every), profile, rule, 2, calibration)
+        assert own == predict(Candidate(schedule, 4, v, every), profile, rule, 2, calibration)
+    # the given order, not the name's: GPipe's order exported and relabelled as one's own predicts as GPipe
+    _, gpipe = _exported(tmp_path, "GPipe", 2, 4)
+    gpipe_own = predict(Candidate(gpipe, 4, 1), profile, rule, 2, calibration)
+    assert gpipe_own == predict(Candidate("GPipe", 4, 1), profile, rule, 2, calibration)
+    assert gpipe_own.peak > predict(Candidate("1F1B", 4, 1), profile, rule, 2, calibration).peak
+
+
+def test_a_schedule_of_ones_own_is_recorded_by_its_csv_and_the_config_reproduces_it(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    path, _ = _exported(tmp_path)
+    choice = Candidate(load_schedule(path), 4, 1, 1)
+    saved = record.TuneRecord("fp", choice, {}, "table", {}, choice.settings())
+    json_file, yaml_file = record.save(saved, tmp_path / "t")
+    assert json.loads(json_file.read_text())["choice"]["schedule"] == str(path)
+    assert record.load(tmp_path / "t", "fp") == saved
+    parser = ArgumentParser()
+    parser.add_argument("--trainer.strategy", type=PipelineParallelStrategy)
+    parser.add_argument("--config", action="config")
+    strategy = parser.instantiate_classes(parser.parse_args(["--config", str(yaml_file)]))["trainer.strategy"]
+    assert strategy.settings.schedule == choice.schedule
+    assert (strategy.settings.microbatches, strategy.settings.activation_checkpointing) == (4, 1)
+    # given as lists, the record and the config hold the lists
+    lists = Candidate(load_schedule(choice.schedule.texts()), 4, 1)
+    record.save(record.TuneRecord("fp2", lists, settings=lists.settings()), tmp_path / "l")
+    assert record.load(tmp_path / "l", "fp2").choice == lists
+
+
+def test_tune_keeps_the_strategys_own_schedule_and_tunes_the_rest(tmp_path):
+    from lightning_pipe.tune.tuner import _facts
+
+    path, _ = _exported(tmp_path)
+    strategy = PipelineParallelStrategy(schedule=str(path))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    model = Tiny()
+    own = strategy.settings.schedule
+    # what tune searches: the strategy's schedule only, whatever the space names
+    facts = _facts(trainer, model, None, SearchSpace(schedules=(own,)), None)
+    choice = Candidate(own, 4, 1, 1)
+    record.save(
+        record.TuneRecord(record.fingerprint(facts), choice, settings=choice.settings()), tmp_path / "pipeline_tune"
+    )
+    result = lightning_pipe.tune(trainer, model)  # would start a trial (and fail: one device) if it did not reuse
+    assert result.reused and result.choice == choice
+    assert trainer.strategy.settings.schedule == own
+    assert trainer.strategy.settings.activation_checkpointing == 1
 
 
 # ---------------------------------------------------------------------------------------------------- 2 processes

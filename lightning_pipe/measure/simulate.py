@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Union
 
+from lightning_pipe.schedules.custom import CustomSchedule
 from lightning_pipe.schedules.export import builtin_schedule
 
 Action = tuple[int, str, int]
@@ -100,10 +101,20 @@ class Simulation:
         return [_peak(events) for events in changes]
 
 
-def schedule_orders(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: int) -> list[list[Action]]:
+def schedule_orders(
+    schedule: Union[str, CustomSchedule], pipeline_size: int, microbatches: int, stages_per_rank: int
+) -> list[list[Action]]:
     """Each rank's compute actions in the order ``schedule`` runs them (cached). Raises ``ValueError`` for a
     combination torch's schedule refuses (:func:`lightning_pipe.schedules.export.builtin_schedule`: GPipe and 1F1B
-    as their ``_step_microbatches`` loops run, the multi-stage schedules in torch's own order)."""
+    as their ``_step_microbatches`` loops run, the multi-stage schedules in torch's own order). A schedule of one's
+    own gives its actions, and only the counts it has."""
+    if isinstance(schedule, CustomSchedule):
+        shape = (schedule.pipeline_size, schedule.microbatches, schedule.stages_per_rank)
+        if shape != (pipeline_size, microbatches, stages_per_rank):
+            raise ValueError(
+                f"The {schedule} runs {shape[1]} microbatches on {shape[0]} ranks with {shape[2]} stage(s) each."
+            )
+        return [list(rank) for rank in schedule.actions]  # its actions are tuples too
     return [list(rank) for rank in _orders(schedule, pipeline_size, microbatches, stages_per_rank)]
 
 

@@ -103,6 +103,8 @@ class CustomSchedule:
     rows: tuple[tuple[Cell, ...], ...]
     #: where it came from, for messages: a CSV path or ``"the given lists"``
     source: str
+    #: the CSV file it was read from (``None``: given as lists, or exported)
+    path: Optional[str] = None
 
     def __str__(self) -> str:
         return f"custom schedule {self.source}"
@@ -149,6 +151,11 @@ class CustomSchedule:
         """Each rank's cells in torch's spelling."""
         return [[cell_text(c) for c in row] for row in self.rows]
 
+    @property
+    def argument(self) -> Union[str, list[list[str]]]:
+        """What ``schedule=`` takes to give this schedule again: the CSV path it was read from, else the lists."""
+        return self.path if self.path is not None else self.texts()
+
     def stage_ranks(self) -> list[int]:
         """The pipeline rank that runs each stage."""
         held = {a.stage: rank for rank, row in enumerate(self.actions) for a in row}
@@ -166,9 +173,9 @@ def load_schedule(schedule: Union[str, os.PathLike, Rows]) -> CustomSchedule:
             )
         with path.open(newline="") as f:
             texts: Rows = [row for row in csv.reader(f) if any(cell.strip() for cell in row)]
-        source = str(path)
+        source = read_from = str(path)
     else:
-        texts, source = schedule, "the given lists"
+        texts, source, read_from = schedule, "the given lists", None
         if isinstance(texts, str) or not all(
             isinstance(r, Sequence) and not isinstance(r, str) and all(isinstance(c, str) for c in r) for r in texts
         ):
@@ -179,7 +186,7 @@ def load_schedule(schedule: Union[str, os.PathLike, Rows]) -> CustomSchedule:
         rows = tuple(tuple(parse_cell(t, rank) for t in row if t.strip()) for rank, row in enumerate(texts))
     except _Refusal as err:
         raise _refused(source, err) from None
-    return checked(CustomSchedule(rows, source))
+    return checked(CustomSchedule(rows, source, read_from))
 
 
 def checked(schedule: CustomSchedule) -> CustomSchedule:

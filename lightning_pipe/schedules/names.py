@@ -58,6 +58,19 @@ def splits_backward(schedule: Schedule) -> bool:
     return schedule in SPLIT_BACKWARD
 
 
+def placement(schedule: Schedule) -> str:
+    """How ``schedule`` (normalised, resolved) sets its stages on the ranks: ``"v"`` (there and back) or ``"loop"``."""
+    if isinstance(schedule, CustomSchedule):
+        return schedule.placement
+    return "v" if schedule in V_SHAPED else "loop"
+
+
+def schedule_argument(schedule: Schedule) -> Union[str, list[list[str]]]:
+    """What ``schedule=`` takes to give ``schedule`` (normalised) again: its name, the CSV path it was read from, or
+    its actions as lists (a LightningCLI config holds any of them)."""
+    return schedule.argument if isinstance(schedule, CustomSchedule) else schedule
+
+
 def check_custom_counts(schedule: CustomSchedule, pipeline_size: Any, microbatches: Any, microbatch_size: Any) -> None:
     """A schedule of one's own decides the pipeline size and the microbatch count: the arguments agree or are left
     ``"auto"``."""

@@ -9,9 +9,9 @@ the optimizer state per parameter byte, the memory no unit accounts for, and wha
 
 A candidate's stages get their blocks as the strategy would split them (:func:`stage_blocks`), each stage's action
 times are the sums of its units' (a checkpointed block runs its forward again in backward and keeps only its input),
-and torch's action order of the candidate's schedule is played out with them
-(:func:`lightning_pipe.measure.simulate.simulate`): the step time, the bubble, and the activations each rank holds
-at its peak.
+and torch's action order of the candidate's schedule (a schedule of one's own: its given actions) is played out with
+them (:func:`lightning_pipe.measure.simulate.simulate`): the step time, the bubble, and the activations each rank
+holds at its peak.
 
 Pure: numbers in, numbers out.
 """
@@ -27,7 +27,7 @@ from lightning_pipe.measure.profile import UnitTimes
 from lightning_pipe.measure.simulate import StageTimes, schedule_orders, simulate
 from lightning_pipe.models.units import Layout
 from lightning_pipe.parallel.activation_checkpointing import checkpointed_blocks
-from lightning_pipe.settings import V_SHAPED
+from lightning_pipe.schedules.names import placement
 from lightning_pipe.split.partition import (
     UnitCosts,
     balance_blocks,
@@ -201,7 +201,7 @@ def predict(
     num_stages = pipeline_size * candidate.stages_per_rank
     counts = stage_blocks(profile, rule, num_stages, candidate.microbatches, profile.microbatch_size(candidate))
     times, saved, params = stage_times(candidate, profile, counts, calibration)
-    ranks = stage_to_rank(num_stages, pipeline_size, "v" if candidate.schedule in V_SHAPED else "loop")
+    ranks = stage_to_rank(num_stages, pipeline_size, placement(candidate.schedule))
     orders = schedule_orders(candidate.schedule, pipeline_size, candidate.microbatches, candidate.stages_per_rank)
     sim = simulate(orders, times, ranks)
     held = [0.0] * pipeline_size

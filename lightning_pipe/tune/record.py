@@ -17,6 +17,7 @@ Pure apart from reading and writing the two files.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pipe.errors import PipelineConfigError
+from lightning_pipe.schedules.names import normal_schedule, schedule_argument
 from lightning_pipe.tune.space import Candidate
 
 FORMAT = 1
@@ -56,12 +58,15 @@ class TuneRecord:
     batch: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        data = asdict(self)
+        data = asdict(dataclasses.replace(self, choice=dataclasses.replace(self.choice, schedule="")))
+        # A schedule of one's own as `schedule=` takes it: the CSV path, or the lists.
+        data["choice"]["schedule"] = schedule_argument(self.choice.schedule)
         data["format"] = FORMAT
         return json.dumps(data, indent=1, default=str)
 
     @classmethod
     def from_json(cls, text: str) -> TuneRecord:
+        """The record, its choice's schedule as written (a CSV is read once the fingerprint matches: :func:`load`)."""
         data = json.loads(text)
         if data.pop("format", None) != FORMAT:
             raise ValueError("not a lightning-pipe tuning record of this version")
@@ -111,4 +116,7 @@ def load(path: Path, expected: str) -> TuneRecord | None:
             f"{record_file} is not a lightning-pipe tuning record ({err}). Pass another `path` to `tune`, or delete"
             " the file."
         ) from err
-    return record if record.fingerprint == expected else None
+    if record.fingerprint != expected:
+        return None
+    choice = dataclasses.replace(record.choice, schedule=normal_schedule(record.choice.schedule))
+    return dataclasses.replace(record, choice=choice)

@@ -7,7 +7,9 @@ layout, of three more (``pipeline_size``, ``data_parallel``, ``tensor_parallel``
 of a :class:`SearchSpace` that can run for a given pipeline size, batch size and block count: the microbatch count
 divides the batch, every stage gets a block, the schedule takes that many stages per rank and microbatches (torch's
 own schedule checks decide, through :func:`lightning_pipe.measure.simulate.schedule_orders`), ``compile`` is not
-combined with a schedule that splits the backward, and one process per pipeline takes one stage.
+combined with a schedule that splits the backward, and one process per pipeline takes one stage. A schedule of one's
+own (:class:`~lightning_pipe.schedules.custom.CustomSchedule`) fixes its pipeline size, stages per rank and
+microbatch count: its candidates vary the rest.
 
 Pure: no process group.
 """
@@ -15,20 +17,27 @@ Pure: no process group.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lightning_pipe.errors import PipelineConfigError
 from lightning_pipe.measure.simulate import schedule_orders
-from lightning_pipe.settings import SCHEDULES, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, canonical_schedule
+from lightning_pipe.schedules.custom import CustomSchedule
+from lightning_pipe.schedules.names import Schedule, normal_schedule, schedule_argument, splits_backward
+from lightning_pipe.settings import SCHEDULES, SINGLE_STAGE, V_SHAPED
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class Candidate:
-    """One setting of the tuned arguments."""
+    """One setting of the tuned arguments (ordered: torch's schedules by name, then schedules of one's own)."""
 
-    schedule: str
+    #: a canonical name, or a schedule of one's own
+    schedule: Schedule
     microbatches: int
     stages_per_rank: int
     #: recompute every k-th block (0: none, 1: every block), as the strategy's ``activation_checkpointing``
@@ -40,10 +49,20 @@ class Candidate:
     data_parallel: str = ""
     tensor_parallel: int = 0
 
+    def __lt__(self, other: Candidate) -> bool:
+        return self.order < other.order
+
+    @property
+    def order(self) -> tuple:
+        """The fields in their order, the schedule as a name or ``(1, source)`` (names and schedules compare)."""
+        fields = dataclasses.astuple(dataclasses.replace(self, schedule=""))
+        return (_schedule_order(self.schedule), *fields[1:])
+
     def settings(self) -> dict[str, Any]:
-        """The strategy arguments of this candidate (``compile``: ``True``/``False``; the layout's when searched)."""
+        """The strategy arguments of this candidate (``compile``: ``True``/``False``; the layout's when searched; a
+        schedule of one's own as the CSV path it was read from, else its actions as lists)."""
         out: dict[str, Any] = {
-            "schedule": self.schedule,
+            "schedule": schedule_argument(self.schedule),
             "microbatches": self.microbatches,
             "microbatch_size": None,
             "stages_per_rank": self.stages_per_rank,
@@ -58,7 +77,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        text = f"{self.schedule} M={self.microbatches} v={self.stages_per_rank}"
+        text = f"{schedule_label(self.schedule)} M={self.microbatches} v={self.stages_per_rank}"
         if self.pipeline_size:
             text = f"{self.layout_label} | " + text
         every = self.activation_checkpointing
@@ -78,12 +97,28 @@ class Candidate:
         return dataclasses.replace(self, compile=False)
 
 
+def _schedule_order(schedule: Schedule) -> tuple:
+    if isinstance(schedule, CustomSchedule):
+        return (1, schedule.source)
+    return (0, schedule)
+
+
+def schedule_label(schedule: Schedule) -> str:
+    """A name, or a schedule of one's own by its CSV file's name (``custom`` when given as lists)."""
+    if isinstance(schedule, CustomSchedule):
+        return Path(schedule.path).name if schedule.path is not None else "custom"
+    return schedule
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The values the tuner tries (every combination that can run).
 
     Arguments:
-        schedules: Schedules by name. Default: all seven of torch.
+        schedules: Schedules by name, and schedules of one's own: the path to a CSV of per-rank actions, or a
+            :class:`~lightning_pipe.schedules.custom.CustomSchedule` (its pipeline size, stages per rank and
+            microbatch count are its own: ``microbatches`` and ``stages_per_rank`` do not apply to it). Default: all
+            seven of torch.
         microbatches: Microbatch counts. ``"auto"``: the divisors of the batch size from the pipeline size up to
             ``4 * pipeline_size * max(stages_per_rank)``.
         stages_per_rank: Stages per rank for the multi-stage schedules (the single-stage ones always use 1; the V
@@ -101,7 +136,7 @@ class SearchSpace:
             (sizes above 1 need a model with a tensor-parallel plan).
     """
 
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[Union[str, os.PathLike, CustomSchedule], ...] = SCHEDULES
     microbatches: Union[Literal["auto"], tuple[int, ...]] = "auto"
     stages_per_rank: tuple[int, ...] = (2,)
     activation_checkpointing: tuple[Union[bool, int], ...] = (False, True)
@@ -111,11 +146,11 @@ class SearchSpace:
     tensor_parallel: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
-        schedules = tuple(canonical_schedule(s) for s in self.schedules)
+        schedules = tuple(normal_schedule(s) for s in self.schedules)
         if not schedules or "auto" in schedules:
             raise PipelineConfigError(
                 f"`SearchSpace(schedules={self.schedules!r})` must name at least one schedule, not 'auto'. Choose"
-                f" among {', '.join(SCHEDULES)}."
+                f" among {', '.join(SCHEDULES)}, or give the path to a CSV of per-rank actions."
             )
         object.__setattr__(self, "schedules", tuple(dict.fromkeys(schedules)))
         if self.microbatches != "auto":
@@ -162,9 +197,16 @@ class SearchSpace:
         top = 4 * pipeline_size * max(self.stages_per_rank)
         return tuple(m for m in range(pipeline_size, min(batch_size, top) + 1) if batch_size % m == 0)
 
+    def counts_to_profile(self, pipeline_size: int, batch_size: int) -> set[int]:
+        """The microbatch counts of this space's candidates at ``pipeline_size``: the space's for the named schedules,
+        each schedule of one's own its own."""
+        named = any(isinstance(s, str) for s in self.schedules)
+        out = set(self.microbatch_counts(pipeline_size, batch_size)) if named else set()
+        return out | {m for s in self.schedules for m, _ in _custom_shape(s, pipeline_size, batch_size)}
+
     def as_dict(self) -> dict[str, Any]:
         return {
-            "schedules": list(self.schedules),
+            "schedules": [_schedule_fact(s) for s in self.schedules],
             "microbatches": self.microbatches if self.microbatches == "auto" else list(self.microbatches),
             "stages_per_rank": list(self.stages_per_rank),
             "activation_checkpointing": list(self.activation_checkpointing),
@@ -183,6 +225,14 @@ class SearchSpace:
         }
 
 
+def _schedule_fact(schedule: Schedule) -> Any:
+    """A schedule as the fingerprint sees it: a name, or where a schedule of one's own came from and its actions (an
+    edited CSV is another schedule)."""
+    if isinstance(schedule, CustomSchedule):
+        return {"schedule": schedule.path or schedule.source, "actions": schedule.texts()}
+    return schedule
+
+
 def _check_ints(name: str, values: Any, least: int) -> None:
     if (
         not isinstance(values, (tuple, list))
@@ -196,7 +246,7 @@ def _check_ints(name: str, values: Any, least: int) -> None:
 
 
 def stage_counts(schedule: str, space: SearchSpace) -> tuple[int, ...]:
-    """The stages per rank ``schedule`` can run with, of those in ``space``."""
+    """The stages per rank ``schedule`` (a name) can run with, of those in ``space``."""
     if schedule in SINGLE_STAGE:
         return (1,)
     if schedule in V_SHAPED:
@@ -213,6 +263,36 @@ def runs(schedule: str, pipeline_size: int, microbatches: int, stages_per_rank: 
     return True
 
 
+def _custom_shape(schedule: Schedule, pipeline_size: int, batch_size: int) -> list[tuple[int, int]]:
+    """A schedule of one's own's ``(microbatches, stages per rank)`` when it runs this pipeline size and batch."""
+    if not isinstance(schedule, CustomSchedule) or schedule.pipeline_size != pipeline_size:
+        return []
+    if batch_size % schedule.microbatches:
+        return []
+    return [(schedule.microbatches, schedule.stages_per_rank)]
+
+
+def shapes(
+    schedule: Schedule, space: SearchSpace, pipeline_size: int, batch_size: int, num_blocks: int
+) -> list[tuple[int, int]]:
+    """The ``(microbatches, stages per rank)`` ``schedule`` runs at this pipeline size and batch, every stage with
+    a block: a named schedule's from the space, fewer microbatches and stages first; a schedule of one's own its
+    own."""
+    if isinstance(schedule, CustomSchedule):
+        found = _custom_shape(schedule, pipeline_size, batch_size)
+    elif pipeline_size == 1 and schedule not in SINGLE_STAGE:
+        found = []
+    else:
+        counts = space.microbatch_counts(pipeline_size, batch_size)
+        found = [(m, spr) for m in counts for spr in stage_counts(schedule, space)]
+    return [
+        (m, spr)
+        for m, spr in found
+        if pipeline_size * spr <= num_blocks
+        and (isinstance(schedule, CustomSchedule) or runs(schedule, pipeline_size, m, spr))
+    ]
+
+
 def candidates(
     space: SearchSpace, pipeline_size: int, batch_size: int, num_blocks: int, layout: Any = None
 ) -> list[Candidate]:
@@ -225,18 +305,13 @@ def candidates(
         pipeline_size = layout.pipeline_size
     out = []
     for schedule in space.schedules:
-        if pipeline_size == 1 and schedule not in SINGLE_STAGE:
-            continue
-        for microbatches in space.microbatch_counts(pipeline_size, batch_size):
-            for spr in stage_counts(schedule, space):
-                if pipeline_size * spr > num_blocks or not runs(schedule, pipeline_size, microbatches, spr):
-                    continue
-                for checkpointing in space.activation_checkpointing:
-                    for compiled in space.compile:
-                        if compiled and schedule in SPLIT_BACKWARD:
-                            continue
-                        found = Candidate(schedule, microbatches, spr, checkpointing, compiled)
-                        out.append(found if layout is None else layout.carried_by(found))
+        for microbatches, spr in shapes(schedule, space, pipeline_size, batch_size, num_blocks):
+            for checkpointing in space.activation_checkpointing:
+                for compiled in space.compile:
+                    if compiled and splits_backward(schedule):
+                        continue
+                    found = Candidate(schedule, microbatches, spr, checkpointing, compiled)
+                    out.append(found if layout is None else layout.carried_by(found))
     return out
 
 

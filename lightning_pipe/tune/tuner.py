@@ -140,11 +140,8 @@ def tune(
     space = space or SearchSpace()
     settings = strategy.settings
     if isinstance(settings.schedule, CustomSchedule):
-        raise PipelineConfigError(
-            f"`tune` searches torch's named schedules, but the strategy runs a {settings.schedule}, which it cannot"
-            " take as a candidate. Tune with a named schedule, then export the chosen one to a CSV to edit"
-            " (docs/custom-schedules.md)."
-        )
+        # The schedule is the user's: tune what it leaves open (checkpointing, compile, the layout).
+        space = dataclasses.replace(space, schedules=(settings.schedule,))
     target = Path(path) if path is not None else Path(trainer.default_root_dir) / "pipeline_tune"
     # A DataLoader passed built cannot take another batch size.
     knob = find_batch_knob(model, datamodule) if space.searches_layout and train_dataloaders is None else None
@@ -342,7 +339,7 @@ class _LayoutSearch:
         out = set()
         for layout in self.layouts:
             batch = self.pipeline_batch(layout)
-            out |= {batch // m for m in space.microbatch_counts(layout.pipeline_size, batch)}
+            out |= {batch // m for m in space.counts_to_profile(layout.pipeline_size, batch)}
         return {size for size in out if self.profiled(size)}
 
     def candidates(self, space: SearchSpace, profile: Profile) -> list[Candidate]:
@@ -455,7 +452,7 @@ def _profile(
     """Rank 0 profiles the network on the first batch at every microbatch size in play (``layout_sizes``: those of
     other layouts too); every rank gets the result."""
     batch = first.batch_size()
-    sizes = {batch // m for m in space.microbatch_counts(pipeline_size, batch)} | {batch // baseline.microbatches}
+    sizes = {batch // m for m in space.counts_to_profile(pipeline_size, batch)} | {batch // baseline.microbatches}
     sizes |= layout_sizes
     profile = None
     if collectives.world_rank() == 0:
