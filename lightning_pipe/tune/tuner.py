@@ -110,7 +110,8 @@ def tune(
             the pipeline size up, 2 stages per rank for the multi-stage schedules, with and without activation
             checkpointing, not compiled, the strategy's own layout. ``SearchSpace(pipeline_sizes="auto",
             data_parallel=("ddp", "fsdp"))`` also searches how the processes split into pipeline and data
-            parallelism, pipeline size 1 (no pipeline) included (docs/tuning.md).
+            parallelism, pipeline size 1 (no pipeline) included (docs/tuning.md). A strategy given a schedule of
+            its own keeps it: the space's schedules, microbatches and stages per rank give way to it.
         steps: Steps measured per trial (the median counts), after ``warmup_steps`` steps that do not.
         max_trials: Most trials of different candidates, the user's own settings included. With ``confirm``,
             ``steps`` and ``warmup_steps`` it bounds the tuning's cost: at most ``(max_trials + confirm) * (steps +
