@@ -603,7 +603,7 @@ def test_tune_at_two_processes(tmp_path):
     ranks = [torch.load(tmp_path / f"tune.rank{r}.pt", weights_only=False) for r in range(2)]
     first, second = ranks
     # Every rank took the same decisions from the same (agreed) measurements.
-    for key in ("choice", "settings", "rows", "cost", "again", "limited"):
+    for key in ("choice", "settings", "rows", "cost", "again", "limited", "own"):
         assert first[key] == second[key], key
     choice = first["choice"]
     statuses = [status for _, status, _ in first["rows"]]
@@ -615,7 +615,8 @@ def test_tune_at_two_processes(tmp_path):
     assert first["cost"]["steps"] == first["cost"]["trials"] * 3
     assert first["cost"]["wall_s"] > first["cost"]["launch_s"] > 0 and first["cost"]["in_steps"] > 0
     # The table on rank 0's output, once.
-    assert proc.stdout.count("Pipeline tuning:") + proc.stderr.count("Pipeline tuning:") == 2  # tuned, then reused
+    # tuned, reused, then the strategy's own schedule tuned
+    assert proc.stdout.count("Pipeline tuning:") + proc.stderr.count("Pipeline tuning:") == 3
     assert choice.label in first["table"]
     # Applied, and the fit ran with it; the user's model and random state untouched by the trials.
     assert first["ran"] == (choice.schedule, choice.microbatches)
@@ -628,9 +629,15 @@ def test_tune_at_two_processes(tmp_path):
     assert first["again"] == (True, choice, first["settings"])
     # Lightning's launcher leaves both processes free to run on every core: the tuner says so, and how to fix it.
     assert len(first["notes"]) == 1 and "ranks 0 and 1 may run on the same CPU cores" in first["notes"][0]
-    assert (proc.stdout + proc.stderr).count("Note: Processes of ranks 0 and 1") == 1
+    assert (proc.stdout + proc.stderr).count("Note: Processes of ranks 0 and 1") == 2  # both tunings that measured
     # A memory limit nothing fits: a clear error on every rank.
     assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]
+    # A strategy given a schedule of its own: its two checkpointing candidates both ran it; the config names its CSV.
+    rows, settings, config = first["own"]
+    csv = str(tmp_path / "1f1b.csv")
+    assert sorted(rows) == [("1f1b.csv M=4 v=1", csv, True), ("1f1b.csv M=4 v=1 +ckpt", csv, True)]
+    assert settings["schedule"] == csv and settings["microbatches"] == 4
+    assert yaml.safe_load(config)["trainer"]["strategy"]["init_args"] == settings
 
 
 @pytest.mark.extended

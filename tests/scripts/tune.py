@@ -1,8 +1,10 @@
-"""``lightning_pipe.tune`` at 2 processes: trials, the table, the applied choice, the record reused, the memory limit.
+"""``lightning_pipe.tune`` at 2 processes: trials, the table, the applied choice, the record reused, the memory limit;
+a strategy given a schedule of its own (the exported 1F1B as a CSV) tuned over activation checkpointing.
 
 Usage: tune.py OUT_DIR. Each rank saves what it saw to OUT_DIR/tune.rank<r>.pt.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,12 +12,17 @@ import lightning.pytorch as L
 import torch
 
 import lightning_pipe
-from lightning_pipe import PipelineConfigError, SearchSpace
+from lightning_pipe import PipelineConfigError, PipelineParallelStrategy, SearchSpace
+from lightning_pipe.schedules import export_schedule
 from tests.models import LitLM, quiet_trainer
 
 
 def main() -> None:
     out = Path(sys.argv[1])
+    csv = out / "1f1b.csv"
+    # Each rank runs this line (rank 1 once Lightning starts it): an atomic replace, so no rank reads half a file.
+    export_schedule("1F1B", 2, 4, out / f"1f1b.{os.getpid()}.tmp")
+    os.replace(out / f"1f1b.{os.getpid()}.tmp", csv)
     L.seed_everything(0)
     model = LitLM(n_layers=4)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -49,6 +56,17 @@ def main() -> None:
     except PipelineConfigError as err:
         limited = str(err)
 
+    own = lightning_pipe.tune(
+        quiet_trainer(strategy=PipelineParallelStrategy(schedule=str(csv)), devices=2, default_root_dir=str(out)),
+        LitLM(n_layers=4),
+        space=SearchSpace(activation_checkpointing=(0, 1)),
+        steps=1,
+        warmup_steps=1,
+        max_trials=2,
+        confirm=0,
+        path=out / "own_schedule",
+    )
+
     torch.save(
         {
             "choice": first.choice,
@@ -63,6 +81,11 @@ def main() -> None:
             "again": (again.reused, again.choice, again.settings),
             "limited": limited,
             "notes": first.notes,
+            "own": (
+                [(r.candidate.label, r.candidate.schedule.path, r.measured is not None) for r in own.rows],
+                own.settings,
+                own.files[1].read_text(),
+            ),
         },
         out / f"tune.rank{trainer.global_rank}.pt",
     )
