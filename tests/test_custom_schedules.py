@@ -149,7 +149,8 @@ def test_the_tuner_keeps_a_custom_schedule_runs_its_trials_and_names_its_csv(tmp
     trainer = quiet_trainer(devices=1, strategy=strategy, default_root_dir=str(tmp_path))
     # the space's schedules and microbatches give way to the strategy's schedule; checkpointing varies
     space = SearchSpace(schedules=("GPipe",), microbatches=(1,), activation_checkpointing=(0, 1))
-    result = tune(trainer, LitLM(), space=space, steps=1, warmup_steps=1, max_trials=2, confirm=0)
+    # margin=10: both candidates are measured, however far apart predicted
+    result = tune(trainer, LitLM(), space=space, steps=1, warmup_steps=1, max_trials=2, margin=10.0, confirm=0)
     assert {(r.candidate.schedule, r.candidate.microbatches) for r in result.rows} == {(strategy.settings.schedule, 2)}
     assert sorted(r.candidate.activation_checkpointing for r in result.rows if r.measured) == [0, 1]  # both ran
     assert result.settings["schedule"] == path and "one_rank.csv M=2 v=1" in result.table

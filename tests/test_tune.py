@@ -633,11 +633,11 @@ def test_tune_at_two_processes(tmp_path):
     # A memory limit nothing fits: a clear error on every rank.
     assert "No measured setting stayed within `memory_limit` (1.00 KiB per process)" in first["limited"]
     # A strategy given a schedule of its own: its two checkpointing candidates both ran it; the config names its CSV.
-    rows, settings, config = first["own"]
+    rows, settings = first["own"]
     csv = str(tmp_path / "1f1b.csv")
     assert sorted(rows) == [("1f1b.csv M=4 v=1", csv, True), ("1f1b.csv M=4 v=1 +ckpt", csv, True)]
     assert settings["schedule"] == csv and settings["microbatches"] == 4
-    assert yaml.safe_load(config)["trainer"]["strategy"]["init_args"] == settings
+    assert yaml.safe_load(first["own_config"])["trainer"]["strategy"]["init_args"] == settings
 
 
 @pytest.mark.extended

@@ -63,6 +63,7 @@ def main() -> None:
         steps=1,
         warmup_steps=1,
         max_trials=2,
+        margin=10.0,  # both candidates are measured, however far apart predicted
         confirm=0,
         path=out / "own_schedule",
     )
@@ -84,8 +85,9 @@ def main() -> None:
             "own": (
                 [(r.candidate.label, r.candidate.schedule.path, r.measured is not None) for r in own.rows],
                 own.settings,
-                own.files[1].read_text(),
             ),
+            # rank 0 writes the files
+            "own_config": own.files[1].read_text() if trainer.global_rank == 0 else None,
         },
         out / f"tune.rank{trainer.global_rank}.pt",
     )
