@@ -174,8 +174,8 @@ class PipelineSession(MeshAxes):
     ) -> None:
         """Build the pipeline of ``split`` in ``module``, in this order: the step engine; ``place()`` (the front end
         moves the model to ``device``); the initial weights (once); the stage wrappers; the tied copies and the
-        gradients; the random streams every stage draws the same from. ``outside``: the message for a call of the
-        network outside a step."""
+        gradients. ``outside``: the message for a call of the network outside a step. The front end agrees the random
+        streams (:meth:`agree_random_streams`) where its own order puts it."""
         self.split = split
         self._engine = StepEngine(
             module, split, self._settings, self.pipeline_group, device, self.rng, self.device_mesh, outside
@@ -202,8 +202,8 @@ class PipelineSession(MeshAxes):
         topology, prefix = self.topology(), self.split.prefix
         with PeakMemory(device) as peak:
             if weights is not None:
-                load = ckpt_io.load_weights
-                load(Path(weights), topology, model, network_prefix=prefix, strict=strict, precision=precision)
+                path = Path(weights)
+                ckpt_io.load_weights(path, topology, model, network_prefix=prefix, strict=strict, precision=precision)
             if adapter is not None:
                 ckpt_adapters.load_adapters(Path(adapter), topology, model, network_prefix=prefix)
         self.load_peak = peak
