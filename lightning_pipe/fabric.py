@@ -40,6 +40,7 @@ TRAINER_ONLY = {
     "loss_parallel": "it goes with `tensor_parallel`",
     "max_restarts": "restarts are Lightning's launcher's (torchrun: `--max-restarts`)",
     "async_checkpoint": "it belongs to the Trainer's checkpoints",
+    "snapshot_every": "recovery in place restarts the Trainer's `fit`",
 }
 
 

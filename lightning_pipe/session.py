@@ -45,7 +45,7 @@ from lightning_pipe.settings import (
     ScheduleName,
 )
 from lightning_pipe.split import tied
-from lightning_pipe.split.builder import Split, split_module
+from lightning_pipe.split.builder import Split, existing_split, split_module
 from lightning_pipe.split.deferred_init import InitRecording, record_init
 from lightning_pipe.step.engine import StepEngine
 from lightning_pipe.step.rng import RngStreams
@@ -146,17 +146,29 @@ class PipelineSession(MeshAxes):
         if self.recording is not None:
             self.recording = self.recording.finish(module)
 
-    def cut(self, module: nn.Module, device: torch.device, announce: Callable[[str], None]) -> Split:
+    def cut(
+        self, module: nn.Module, device: torch.device, announce: Callable[[str], None], rejoin: bool = False
+    ) -> Split:
         """This rank's stages of ``module``'s network: cut now (in place, replaying the recorded initialisation, which
-        :meth:`finish_recording` named) or found from an earlier cut."""
+        :meth:`finish_recording` named) or found from an earlier cut. ``rejoin`` (a recovery in place, collective):
+        a replacement rank cuts with the blocks per stage of the ranks that kept their cut."""
         recording, self.recording = self.recording, None  # replayed: its meta tensors can go
         world = collectives.world_group()
+        kept: Optional[list[int]] = None
+        if rejoin:
+            existing = existing_split(module)
+            gathered = collectives.all_gather_object(existing.counts if existing else None, world, device=device)
+            kept = list(next(c for c in gathered if c))
+
+        def agree(value: Any) -> Any:
+            return kept if kept is not None else collectives.broadcast_object(value, 0, world, device=device)
+
         return split_module(
             module,
             self._settings,
             pipeline_rank=self.pipeline_rank,
             device=device,
-            agree=lambda value: collectives.broadcast_object(value, 0, world, device=device),
+            agree=agree,
             announce=announce,
             recording=recording,
         )
@@ -274,6 +286,7 @@ class PipelineArguments(MeshAxes):
         loss_parallel: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
+        snapshot_every: NonNegativeInt = 0,
         async_checkpoint: bool = False,
         model_plan: Optional[ModelPlan] = None,
     ) -> None:
@@ -328,6 +341,9 @@ class PipelineArguments(MeshAxes):
             max_restarts: Under Lightning's launcher, how many times every rank is started again after a failure,
                 each time resuming ``fit`` from the newest complete checkpoint (torchrun: ``--max-restarts``).
                 Default 0. Trainer only.
+            snapshot_every: Every how many training steps each rank copies its state to its own and a buddy rank's
+                host memory, so that a lost rank is recovered in place by the supervisor of ``max_restarts``
+                (docs/reliability.md). Default 0: no snapshots. Trainer only.
             async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
                 memory. Default ``False``. Trainer only.
             model_plan: The pipeline plan of a transformers model whose family has none, shaped as transformers'
@@ -357,6 +373,7 @@ class PipelineArguments(MeshAxes):
             loss_parallel=loss_parallel,
             compile=compile,
             max_restarts=max_restarts,
+            snapshot_every=snapshot_every,
             async_checkpoint=async_checkpoint,
             model_plan=model_plan,
         )

@@ -286,6 +286,28 @@ def check_max_restarts(max_restarts: object) -> None:
         )
 
 
+def check_snapshot_every(
+    snapshot_every: object, max_restarts: object, data_parallel: object, tensor_parallel: object
+) -> None:
+    if not _is_int(snapshot_every) or snapshot_every < 0:  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`snapshot_every={snapshot_every!r}` must be an int >= 0: every how many training steps each rank keeps a"
+            " copy of its state in its own and a buddy rank's memory (0: never)."
+        )
+    if snapshot_every and not max_restarts:
+        raise PipelineConfigError(
+            f"`snapshot_every={snapshot_every}` recovers a lost rank in place, which the supervisor of `max_restarts`"
+            " does, but `max_restarts=0`. Set `max_restarts` (e.g. 3), or leave `snapshot_every` at 0."
+        )
+    if snapshot_every and (data_parallel == "fsdp" or tensor_parallel not in ("auto", 1)):
+        raise PipelineConfigError(
+            f"`snapshot_every={snapshot_every}` snapshots whole stages, but `data_parallel={data_parallel!r}`,"
+            f" `tensor_parallel={tensor_parallel!r}` shard them (sharded snapshots are not supported yet). Use"
+            " `data_parallel='ddp'` and `tensor_parallel=1`, or leave `snapshot_every` at 0 (restarts then resume"
+            " from disk)."
+        )
+
+
 def check_async_checkpoint(async_checkpoint: object) -> None:
     if not isinstance(async_checkpoint, bool):
         raise PipelineConfigError(
@@ -347,6 +369,8 @@ class PipelineSettings:
     compile: Union[bool, dict[str, Any]] = False
     #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
     max_restarts: NonNegativeInt = 0
+    #: training steps between in-memory snapshots for recovery in place (0: none)
+    snapshot_every: NonNegativeInt = 0
     #: checkpoints written by a thread after a copy to host memory
     async_checkpoint: bool = False
     #: the pipeline plan of a transformers model whose family has none (names relative to the model)
@@ -374,6 +398,7 @@ class PipelineSettings:
         compile_options = resolve_compile(self.compile)
         check_compile_schedule(compile_options, schedule)
         check_max_restarts(self.max_restarts)
+        check_snapshot_every(self.snapshot_every, self.max_restarts, self.data_parallel, self.tensor_parallel)
         check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": schedule,

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint import optim as ckpt_optim
 from lightning_pipe.checkpoint import resume as ckpt_resume
+from lightning_pipe.checkpoint import snapshot as ckpt_snapshot
 from lightning_pipe.checkpoint.hooks import CheckpointHooks
 from lightning_pipe.comm import collectives
 from lightning_pipe.compat import lightning as pl_compat
@@ -30,8 +31,8 @@ from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.measure.memory import SavedBytesRecorder
 from lightning_pipe.parallel import data_parallel as dp_modes
 from lightning_pipe.parallel.grads import build_optimizers
-from lightning_pipe.reliability import failures, restart, watchdog
-from lightning_pipe.reliability.launcher import PipelineLauncher
+from lightning_pipe.reliability import failures, recovery, restart, watchdog
+from lightning_pipe.reliability.launcher import InPlace, PipelineLauncher
 from lightning_pipe.scope import quieter_warnings, replaced
 from lightning_pipe.session import PipelineArguments
 from lightning_pipe.settings import PipelineSettings
@@ -75,6 +76,8 @@ class PipelineParallelStrategy(
         self._saved: dict[int, SavedBytesRecorder] = {}
         self._memory_logged = False
         self.num_nodes = 1
+        #: this rank's in-memory snapshots and its buddy's (``snapshot_every``); they outlive Trainer entries
+        self._snapshots = ckpt_snapshot.Snapshots(settings.snapshot_every) if settings.snapshot_every else None
         # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
         watchdog.start_if_launched()
         collectives.destroy_at_exit()  # registered before the launch's: rank 0 joins its ranks, then destroys
@@ -95,7 +98,11 @@ class PipelineParallelStrategy(
         assert self.cluster_environment is not None
         environment, settings = self.cluster_environment, self._settings
         restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
-        return PipelineLauncher(environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find)
+        snapshots = self._snapshots
+        in_place = None if snapshots is None else InPlace(lambda: snapshots.any, ckpt_snapshot.MEMORY)
+        return PipelineLauncher(
+            environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find, in_place
+        )
 
     @override
     @failures.in_phase("during start-up")
@@ -171,7 +178,25 @@ class PipelineParallelStrategy(
         session.agree_random_streams()
         resumed_from = self.launcher.resumed_from if fitting and isinstance(self.launcher, PipelineLauncher) else None
         self.open_checkpoints(trainer, session.rng, self._settings.async_checkpoint, resumed_from)
+        if fitting and self._snapshots is not None:
+            self._start_snapshots(trainer)
         announce_parameters(trainer, module, self.pipeline_group, split)
+
+    def _start_snapshots(self, trainer: pl.Trainer) -> None:
+        """``snapshot_every``: in a recovery, agree on the snapshot to resume from (collective); then take them."""
+        assert self._snapshots is not None and self._checkpoints is not None
+        launcher = self.launcher
+        if isinstance(launcher, PipelineLauncher) and launcher.recovering:
+            launcher.recovering = False
+            step = self._snapshots.agree(self.num_processes)
+            self.barrier()
+            recovery.joined()
+            if self.global_rank == 0:
+                recovery.mark_recovered(recovery.generation())
+                rank_zero_info(f"lightning-pipe: recovered in place: resuming `fit` from the snapshot of step {step}.")
+        callback = ckpt_snapshot.SnapshotCallback(self._snapshots, self._checkpoints.continuation, self.num_processes)
+        trainer.callbacks.append(callback)
+        self._session.run.callback(trainer.callbacks.remove, callback)
 
     def _split_network(self, module: Any) -> Split:
         """This rank's stages: cut now or found from an earlier cut (:meth:`PipelineSession.cut`)."""
@@ -179,7 +204,9 @@ class PipelineParallelStrategy(
         # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
         if module.trainer.state.fn == TrainerFn.FITTING and not is_split(module):
             ckpt_optim.record_param_groups(module)
-        return self._session.cut(module, self.root_device, rank_zero_info)
+        launcher = self.launcher
+        rejoin = isinstance(launcher, PipelineLauncher) and launcher.recovering
+        return self._session.cut(module, self.root_device, rank_zero_info, rejoin)
 
     @override
     def model_to_device(self) -> None:

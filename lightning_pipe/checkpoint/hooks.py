@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import Strategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save
+from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save, snapshot
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.models import kind_of
 from lightning_pipe.reliability import failures
@@ -31,6 +31,7 @@ class CheckpointHooks(Strategy):
     _checkpoints: Optional[resume.CheckpointSession] = None
     _write_group: Optional[tuple[Any, Any]] = None
     _streams: Any = None
+    _snapshots: Optional[snapshot.Snapshots] = None
 
     def checkpoint_topology(self) -> io.Topology:
         """Where this process sits, as the checkpoint code needs it (implemented by the strategy)."""
@@ -151,6 +152,8 @@ class CheckpointHooks(Strategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._checkpoints is not None:
             self._checkpoints.writer.finish(None)  # a checkpoint being written is complete before any load
+        if str(checkpoint_path) == snapshot.MEMORY and self._snapshots is not None and fitting:
+            return self._load_snapshot(topology)
         if not fitting and io.pretrained_files(path) is not None:
             from lightning.pytorch import __version__
 
@@ -176,6 +179,15 @@ class CheckpointHooks(Strategy):
                 path, topology, model, optimizers, groups, strict=strict, weights_only=weights_only
             )
         return io.load_weights(path, topology, model, network_prefix="", strict=strict)
+
+    def _load_snapshot(self, topology: io.Topology) -> dict[str, Any]:
+        """Recovery in place: the agreed in-memory snapshot into this rank's stages and optimizers; no file is read."""
+        assert self._snapshots is not None
+        checkpoint, point = self._snapshots.restore()
+        io.load_in_memory(checkpoint, topology, self.model, self.optimizers)
+        if self._checkpoints is not None:
+            self._checkpoints.resume_from(point, Path(snapshot.MEMORY))
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:

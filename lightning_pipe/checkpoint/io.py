@@ -563,3 +563,19 @@ def _split_weights(loaded: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "expected a Lightning checkpoint (a dict with a 'state_dict') or a plain state dict (names to tensors), got"
         f" {type(loaded).__name__}"
     )
+
+
+def load_in_memory(
+    checkpoint: Mapping[str, Any], topo: Topology, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """Load a checkpoint dict this rank's layout dumped (``state_dict`` and ``optimizer_states`` as
+    :func:`model_state` and :func:`optimizer_state` make them: an in-memory snapshot) into ``module`` and
+    ``optimizers``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if _holds_tensors(module):
+        loaded = _as_local(module, checkpoint["state_dict"], topo.aliases)
+        set_model_state_dict(module, loaded, options=StateDictOptions(strict=True))
+    names = optim.param_names(module, topo.aliases)
+    for optimizer, flat in zip(optimizers, checkpoint["optimizer_states"]):
+        optimizer.load_state_dict(optim.unflatten(optimizer, names, flat))

@@ -183,3 +183,42 @@ def gradients_zeroed_after_step(trainer: Any) -> list[Any]:
     if any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks):
         return []
     return [p for group in optimizers[0].param_groups for p in group["params"]]
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """What ``trainer.save_checkpoint`` would write, as a dict (for an in-memory snapshot: no file is written).
+    ``_CheckpointConnector.dump_checkpoint`` is private; ``trainer.save_checkpoint`` is its public form, but writes."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def end_failed_entry(trainer: Any, error: BaseException) -> None:
+    """What Lightning does when a ``fit`` fails (``trainer.call._call_and_handle_interrupt``), for a ``fit`` that runs
+    again in the same process (recovery in place): the strategy is told, the entry torn down; then the Trainer's
+    state is set back as ``Trainer.fit`` sets it before its entry. The callbacks' ``on_exception`` hooks are not
+    called (an ``OnExceptionCheckpoint`` would save); loggers are not finalized (the run goes on).
+    ``Trainer._teardown`` is private; there is no public way to end an entry but its exception."""
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    trainer.strategy.on_exception(error)
+    trainer._teardown()
+    trainer.state.status = TrainerStatus.RUNNING
+    trainer.training = True
+    trainer.should_stop = False
+
+
+def set_main_port(cluster_environment: Any, port: int) -> None:
+    """Point the cluster environment at a new rendezvous port: ``LightningEnvironment`` caches ``MASTER_PORT`` in
+    ``_main_port`` on first read (no public setter), and the next process group must use the new one."""
+    if hasattr(cluster_environment, "_main_port"):
+        cluster_environment._main_port = port
+
+
+def destroy_process_group() -> None:
+    """Drop the default process group after a peer was lost (recovery in place), whatever state it is in."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError:
+            pass  # a group whose peer is gone may fail to shut down cleanly; it is dropped either way

@@ -363,6 +363,13 @@ def record_exit(rank: int, pid: int, returncode: Optional[int], stages: Sequence
         return failure
 
 
+def new_generation() -> None:
+    """This process joins a new process group after a recovery in place: the board and the peers' registrations are
+    read again from the new rendezvous store (the lost rank's old process id is no longer a peer's)."""
+    with _PROCESS.lock:
+        _PROCESS.board, _PROCESS.peers = None, {}
+
+
 def remember_peers() -> None:
     """Keep a copy of every rank's registration (until all have registered), for reports after the store is gone."""
     if _PROCESS.peers and len(_PROCESS.peers) >= _PROCESS.world_size:

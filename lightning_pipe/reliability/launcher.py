@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -14,15 +16,27 @@ from typing_extensions import override
 
 from lightning_pipe.compat.lightning import (
     SubprocessScriptLauncher,
+    destroy_process_group,
+    end_failed_entry,
     script_command,
+    set_main_port,
     set_num_threads_if_needed,
     start_children,
 )
-from lightning_pipe.errors import PipelineConfigError
-from lightning_pipe.reliability import failures, restart, watchdog
+from lightning_pipe.errors import PipelineConfigError, PipelinePeerFailure
+from lightning_pipe.reliability import failures, recovery, restart, watchdog
 
 #: Finds the checkpoint a restarted ``fit`` resumes from, given the Trainer (``None``: none is complete).
 ResumeFinder = Callable[[Any], Optional[Path]]
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """What recovery in place needs from the strategy (``snapshot_every``): whether this rank holds a snapshot, and
+    the ``ckpt_path`` under which ``fit`` resumes from the one the ranks agree on."""
+
+    ready: Callable[[], bool]
+    ckpt_path: str
 
 
 class PipelineLauncher(SubprocessScriptLauncher):
@@ -43,6 +57,7 @@ class PipelineLauncher(SubprocessScriptLauncher):
         timeout: Optional[timedelta],
         max_restarts: int = 0,
         find_resume: Optional[ResumeFinder] = None,
+        in_place: Optional[InPlace] = None,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._timeout = timeout
@@ -52,6 +67,9 @@ class PipelineLauncher(SubprocessScriptLauncher):
         self._starts_processes = not cluster_environment.creates_processes_externally
         #: the checkpoint this process's restarted ``fit`` resumed from (``""``: none was found; ``None``: no restart)
         self.resumed_from: Optional[str] = None
+        self._in_place = in_place
+        #: whether the running ``fit`` resumes from the snapshots in memory (a recovery in place)
+        self.recovering = False
 
     @property
     @override
@@ -74,9 +92,51 @@ class PipelineLauncher(SubprocessScriptLauncher):
                 watchdog.watch_children(self.procs, rank + 1, self._timeout)
             set_num_threads_if_needed(num_processes=self.num_processes)
         watchdog.start()
-        args, kwargs = self._resume_if_restarted(function, trainer, args, kwargs)
-        with failures.entry(trainer):
-            return function(*args, **kwargs)
+        if self._in_place is not None and recovery.is_replacement() and _is_fit(trainer):
+            args, kwargs = self._from_snapshot(function, args, kwargs)
+        else:
+            args, kwargs = self._resume_if_restarted(function, trainer, args, kwargs)
+        while True:
+            try:
+                with failures.entry(trainer):
+                    return function(*args, **kwargs)
+            except Exception as err:
+                if not self._recover_in_place(trainer, err):
+                    raise
+            args, kwargs = self._from_snapshot(function, args, kwargs)
+
+    def _recover_in_place(self, trainer: Any, err: Exception) -> bool:
+        """A peer was lost during ``fit``: keep this process, wait for the supervisor's replacement and its new
+        generation, end the failed entry and drop the broken process group; ``False`` when this rank cannot (no
+        snapshot yet, no new generation): the error ends the process and the supervisor restarts every rank."""
+        if self._in_place is None or not recovery.enabled() or not _is_fit(trainer):
+            return False
+        if not isinstance(err, PipelinePeerFailure) and not failures.is_broken_connection(err):
+            return False  # this rank's own error: not a lost peer
+        if not self._in_place.ready():
+            _say("no snapshot in memory yet; every rank starts again from the newest checkpoint on disk.")
+            return False
+        found = recovery.await_generation(recovery.generation())
+        if found is None:
+            _say("the supervisor started no replacement; every rank starts again from the newest checkpoint on disk.")
+            return False
+        generation, port = found
+        first_line = str(err).splitlines()[0][:200] if str(err) else ""
+        _say(f"{type(err).__name__} ({first_line}); recovering in place (generation {generation}).")
+        set_main_port(self.cluster_environment, port)
+        end_failed_entry(trainer, err)
+        destroy_process_group()
+        recovery.enter(generation, port)
+        failures.new_generation()
+        return True
+
+    def _from_snapshot(self, function: Callable, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """``fit`` resumes from the snapshot in memory that the ranks of this generation agree on."""
+        assert self._in_place is not None
+        self.recovering = True
+        bound = inspect.signature(function).bind(*args, **kwargs)
+        bound.arguments["ckpt_path"] = self._in_place.ckpt_path
+        return bound.args, bound.kwargs
 
     def _supervise(self) -> None:
         if self.num_nodes > 1:
@@ -90,7 +150,8 @@ class PipelineLauncher(SubprocessScriptLauncher):
             **os.environ,
             "MASTER_ADDR": self.cluster_environment.main_address,
         }
-        restart.supervise(script_command(), self.num_processes, self._max_restarts, environment)
+        in_place = self._in_place is not None
+        restart.supervise(script_command(), self.num_processes, self._max_restarts, environment, in_place)
 
     def _resume_if_restarted(
         self, function: Callable, trainer: Any, args: tuple, kwargs: dict[str, Any]
@@ -110,6 +171,11 @@ class PipelineLauncher(SubprocessScriptLauncher):
         if found is not None:
             bound.arguments["ckpt_path"] = str(found)
         return bound.args, bound.kwargs
+
+
+def _say(message: str) -> None:
+    rank = os.environ.get("LOCAL_RANK", "?")
+    print(f"lightning-pipe: rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def _is_fit(trainer: Any) -> bool:

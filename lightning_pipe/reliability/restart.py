@@ -31,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from lightning_pipe.reliability import recovery
 from lightning_pipe.reliability.board import Board, describe_exit
 
 #: Set by the supervisor for the ranks it starts: the attempt (0 for the first), its process id, the run record file.
@@ -135,13 +136,17 @@ def _say(message: str) -> None:
     print(f"lightning-pipe supervisor: {message}", file=sys.stderr, flush=True)
 
 
-def supervise(command: Sequence[str], num_processes: int, max_restarts: int, environment: dict[str, str]) -> NoReturn:
+def supervise(
+    command: Sequence[str], num_processes: int, max_restarts: int, environment: dict[str, str], in_place: bool = False
+) -> NoReturn:
     """Run ``command`` as local ranks ``0..num_processes-1`` of a one-node run, starting them all again after a
     failure at most ``max_restarts`` times; exit with their exit code. ``environment`` is the ranks' environment
-    (``MASTER_ADDR`` included); each attempt gets a fresh ``MASTER_PORT``."""
+    (``MASTER_ADDR`` included); each attempt gets a fresh ``MASTER_PORT``. With ``in_place`` (``snapshot_every``) a
+    lost rank is first replaced alone, the others keeping their processes (:mod:`.recovery`); each replacement counts
+    as a restart."""
     record = Path(tempfile.mkdtemp(prefix="lightning-pipe-run-")) / "checkpoint_dirs.json"
-    code = 1
-    for attempt in range(max_restarts + 1):
+    code, used, attempt = 1, 0, 0
+    while True:
         env = {
             **environment,
             "MASTER_PORT": str(_free_port()),
@@ -151,16 +156,25 @@ def supervise(command: Sequence[str], num_processes: int, max_restarts: int, env
             SUPERVISOR_PID: str(os.getpid()),
             RUN_RECORD: str(record),
         }
+        if in_place:
+            file = record.parent / f"recovery{attempt}.json"
+            recovery.announce(file, 0, int(env["MASTER_PORT"]), [])
+            env.update({recovery.RECOVERY_FILE: str(file), recovery.GENERATION: "0"})
         procs = [subprocess.Popen(list(command), env={**env, "LOCAL_RANK": str(r)}) for r in range(num_processes)]
-        code, first = _wait(procs)
+        if in_place:
+            code, first, replaced = _wait_in_place(procs, list(command), env, max_restarts - used)
+            used += replaced
+        else:
+            code, first = _wait(procs)
         if code == 0:
             break
         how = describe_exit(first[1].pid, first[1].returncode).split(" without")[0]
-        if attempt == max_restarts:
+        if used >= max_restarts:
             _say(f"rank {first[0]} failed ({how}); no restart left (max_restarts={max_restarts}), exiting.")
             break
+        used, attempt = used + 1, attempt + 1
         _say(
-            f"rank {first[0]} failed ({how}); starting every rank again (restart {attempt + 1} of {max_restarts}),"
+            f"rank {first[0]} failed ({how}); starting every rank again (restart {used} of {max_restarts}),"
             " from the newest complete checkpoint."
         )
     sys.stdout.flush()
@@ -168,6 +182,49 @@ def supervise(command: Sequence[str], num_processes: int, max_restarts: int, env
     # Not SystemExit: Lightning would take it for a failure of this process's Trainer (its `on_exception` hooks, an
     # OnExceptionCheckpoint saving an untrained model); this process ran nothing of the training.
     os._exit(code)
+
+
+def _wait_in_place(
+    procs: list[subprocess.Popen], command: list[str], env: dict[str, str], budget: int
+) -> tuple[int, tuple[int, Any], int]:
+    """Wait for the ranks, replacing a lost one in place while the others live, the last recovery completed and
+    ``budget`` allows; else as :func:`_wait`. Returns its exit code and first failure, and the replacements made."""
+    file, generation, used = Path(env[recovery.RECOVERY_FILE]), 0, 0
+    replaced: list[int] = []
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return 0, (0, procs[0]), used
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        others_alive = all(c is None for r, c in enumerate(codes) if r not in bad)
+        if len(bad) == 1 and others_alive and used < budget and recovery.is_recovered(file, generation):
+            rank, how = bad[0], describe_exit(procs[bad[0]].pid, procs[bad[0]].returncode).split(" without")[0]
+            generation, used, replaced = generation + 1, used + 1, [rank]
+            port = _free_port()
+            recovery.announce(file, generation, port, replaced)
+            _say(
+                f"rank {rank} failed ({how}); replacing it in place (generation {generation}, restart {used} of"
+                f" {budget}): the other ranks keep their processes and resume from their snapshots in memory."
+            )
+            procs[rank] = subprocess.Popen(
+                command,
+                env={
+                    **env,
+                    "LOCAL_RANK": str(rank),
+                    "MASTER_PORT": str(port),
+                    recovery.GENERATION: str(generation),
+                    recovery.REPLACES: str(generation),
+                },
+            )
+            continue
+        if bad:
+            if not recovery.is_recovered(file, generation):
+                _say(f"recovery in place (generation {generation}) failed; every rank starts again.")
+                _end([procs[r] for r in replaced], signal.SIGKILL)  # a replacement holds no state yet
+            recovery.fall_back(file)
+            code, first = _wait(procs)
+            return code, first, used
+        time.sleep(0.05)
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, tuple[int, Any]]:

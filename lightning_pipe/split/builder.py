@@ -85,6 +85,8 @@ class Split:
     #: what tensor parallelism did to the stages (a ``parallel.tensor_parallel.TensorParallelDone``), kept for later
     #: entries: a model's own plan is applied once
     tensor_parallel: Any = None
+    #: the blocks per stage global rank 0 decided (a replacement rank of a recovery in place cuts with them)
+    counts: tuple[int, ...] = ()
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         # A pickled or deep-copied LightningModule (`torch.save(model)`, EMA/SWA callbacks) keeps only which stages
@@ -334,6 +336,7 @@ def split_module(
         "units_per_stage": units_per_stage,
         "ties": ties,
         "shared": shared,
+        "counts": tuple(counts),
     }
     if settings.frontend == "trace":
         split = _trace(lightning_module, network, counts, local, settings, device, common, recording)

@@ -5,7 +5,9 @@ Usage: restart.py OUT CONFIG_JSON. CONFIG: ``devices`` (2: a 2-stage pipeline; 4
 replicas), ``async`` (asynchronous checkpoints), ``max_restarts`` (for Lightning's launcher; torchrun's comes from
 ``--max-restarts``), ``kill`` (absent: no fault): ``{"rank", "step", "where"}`` with ``where`` ``"step"`` (inside the
 rank's stage forward of training step ``step``) or ``"write"`` (inside the writing of its shard of the first checkpoint
-saved at or after step ``step``: for an asynchronous save, in the writing thread while training goes on).
+saved at or after step ``step``: for an asynchronous save, in the writing thread while training goes on);
+``snapshot_every`` (recovery in place: the supervisor replaces the killed rank, the others keep their processes),
+``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
 
 The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes,
 so checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are
@@ -43,6 +45,11 @@ def attempt() -> int:
     return 0
 
 
+def generation() -> int:
+    """The generation of a run recovered in place (0 before any recovery)."""
+    return int(os.environ.get("LIGHTNING_PIPE_GENERATION", "0"))
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
@@ -69,20 +76,29 @@ class Record(L.Callback):
     def __init__(self, out: Path, cfg: dict) -> None:
         self.out, self.cfg, self.first = out, cfg, True
 
+    def on_fit_start(self, trainer, pl_module):
+        self.first = True  # a `fit` run again in place after a lost rank starts again here
+        (self.out / f"fit_start.rank{trainer.global_rank}.{time.time()}").write_text(str(os.getpid()))
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         kill = self.cfg.get("kill")
-        if attempt() == 0 and kill and kill["where"] == "step" and rank() == kill["rank"]:
+        if attempt() == 0 and generation() == 0 and kill and kill["where"] == "step" and rank() == kill["rank"]:
             if trainer.global_step + 1 == kill["step"]:
                 block = next(m for m in pl_module.model.layers if m is not None)
                 block.register_forward_hook(lambda *_: die(self.out, trainer.global_step))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
-        line = {"attempt": attempt(), "step": trainer.global_step, "loss": loss.hex()}
+        line = {"attempt": attempt(), "generation": generation(), "step": trainer.global_step, "loss": loss.hex()}
         with open(self.out / f"losses.rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
-        if self.first and attempt() > 0:
-            resumed = {"attempt": attempt(), "from_step": trainer.global_step - 1, "first_step_end": time.time()}
+        if self.first and (attempt() > 0 or generation() > 0):
+            resumed = {
+                "attempt": attempt(),
+                "generation": generation(),
+                "from_step": trainer.global_step - 1,
+                "first_step_end": time.time(),
+            }
             (self.out / f"resumed.rank{trainer.global_rank}.json").write_text(json.dumps(resumed))
         self.first = False
 
@@ -111,12 +127,19 @@ def arm_write_kill(out: Path, cfg: dict, trainer_step) -> None:
 
 def main() -> None:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
-    (out / f"pid.rank{rank()}.attempt{attempt()}").write_text(str(os.getpid()))
+    if generation() == 0:
+        (out / f"pid.rank{rank()}.attempt{attempt()}").write_text(str(os.getpid()))
+    else:
+        (out / f"pid.rank{rank()}.generation{generation()}").write_text(str(os.getpid()))
     L.seed_everything(0)
     model = DropoutLM(n_layers=4)
     strategy = lightning_pipe.PipelineParallelStrategy(
-        pipeline_size=2, async_checkpoint=cfg.get("async", False), max_restarts=cfg.get("max_restarts", 0)
+        pipeline_size=2,
+        async_checkpoint=cfg.get("async", False),
+        max_restarts=cfg.get("max_restarts", 0),
+        snapshot_every=cfg.get("snapshot_every", 0),
     )
+    checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=-1, save_last=True)]
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -126,10 +149,8 @@ def main() -> None:
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=False,
-        callbacks=[
-            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=-1, save_last=True),
-            Record(out, cfg),
-        ],
+        callbacks=[*(checkpoints if cfg.get("disk", True) else []), Record(out, cfg)],
+        enable_checkpointing=cfg.get("disk", True),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -137,6 +158,7 @@ def main() -> None:
     trainer.fit(model)
     state = {k: v for k, v in model.state_dict().items()}
     torch.save(state, out / f"final.rank{trainer.global_rank}.pt")
+    (out / f"pid_end.rank{trainer.global_rank}").write_text(str(os.getpid()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""Recovery in place: a lost rank replaced while the others keep their processes (docs/reliability.md).
+
+With ``snapshot_every`` (and ``max_restarts``) under Lightning's launcher, the supervisor (:mod:`.restart`) does not
+end every rank when one dies: it starts a replacement process for the lost local rank and announces a new
+*generation* of the run (a new ``MASTER_PORT``) in the recovery file, which the surviving ranks wait for. Every rank
+of the new generation then creates a process group on that port; the survivors restore their own in-memory snapshot
+and the replacement its lost predecessor's, sent by the buddy that held it (``lightning_pipe.checkpoint.snapshot``).
+Once they agreed, global rank 0 marks the generation recovered; a failure before that mark falls back to today's
+restart of every rank from the newest checkpoint on disk.
+
+This module is the process-level part, shared by the supervisor and the ranks: the recovery file, the environment
+that tells a rank its generation and whether it replaces a lost one, and the buddy placement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+#: Set by the supervisor: the recovery file (its presence enables recovery in place), this rank's generation, and
+#: (for a replacement) the generation it joins.
+RECOVERY_FILE = "LIGHTNING_PIPE_RECOVERY_FILE"
+GENERATION = "LIGHTNING_PIPE_GENERATION"
+REPLACES = "LIGHTNING_PIPE_REPLACES"
+#: Seconds a surviving rank waits for the supervisor's next generation before it gives up (and the run restarts).
+WAIT = 60.0
+
+
+def enabled() -> bool:
+    """Whether this rank was started by a supervisor that recovers in place."""
+    return bool(os.environ.get(RECOVERY_FILE))
+
+
+def generation() -> int:
+    """This process's generation of the run (0 until a recovery)."""
+    value = os.environ.get(GENERATION, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def is_replacement() -> bool:
+    """Whether this process was started in place of a lost rank (and has not joined its generation yet)."""
+    return bool(os.environ.get(REPLACES))
+
+
+def joined() -> None:
+    """This replacement has joined its generation: a later failure makes it a survivor like the others."""
+    os.environ.pop(REPLACES, None)
+
+
+def buddy_of(rank: int, world_size: int, ranks_per_node: int) -> int:
+    """The rank that keeps a copy of ``rank``'s snapshot: on the next node when there are several (a node that dies
+    takes its processes with it), else the next rank."""
+    step = ranks_per_node if world_size > ranks_per_node else 1
+    return (rank + step) % world_size
+
+
+def held_by(rank: int, world_size: int, ranks_per_node: int) -> int:
+    """The rank whose snapshot ``rank`` keeps a copy of (the inverse of :func:`buddy_of`)."""
+    step = ranks_per_node if world_size > ranks_per_node else 1
+    return (rank - step) % world_size
+
+
+# ---------------------------------------------------------------------------------------------------- the file
+def announce(file: Path, generation: int, port: int, replaced: list[int]) -> None:
+    """Supervisor: generation ``generation`` of the run rendezvous on ``port`` (atomically replaced)."""
+    data = {**read(file), "generation": generation, "port": port, "replaced": replaced}
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(file)
+
+
+def read(file: Path) -> dict:
+    try:
+        return dict(json.loads(file.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def fall_back(file: Path) -> None:
+    """Supervisor: no further generation; surviving ranks waiting for one give up at once (every rank restarts)."""
+    data = read(file)
+    data["fallback"] = True
+    file.write_text(json.dumps(data))
+
+
+def mark_recovered(generation: int) -> None:
+    """Global rank 0 of ``generation``: every rank restored its snapshot; a later failure may be recovered in place."""
+    file = os.environ.get(RECOVERY_FILE)
+    if file:
+        Path(f"{file}.recovered{generation}").touch()
+
+
+def is_recovered(file: Path, generation: int) -> bool:
+    return generation == 0 or Path(f"{file}.recovered{generation}").exists()
+
+
+def await_generation(after: int, wait: float = WAIT) -> Optional[tuple[int, int]]:
+    """Surviving rank: ``(generation, port)`` of the supervisor's next generation after ``after``, or ``None`` when it
+    announces none within ``wait`` seconds."""
+    file = Path(os.environ[RECOVERY_FILE])
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        data = read(file)
+        if data.get("fallback"):
+            return None
+        if int(data.get("generation", 0)) > after:
+            return int(data["generation"]), int(data["port"])
+        time.sleep(0.05)
+    return None
+
+
+def enter(generation: int, port: int) -> None:
+    """This process now belongs to ``generation``, whose process group rendezvous on ``port``."""
+    os.environ[GENERATION] = str(generation)
+    os.environ["MASTER_PORT"] = str(port)

@@ -1,0 +1,123 @@
+"""Recovery in place (``snapshot_every``): the snapshots, the buddy placement, the supervisor's generations, and a rank
+SIGKILLed inside a step of a 2-stage run under Lightning's launcher, replaced while the other keeps its process
+(tests/scripts/restart.py; slow: the reference and the faulted run each start their processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_pipe import PipelineParallelStrategy
+from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes
+from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
+from lightning_pipe.reliability import recovery
+from tests.restarts import compare, losses, run
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+@pytest.mark.parametrize("value", [-1, 1.5, "4"])
+def test_snapshot_every_must_be_a_non_negative_int(value):
+    with pytest.raises(PipelineConfigError, match=rf"`snapshot_every={value!r}`.*int >= 0"):
+        PipelineParallelStrategy(snapshot_every=value, max_restarts=1)
+
+
+def test_snapshot_every_needs_max_restarts():
+    with pytest.raises(PipelineConfigError, match=r"`snapshot_every=4`.*`max_restarts=0`.*Set `max_restarts`"):
+        PipelineParallelStrategy(snapshot_every=4)
+
+
+@pytest.mark.parametrize("kwargs", [{"data_parallel": "fsdp"}, {"tensor_parallel": 2}])
+def test_snapshot_every_refuses_sharded_stages(kwargs):
+    with pytest.raises(PipelineConfigError, match=r"`snapshot_every=2`.*`data_parallel=.*`tensor_parallel=.*ddp"):
+        PipelineParallelStrategy(snapshot_every=2, max_restarts=1, **kwargs)
+
+
+def test_snapshot_every_reaches_the_settings():
+    assert PipelineParallelStrategy(snapshot_every=5, max_restarts=2).settings.snapshot_every == 5
+
+
+# ---------------------------------------------------------------------------------------------------- placement
+@pytest.mark.parametrize(
+    "world,per_node,expected",
+    [(2, 2, [1, 0]), (4, 4, [1, 2, 3, 0]), (4, 2, [2, 3, 0, 1]), (6, 2, [2, 3, 4, 5, 0, 1])],
+)
+def test_the_buddy_is_on_the_next_node_when_there_are_several(world, per_node, expected):
+    assert [recovery.buddy_of(r, world, per_node) for r in range(world)] == expected
+    assert [recovery.held_by(expected[r], world, per_node) for r in range(world)] == list(range(world))
+
+
+# ---------------------------------------------------------------------------------------------------- snapshots
+def _snapshot(step: int) -> bytes:
+    return _to_bytes({"checkpoint": _to_bytes({"global_step": step, "w": torch.full((2,), float(step))}), "point": step})
+
+
+def test_one_process_agrees_on_its_newest_snapshot_and_restores_a_copy():
+    snapshots = Snapshots(every=4)
+    for step in (4, 8, 12):
+        snapshots._keep(snapshots.own, step, _snapshot(step))
+        snapshots._keep(snapshots.held, step, _snapshot(step))
+    assert sorted(snapshots.own) == [8, 12]  # the newest two are kept
+    assert snapshots.agree(ranks_per_node=1) == 12
+    checkpoint, point = snapshots.restore()
+    assert checkpoint["global_step"] == 12 and point == 12 and torch.equal(checkpoint["w"], torch.full((2,), 12.0))
+    assert snapshots.nbytes() == sum(map(len, snapshots.own.values())) * 2
+
+
+def test_no_snapshot_to_agree_on_is_refused():
+    with pytest.raises(PipelineCheckpointError, match=r"No snapshot step.*rank 0: none.*newest checkpoint on disk"):
+        Snapshots(every=4).agree(ranks_per_node=1)
+
+
+def test_resuming_from_memory_without_a_recovery_is_refused():
+    with pytest.raises(PipelineCheckpointError, match=rf"`ckpt_path={MEMORY!r}`.*recovery in place.*checkpoint path"):
+        Snapshots(every=4).restore()
+
+
+def test_a_snapshot_is_a_copy():
+    weights = torch.zeros(3)
+    data = _to_bytes({"w": weights})
+    weights += 1
+    assert torch.equal(_from_bytes(data)["w"], torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------------- generations
+def test_a_survivor_waits_for_the_next_generation(tmp_path, monkeypatch):
+    file = tmp_path / "recovery.json"
+    monkeypatch.setenv(recovery.RECOVERY_FILE, str(file))
+    recovery.announce(file, 0, 1234, [])
+    assert recovery.await_generation(0, wait=0.2) is None  # none announced yet
+    recovery.announce(file, 1, 4321, [1])
+    assert recovery.await_generation(0, wait=0.2) == (1, 4321)
+    assert not recovery.is_recovered(file, 1) and recovery.is_recovered(file, 0)
+    monkeypatch.setenv(recovery.GENERATION, "1")
+    recovery.mark_recovered(recovery.generation())
+    assert recovery.is_recovered(file, 1)
+    recovery.fall_back(file)
+    assert recovery.await_generation(0, wait=5) is None  # at once: the supervisor restarts every rank
+    assert json.loads(file.read_text())["fallback"] is True
+
+
+# ---------------------------------------------------------------------------------------------------- 2 processes
+@pytest.mark.slow
+def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(tmp_path):
+    """Rank 1 SIGKILLed in its stage's forward of step 10 (snapshots every 4 steps, no checkpoint on disk): the
+    supervisor starts a replacement, rank 0 keeps its process, both resume from the step-8 snapshot in memory, and
+    every logged loss and the final weights equal the uninterrupted run's (without snapshots) bit for bit."""
+    reference = tmp_path / "reference"
+    assert run(reference, {"devices": 2, "disk": False}, "lightning").returncode == 0
+    out = tmp_path / "faulted"
+    cfg = {"devices": 2, "disk": False, "snapshot_every": 4, "kill": {"rank": 1, "step": 10, "where": "step"}}
+    proc = run(out, cfg, "lightning")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    outcome = compare(out, reference, 2)
+    assert outcome.problems == [], output[-4000:]
+    assert outcome.attempts == 1 and outcome.resumed_from == 8 and outcome.completed == 9
+    assert "replacing it in place (generation 1" in output and "resuming `fit` from the snapshot of step 8" in output
+    assert (out / "pid.rank0.attempt0").read_text() == (out / "pid_end.rank0").read_text()  # the survivor's process
+    assert (out / "pid.rank1.generation1").read_text() == (out / "pid_end.rank1").read_text()  # the replacement's
+    assert not list(out.glob("**/*.ckpt")) and "resuming `fit` from '" not in output  # nothing on disk to read
+    redone = [r["step"] for r in losses(out, 0) if r["generation"] == 1]
+    assert redone[0] == 9 and redone[-1] == max(r["step"] for r in losses(reference, 0))
