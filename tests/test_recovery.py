@@ -50,7 +50,8 @@ def test_the_buddy_is_on_the_next_node_when_there_are_several(world, per_node, e
 
 # ---------------------------------------------------------------------------------------------------- snapshots
 def _snapshot(step: int) -> bytes:
-    return _to_bytes({"checkpoint": _to_bytes({"global_step": step, "w": torch.full((2,), float(step))}), "point": step})
+    checkpoint = _to_bytes({"global_step": step, "w": torch.full((2,), float(step))})
+    return _to_bytes({"checkpoint": checkpoint, "point": step})
 
 
 def test_one_process_agrees_on_its_newest_snapshot_and_restores_a_copy():

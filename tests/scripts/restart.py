@@ -90,6 +90,7 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
         line = {"attempt": attempt(), "generation": generation(), "step": trainer.global_step, "loss": loss.hex()}
+        line["time"] = time.time()
         with open(self.out / f"losses.rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         if self.first and (attempt() > 0 or generation() > 0):
@@ -159,6 +160,14 @@ def main() -> None:
     state = {k: v for k, v in model.state_dict().items()}
     torch.save(state, out / f"final.rank{trainer.global_rank}.pt")
     (out / f"pid_end.rank{trainer.global_rank}").write_text(str(os.getpid()))
+    snapshots = strategy._snapshots  # measured by benchmarks/recovery.py
+    if snapshots is not None:
+        stats = {
+            "bytes": snapshots.nbytes(),
+            "last_bytes": snapshots.last_bytes,
+            "last_seconds": snapshots.last_seconds,
+        }
+        (out / f"snapshot.rank{trainer.global_rank}.json").write_text(json.dumps(stats))
 
 
 if __name__ == "__main__":
