@@ -41,6 +41,7 @@ TRAINER_ONLY = {
     "max_restarts": "restarts are Lightning's launcher's (torchrun: `--max-restarts`)",
     "async_checkpoint": "it belongs to the Trainer's checkpoints",
     "snapshot_every": "recovery in place restarts the Trainer's `fit`",
+    "spares": "they replace ranks in a recovery in place",
 }
 
 

@@ -287,6 +287,7 @@ class PipelineArguments(MeshAxes):
         compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
         snapshot_every: NonNegativeInt = 0,
+        spares: NonNegativeInt = 0,
         async_checkpoint: bool = False,
         model_plan: Optional[ModelPlan] = None,
     ) -> None:
@@ -344,6 +345,8 @@ class PipelineArguments(MeshAxes):
             snapshot_every: Every how many training steps each rank copies its state to its own and a buddy rank's
                 host memory, so that a lost rank is recovered in place by the supervisor of ``max_restarts``
                 (docs/reliability.md). Default 0: no snapshots. Trainer only.
+            spares: With ``snapshot_every``: processes the supervisor starts with the run, which run the script up to
+                ``fit`` and wait to take a lost rank's place. Default 0: a new process is started then. Trainer only.
             async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
                 memory. Default ``False``. Trainer only.
             model_plan: The pipeline plan of a transformers model whose family has none, shaped as transformers'
@@ -374,6 +377,7 @@ class PipelineArguments(MeshAxes):
             compile=compile,
             max_restarts=max_restarts,
             snapshot_every=snapshot_every,
+            spares=spares,
             async_checkpoint=async_checkpoint,
             model_plan=model_plan,
         )

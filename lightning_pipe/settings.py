@@ -308,6 +308,19 @@ def check_snapshot_every(
         )
 
 
+def check_spares(spares: object, snapshot_every: object) -> None:
+    if not _is_int(spares) or spares < 0:  # type: ignore[operator]
+        raise PipelineConfigError(
+            f"`spares={spares!r}` must be an int >= 0: how many processes the supervisor of `max_restarts` starts"
+            " with the run to take a lost rank's place (0: a new process is started then)."
+        )
+    if spares and not snapshot_every:
+        raise PipelineConfigError(
+            f"`spares={spares}` takes a lost rank's place in a recovery in place, which needs `snapshot_every`, but"
+            " `snapshot_every=0`. Set `snapshot_every` (and `max_restarts`), or leave `spares` at 0."
+        )
+
+
 def check_async_checkpoint(async_checkpoint: object) -> None:
     if not isinstance(async_checkpoint, bool):
         raise PipelineConfigError(
@@ -371,6 +384,8 @@ class PipelineSettings:
     max_restarts: NonNegativeInt = 0
     #: training steps between in-memory snapshots for recovery in place (0: none)
     snapshot_every: NonNegativeInt = 0
+    #: processes started with the run that wait to replace a lost rank (recovery in place)
+    spares: NonNegativeInt = 0
     #: checkpoints written by a thread after a copy to host memory
     async_checkpoint: bool = False
     #: the pipeline plan of a transformers model whose family has none (names relative to the model)
@@ -399,6 +414,7 @@ class PipelineSettings:
         check_compile_schedule(compile_options, schedule)
         check_max_restarts(self.max_restarts)
         check_snapshot_every(self.snapshot_every, self.max_restarts, self.data_parallel, self.tensor_parallel)
+        check_spares(self.spares, self.snapshot_every)
         check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": schedule,

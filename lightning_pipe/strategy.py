@@ -101,7 +101,7 @@ class PipelineParallelStrategy(
         snapshots = self._snapshots
         in_place = None if snapshots is None else InPlace(lambda: snapshots.any, ckpt_snapshot.MEMORY)
         return PipelineLauncher(
-            environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find, in_place
+            environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find, in_place, settings.spares
         )
 
     @override

@@ -35,7 +35,28 @@ def test_snapshot_every_refuses_sharded_stages(kwargs):
 
 
 def test_snapshot_every_reaches_the_settings():
-    assert PipelineParallelStrategy(snapshot_every=5, max_restarts=2).settings.snapshot_every == 5
+    settings = PipelineParallelStrategy(snapshot_every=5, max_restarts=2, spares=1).settings
+    assert settings.snapshot_every == 5 and settings.spares == 1
+
+
+@pytest.mark.parametrize("value", [-1, 0.5])
+def test_spares_must_be_a_non_negative_int(value):
+    with pytest.raises(PipelineConfigError, match=rf"`spares={value!r}`.*int >= 0"):
+        PipelineParallelStrategy(spares=value, snapshot_every=2, max_restarts=1)
+
+
+def test_spares_need_snapshots():
+    with pytest.raises(PipelineConfigError, match=r"`spares=1`.*`snapshot_every=0`.*Set `snapshot_every`"):
+        PipelineParallelStrategy(spares=1, max_restarts=1)
+
+
+def test_fabric_refuses_recovery_in_place():
+    from lightning_pipe import PipelineFabricStrategy
+    from lightning_pipe.fabric import TRAINER_ONLY
+
+    assert {"snapshot_every", "spares"} <= set(TRAINER_ONLY)
+    with pytest.raises(PipelineConfigError, match=r"`max_restarts=1`.*Fabric"):
+        PipelineFabricStrategy(snapshot_every=2, max_restarts=1)
 
 
 # ---------------------------------------------------------------------------------------------------- placement

@@ -58,6 +58,7 @@ class PipelineLauncher(SubprocessScriptLauncher):
         max_restarts: int = 0,
         find_resume: Optional[ResumeFinder] = None,
         in_place: Optional[InPlace] = None,
+        spares: int = 0,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._timeout = timeout
@@ -68,6 +69,7 @@ class PipelineLauncher(SubprocessScriptLauncher):
         #: the checkpoint this process's restarted ``fit`` resumed from (``""``: none was found; ``None``: no restart)
         self.resumed_from: Optional[str] = None
         self._in_place = in_place
+        self._spares = spares
         #: whether the running ``fit`` resumes from the snapshots in memory (a recovery in place)
         self.recovering = False
 
@@ -92,6 +94,9 @@ class PipelineLauncher(SubprocessScriptLauncher):
                 watchdog.watch_children(self.procs, rank + 1, self._timeout)
             set_num_threads_if_needed(num_processes=self.num_processes)
         watchdog.start()
+        if self._in_place is not None and recovery.is_spare() and _is_fit(trainer):
+            recovery.await_assignment()  # a hot spare: imported and built, until a rank is lost
+            set_main_port(self.cluster_environment, int(os.environ["MASTER_PORT"]))
         if self._in_place is not None and recovery.is_replacement() and _is_fit(trainer):
             args, kwargs = self._from_snapshot(function, args, kwargs)
         else:
@@ -151,7 +156,7 @@ class PipelineLauncher(SubprocessScriptLauncher):
             "MASTER_ADDR": self.cluster_environment.main_address,
         }
         in_place = self._in_place is not None
-        restart.supervise(script_command(), self.num_processes, self._max_restarts, environment, in_place)
+        restart.supervise(script_command(), self.num_processes, self._max_restarts, environment, in_place, self._spares)
 
     def _resume_if_restarted(
         self, function: Callable, trainer: Any, args: tuple, kwargs: dict[str, Any]

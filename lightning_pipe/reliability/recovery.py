@@ -25,6 +25,8 @@ from typing import Optional
 RECOVERY_FILE = "LIGHTNING_PIPE_RECOVERY_FILE"
 GENERATION = "LIGHTNING_PIPE_GENERATION"
 REPLACES = "LIGHTNING_PIPE_REPLACES"
+#: Set by the supervisor for a hot spare (``spares``): its index among the spares, until it is given a rank.
+SPARE = "LIGHTNING_PIPE_SPARE"
 #: Seconds a surviving rank waits for the supervisor's next generation before it gives up (and the run restarts).
 WAIT = 60.0
 
@@ -43,6 +45,27 @@ def generation() -> int:
 def is_replacement() -> bool:
     """Whether this process was started in place of a lost rank (and has not joined its generation yet)."""
     return bool(os.environ.get(REPLACES))
+
+
+def is_spare() -> bool:
+    """Whether this process is a hot spare waiting for a rank to replace."""
+    return bool(os.environ.get(SPARE))
+
+
+def await_assignment() -> None:
+    """Hot spare (``spares``): wait, imported and built, until the supervisor gives it a lost rank's place; then it
+    is that rank's replacement in the announced generation. (The supervisor ends the spares it did not use.)"""
+    file, index = Path(os.environ[RECOVERY_FILE]), os.environ[SPARE]
+    while True:
+        data = read(file)
+        assigned = data.get("assigned", {}).get(index)
+        if assigned is not None:
+            generation, rank, port = assigned
+            os.environ.update({"LOCAL_RANK": str(rank), REPLACES: str(generation)})
+            os.environ.pop(SPARE)
+            enter(generation, port)
+            return
+        time.sleep(0.02)
 
 
 def joined() -> None:
@@ -64,9 +87,12 @@ def held_by(rank: int, world_size: int, ranks_per_node: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- the file
-def announce(file: Path, generation: int, port: int, replaced: list[int]) -> None:
-    """Supervisor: generation ``generation`` of the run rendezvous on ``port`` (atomically replaced)."""
+def announce(file: Path, generation: int, port: int, replaced: list[int], spare: Optional[int] = None) -> None:
+    """Supervisor: generation ``generation`` of the run rendezvous on ``port`` (atomically replaced); ``spare``: the
+    index of the hot spare that takes ``replaced[0]``'s place."""
     data = {**read(file), "generation": generation, "port": port, "replaced": replaced}
+    if spare is not None:
+        data["assigned"] = {**data.get("assigned", {}), str(spare): [generation, replaced[0], port]}
     tmp = file.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(file)

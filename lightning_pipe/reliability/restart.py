@@ -137,13 +137,18 @@ def _say(message: str) -> None:
 
 
 def supervise(
-    command: Sequence[str], num_processes: int, max_restarts: int, environment: dict[str, str], in_place: bool = False
+    command: Sequence[str],
+    num_processes: int,
+    max_restarts: int,
+    environment: dict[str, str],
+    in_place: bool = False,
+    spares: int = 0,
 ) -> NoReturn:
     """Run ``command`` as local ranks ``0..num_processes-1`` of a one-node run, starting them all again after a
     failure at most ``max_restarts`` times; exit with their exit code. ``environment`` is the ranks' environment
     (``MASTER_ADDR`` included); each attempt gets a fresh ``MASTER_PORT``. With ``in_place`` (``snapshot_every``) a
-    lost rank is first replaced alone, the others keeping their processes (:mod:`.recovery`); each replacement counts
-    as a restart."""
+    lost rank is first replaced alone, the others keeping their processes (:mod:`.recovery`), by one of ``spares``
+    processes started with each attempt while one is left, else by a new one; each replacement counts as a restart."""
     record = Path(tempfile.mkdtemp(prefix="lightning-pipe-run-")) / "checkpoint_dirs.json"
     code, used, attempt = 1, 0, 0
     while True:
@@ -162,7 +167,21 @@ def supervise(
             env.update({recovery.RECOVERY_FILE: str(file), recovery.GENERATION: "0"})
         procs = [subprocess.Popen(list(command), env={**env, "LOCAL_RANK": str(r)}) for r in range(num_processes)]
         if in_place:
-            code, first, replaced = _wait_in_place(procs, list(command), env, max_restarts - used)
+            waiting = [
+                (
+                    i,
+                    subprocess.Popen(
+                        list(command), env={**env, "LOCAL_RANK": str(num_processes + i), recovery.SPARE: str(i)}
+                    ),
+                )
+                for i in range(spares)
+            ]
+            try:
+                code, first, replaced = _wait_in_place(procs, list(command), env, max_restarts - used, waiting)
+            finally:
+                _end([p for _, p in waiting], signal.SIGKILL)  # the spares not used
+                for _, p in waiting:
+                    p.wait()
             used += replaced
         else:
             code, first = _wait(procs)
@@ -185,10 +204,15 @@ def supervise(
 
 
 def _wait_in_place(
-    procs: list[subprocess.Popen], command: list[str], env: dict[str, str], budget: int
+    procs: list[subprocess.Popen],
+    command: list[str],
+    env: dict[str, str],
+    budget: int,
+    spares: list[tuple[int, subprocess.Popen]],
 ) -> tuple[int, tuple[int, Any], int]:
-    """Wait for the ranks, replacing a lost one in place while the others live, the last recovery completed and
-    ``budget`` allows; else as :func:`_wait`. Returns its exit code and first failure, and the replacements made."""
+    """Wait for the ranks, replacing a lost one in place (by a waiting spare of ``spares``, which it takes from the
+    list, else a new process) while the others live, the last recovery completed and ``budget`` allows; else as
+    :func:`_wait`. Returns its exit code and first failure, and the replacements made."""
     file, generation, used = Path(env[recovery.RECOVERY_FILE]), 0, 0
     replaced: list[int] = []
     while True:
@@ -201,11 +225,21 @@ def _wait_in_place(
             rank, how = bad[0], describe_exit(procs[bad[0]].pid, procs[bad[0]].returncode).split(" without")[0]
             generation, used, replaced = generation + 1, used + 1, [rank]
             port = _free_port()
-            recovery.announce(file, generation, port, replaced)
+            while spares and spares[0][1].poll() is not None:
+                spares.pop(0)  # a spare that ended (it failed before waiting) takes no place
+            by = "a new process"
+            if spares:
+                index, procs[rank] = spares.pop(0)
+                by = f"spare {index}"
+                recovery.announce(file, generation, port, replaced, spare=index)
+            else:
+                recovery.announce(file, generation, port, replaced)
             _say(
-                f"rank {rank} failed ({how}); replacing it in place (generation {generation}, restart {used} of"
+                f"rank {rank} failed ({how}); replacing it in place by {by} (generation {generation}, restart {used} of"
                 f" {budget}): the other ranks keep their processes and resume from their snapshots in memory."
             )
+            if by != "a new process":
+                continue
             procs[rank] = subprocess.Popen(
                 command,
                 env={

@@ -139,6 +139,7 @@ def main() -> None:
         async_checkpoint=cfg.get("async", False),
         max_restarts=cfg.get("max_restarts", 0),
         snapshot_every=cfg.get("snapshot_every", 0),
+        spares=cfg.get("spares", 0),
     )
     checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=-1, save_last=True)]
     trainer = L.Trainer(
