@@ -6,8 +6,9 @@ Lightning's launcher with ``max_restarts=3``; one rank SIGKILLed inside its stag
 alternating ranks 1 and 0. Three kinds of run, interleaved:
 
 - ``reference``: uninterrupted, no snapshots, no checkpoint files (the losses and weights every run must equal);
-- ``in-place``: ``snapshot_every=4``, no checkpoint files: the supervisor replaces the killed rank, the survivor keeps
-  its process, both resume from the newest snapshot in memory;
+- ``in-place``: ``snapshot_every=4``, no checkpoint files: the supervisor replaces the killed rank by a new process,
+  the survivor keeps its process, both resume from the newest snapshot in memory;
+- ``in-place-spare``: the same with ``spares=1``: a process started with the run, waiting at ``fit``, takes the place;
 - ``relaunch``: today's path: checkpoints every 5 steps on disk, every rank started again, resumed from disk.
 
 Per run: kill to the end of the first step after it, steps redone, exact (every logged loss and the final weights
@@ -15,6 +16,7 @@ bit for bit equal to the reference's); for in-place runs also the step time of t
 against the others, and the host memory of the snapshots per rank.
 
     nice python benchmarks/recovery.py --kills 3 --out /tmp/recovery-bench
+    nice python benchmarks/recovery.py --kinds in-place-spare --kills 2 --out /tmp/recovery-spare
 
 Results: docs/benchmarks.md and docs/reliability.md.
 """
@@ -43,8 +45,9 @@ def _step_times(out: Path, rank: int) -> dict[int, float]:
 
 def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path) -> dict:
     cfg: dict = {"devices": 2, "disk": kind == "relaunch", "kill": {"rank": kill_rank, "step": step, "where": "step"}}
-    if kind == "in-place":
+    if kind.startswith("in-place"):
         cfg["snapshot_every"] = SNAPSHOT_EVERY
+        cfg["spares"] = 1 if kind == "in-place-spare" else 0
     proc = run(out, cfg, "lightning")
     outcome = compare(out, reference, 2)
     row = {
@@ -56,7 +59,7 @@ def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path) ->
         "kill_to_next_step_s": outcome.failure_to_first_step,
         "redone": outcome.recomputed,
     }
-    if kind == "in-place":
+    if kind.startswith("in-place"):
         times = _step_times(out, 1 - kill_rank)  # the survivor's steps before the kill
         with_snapshot = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY == 0 and s > 1]
         without = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY != 0]
@@ -73,17 +76,18 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3, help="kills per kind of run")
     parser.add_argument("--step", type=int, default=10, help="the training step the rank is killed in")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kinds", nargs="+", default=["in-place-spare", "in-place", "relaunch"], help="runs per kill")
     args = parser.parse_args()
     reference = args.out / "reference"
     if run(reference, {"devices": 2, "disk": False}, "lightning").returncode != 0:
         raise SystemExit(f"the reference run failed: {reference / 'output.log'}")
     rows = []
     for i in range(args.kills):
-        for kind in ("in-place", "relaunch"):
-            row = measure(args.out / f"{kind}-{i}", kind, i % 2 == 0 and 1 or 0, args.step, reference)
+        for kind in args.kinds:
+            row = measure(args.out / f"{kind}-{i}", kind, 1 if i % 2 == 0 else 0, args.step, reference)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    for kind in ("in-place", "relaunch"):
+    for kind in args.kinds:
         mine = [r for r in rows if r["kind"] == kind]
         times = [r["kill_to_next_step_s"] for r in mine if r["kill_to_next_step_s"] is not None]
         exact = sum(r["exact"] and r["exit"] == 0 for r in mine)

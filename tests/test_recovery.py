@@ -122,24 +122,51 @@ def test_a_survivor_waits_for_the_next_generation(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- 2 processes
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run without a fault, without snapshots and without checkpoint files."""
+    reference = tmp_path_factory.mktemp("recovery") / "reference"
+    proc = run(reference, {"devices": 2, "disk": False}, "lightning")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return reference
+
+
 @pytest.mark.slow
-def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(tmp_path):
-    """Rank 1 SIGKILLed in its stage's forward of step 10 (snapshots every 4 steps, no checkpoint on disk): the
-    supervisor starts a replacement, rank 0 keeps its process, both resume from the step-8 snapshot in memory, and
-    every logged loss and the final weights equal the uninterrupted run's (without snapshots) bit for bit."""
-    reference = tmp_path / "reference"
-    assert run(reference, {"devices": 2, "disk": False}, "lightning").returncode == 0
-    out = tmp_path / "faulted"
-    cfg = {"devices": 2, "disk": False, "snapshot_every": 4, "kill": {"rank": 1, "step": 10, "where": "step"}}
-    proc = run(out, cfg, "lightning")
+@pytest.mark.parametrize("killed,spares", [(1, 0), (0, 1)], ids=["rank1-new-process", "rank0-spare"])
+def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(uninterrupted, tmp_path, killed, spares):
+    """A rank SIGKILLed in its stage's forward of step 10 (snapshots every 4 steps, no checkpoint on disk): the
+    supervisor gives its place to a new process or a waiting spare, the other rank keeps its process, both resume
+    from the step-8 snapshot in memory, and every logged loss and the final weights equal the uninterrupted run's
+    (without snapshots) bit for bit."""
+    cfg = {"devices": 2, "disk": False, "snapshot_every": 4, "spares": spares}
+    proc = run(tmp_path, {**cfg, "kill": {"rank": killed, "step": 10, "where": "step"}}, "lightning")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    outcome = compare(out, reference, 2)
+    outcome = compare(tmp_path, uninterrupted, 2)
     assert outcome.problems == [], output[-4000:]
     assert outcome.attempts == 1 and outcome.resumed_from == 8 and outcome.completed == 9
-    assert "replacing it in place (generation 1" in output and "resuming `fit` from the snapshot of step 8" in output
-    assert (out / "pid.rank0.attempt0").read_text() == (out / "pid_end.rank0").read_text()  # the survivor's process
-    assert (out / "pid.rank1.generation1").read_text() == (out / "pid_end.rank1").read_text()  # the replacement's
-    assert not list(out.glob("**/*.ckpt")) and "resuming `fit` from '" not in output  # nothing on disk to read
-    redone = [r["step"] for r in losses(out, 0) if r["generation"] == 1]
-    assert redone[0] == 9 and redone[-1] == max(r["step"] for r in losses(reference, 0))
+    by = "spare 0" if spares else "a new process"
+    assert f"replacing it in place by {by} (generation 1" in output
+    assert "resuming `fit` from the snapshot of step 8" in output
+    survivor = 1 - killed
+    assert (tmp_path / f"pid.rank{survivor}.attempt0").read_text() == (tmp_path / f"pid_end.rank{survivor}").read_text()
+    replacement = f"pid.rank{2 if spares else killed}.{'attempt0' if spares else 'generation1'}"
+    assert (tmp_path / replacement).read_text() == (tmp_path / f"pid_end.rank{killed}").read_text()
+    assert not list(tmp_path.glob("**/*.ckpt")) and "resuming `fit` from '" not in output  # nothing on disk to read
+    redone = [r["step"] for r in losses(tmp_path, survivor) if r["generation"] == 1]
+    assert redone[0] == 9 and redone[-1] == max(r["step"] for r in losses(uninterrupted, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_kill_before_the_first_snapshot_falls_back_to_the_restart_from_disk(uninterrupted, tmp_path):
+    """Killed in step 3, before the step-4 snapshot: the survivor says so and ends, the supervisor starts every rank
+    again, and the run starts from the beginning (no checkpoint yet), exact."""
+    cfg = {"devices": 2, "snapshot_every": 4, "kill": {"rank": 1, "step": 3, "where": "step"}}
+    proc = run(tmp_path, cfg, "lightning")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "no snapshot in memory yet; every rank starts again from the newest checkpoint on disk" in output
+    assert "recovery in place (generation 1) failed; every rank starts again" in output
+    outcome = compare(tmp_path, uninterrupted, 2)
+    assert outcome.problems == [] and outcome.attempts == 2, output[-4000:]
