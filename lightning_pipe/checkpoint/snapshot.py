@@ -72,7 +72,7 @@ class Snapshots:
         world, rank = collectives.group_size(collectives.world_group()), collectives.world_rank()
         if world > 1:
             to, source = recovery.buddy_of(rank, world, ranks_per_node), recovery.held_by(rank, world, ranks_per_node)
-            self._keep(self.held, step, _exchange(data, to, source))
+            self._keep(self.held, step, collectives.exchange_bytes(data, to, source))
         self.last_bytes = len(data)
 
     def agree(self, ranks_per_node: int) -> int:
@@ -96,14 +96,14 @@ class Snapshots:
                 continue
             buddy, held_for = recovery.buddy_of(r, world, ranks_per_node), recovery.held_by(r, world, ranks_per_node)
             if rank == buddy:
-                _send(self.held[step], r)
+                collectives.send_bytes(self.held[step], r)
             if rank == r:
-                self.own[step] = _receive(buddy)
+                self.own[step] = collectives.receive_bytes(buddy)
             if step in holdings[held_for][0] and held_for != r:
                 if rank == held_for:
-                    _send(self.own[step], r)
+                    collectives.send_bytes(self.own[step], r)
                 if rank == r:
-                    self.held[step] = _receive(held_for)
+                    self.held[step] = collectives.receive_bytes(held_for)
         for store in (self.own, self.held):
             for newer in [s for s in store if s > step]:
                 del store[newer]
@@ -150,34 +150,3 @@ class SnapshotCallback(Callback):
             self.snapshots.last_seconds = elapsed + time.perf_counter() - began
 
         self.continuation.when_training_continues(complete)
-
-
-# ---------------------------------------------------------------------------------------------------- transfers
-def _exchange(data: bytes, to: int, source: int) -> bytes:
-    """Send ``data`` to rank ``to`` while receiving rank ``source``'s."""
-    import torch.distributed as dist
-
-    size, other = torch.tensor([len(data)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    for request in [dist.isend(size, to), dist.irecv(other, source)]:
-        request.wait()
-    payload, received = torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.empty(int(other), dtype=torch.uint8)
-    for request in [dist.isend(payload, to), dist.irecv(received, source)]:
-        request.wait()
-    return received.numpy().tobytes()
-
-
-def _send(data: bytes, to: int) -> None:
-    import torch.distributed as dist
-
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), to)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to)
-
-
-def _receive(source: int) -> bytes:
-    import torch.distributed as dist
-
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, source)
-    received = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(received, source)
-    return received.numpy().tobytes()

@@ -290,3 +290,30 @@ def picklable_groups() -> Iterator[None]:
         else:
             copyreg.dispatch_table[cls] = before
         _BY_TOKEN.clear()
+
+
+# ---------------------------------------------------------------------------------------------------- bytes
+def exchange_bytes(data: bytes, to: int, source: int) -> bytes:
+    """Send ``data`` to global rank ``to`` while receiving global rank ``source``'s (default group)."""
+    size, other = torch.tensor([len(data)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    for request in [dist.isend(size, to), dist.irecv(other, source)]:
+        request.wait()
+    payload, received = torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.empty(int(other), dtype=torch.uint8)
+    for request in [dist.isend(payload, to), dist.irecv(received, source)]:
+        request.wait()
+    return received.numpy().tobytes()
+
+
+def send_bytes(data: bytes, to: int) -> None:
+    """Send ``data`` to global rank ``to`` (default group), its length first."""
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), to)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to)
+
+
+def receive_bytes(source: int) -> bytes:
+    """What :func:`send_bytes` sent from global rank ``source``."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, source)
+    received = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(received, source)
+    return received.numpy().tobytes()
