@@ -185,6 +185,7 @@ class PipelineParallelStrategy(
     def _start_snapshots(self, trainer: pl.Trainer) -> None:
         """``snapshot_every``: in a recovery, agree on the snapshot to resume from (collective); then take them."""
         assert self._snapshots is not None and self._checkpoints is not None
+        ckpt_snapshot.check_layout(self._snapshots.every, self.data_parallel_size)
         launcher = self.launcher
         if isinstance(launcher, PipelineLauncher) and launcher.recovering:
             launcher.recovering = False

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
-from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes
+from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes, check_layout
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
 from tests.restarts import compare, losses, run
@@ -57,6 +57,13 @@ def test_fabric_refuses_recovery_in_place():
     assert {"snapshot_every", "spares"} <= set(TRAINER_ONLY)
     with pytest.raises(PipelineConfigError, match=r"`max_restarts=1`.*Fabric"):
         PipelineFabricStrategy(snapshot_every=2, max_restarts=1)
+
+
+def test_replicated_pipelines_are_refused():
+    check_layout(4, 1)
+    check_layout(0, 2)
+    with pytest.raises(PipelineConfigError, match=r"`snapshot_every=4`.*2 data-parallel replicas.*`pipeline_size`"):
+        check_layout(4, 2)
 
 
 # ---------------------------------------------------------------------------------------------------- placement

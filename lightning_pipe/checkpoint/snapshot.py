@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.compat import lightning as pl_compat
-from lightning_pipe.errors import PipelineCheckpointError
+from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
 
 #: The ``ckpt_path`` of a ``fit`` resumed from the snapshot the ranks agreed on (no file of that name is read).
@@ -37,6 +37,16 @@ def _to_bytes(obj: Any) -> bytes:
 
 def _from_bytes(data: bytes) -> Any:
     return torch.load(bytes_io.BytesIO(data), weights_only=False)
+
+
+def check_layout(every: int, data_parallel_size: int) -> None:
+    """Recovery in place is verified for one pipeline (no data-parallel replicas) only: refuse the rest."""
+    if every and data_parallel_size > 1:
+        raise PipelineConfigError(
+            f"`snapshot_every={every}` recovers a single pipeline in place, but this run has"
+            f" {data_parallel_size} data-parallel replicas (recovery of replicated pipelines is not verified yet). Set"
+            " `pipeline_size` to the number of processes, or leave `snapshot_every` at 0 (restarts resume from disk)."
+        )
 
 
 class Snapshots:
