@@ -74,6 +74,8 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "loss_parallel": True,
         "compile": {"mode": "max-autotune-no-cudagraphs"},
         "max_restarts": 0,
+        "snapshot_every": 0,
+        "spares": 0,
         "async_checkpoint": True,
         "model_plan": {"model.layers": [["hidden_states"], ["hidden_states"]]},
     }
