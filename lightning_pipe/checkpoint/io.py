@@ -309,7 +309,7 @@ def load_trainer_state(path: Path, weights_only: bool | None, fix: str) -> Any:
     which and names ``fix`` (how the caller loads a trusted file)."""
     file = path / fmt.TRAINER_STATE
     try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only)
+        return load_pickled(file, weights_only)
     except pickle.UnpicklingError as err:
         found = [line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line]
         raise PipelineCheckpointError(
@@ -320,13 +320,54 @@ def load_trainer_state(path: Path, weights_only: bool | None, fix: str) -> Any:
         ) from err
 
 
+class _Unimportable(Exception):
+    """A class a pickle names that cannot be imported here: its full name and the import's error."""
+
+
+class _NamingUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError) as err:  # the module is not on sys.path, or no longer has the class
+            raise _Unimportable(f"{module}.{name}", err) from err
+
+
+def _naming_pickle_module() -> Any:
+    """``pickle`` as ``torch.load(pickle_module=...)`` uses it, whose unpickler says which class it could not import."""
+    import types
+
+    naming = types.ModuleType("pickle")
+    naming.Unpickler = _NamingUnpickler  # type: ignore[attr-defined]
+    naming.load = lambda file, **kwargs: _NamingUnpickler(file, **kwargs).load()  # type: ignore[attr-defined]
+    return naming
+
+
+def load_pickled(file: Path, weights_only: bool | None) -> Any:
+    """``torch.load(file)`` on the CPU; with ``weights_only=False``, a class that cannot be imported here is named, with
+    the fix (the module holding it must be importable where the checkpoint is read)."""
+    if weights_only is not False:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_naming_pickle_module())
+    except _Unimportable as err:
+        qualname, cause = err.args
+        top = qualname.split(".")[0]
+        raise PipelineCheckpointError(
+            f"{str(file)!r} holds an object of class `{qualname}`, which cannot be imported here"
+            f" ({type(cause).__name__}: {cause}). Unpickling a checkpoint imports the classes it holds (a network"
+            f" kept by `save_hyperparameters()`): read it where `{qualname.rpartition('.')[0]}` is importable, from"
+            f" the project's directory (the one holding `{top}`) or with that directory on PYTHONPATH"
+            " (`PYTHONPATH=/path/to/project python -m lightning_pipe.checkpoint consolidate ...`)."
+        ) from cause
+
+
 def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights_only: bool | None) -> list[Any]:
     source = fmt.scheduler_source(manifest, topo.pipeline_rank, topo.pipeline_size)
-    chosen = torch.load(path / source, map_location="cpu", weights_only=weights_only)
+    chosen = load_pickled(path / source, weights_only)
     if source == fmt.scheduler_file(topo.pipeline_rank) and manifest["pipeline_size"] == topo.pipeline_size:
         return chosen
     for other in manifest["lr_scheduler_files"]:
-        if not fmt.same_state(chosen, torch.load(path / other, map_location="cpu", weights_only=weights_only)):
+        if not fmt.same_state(chosen, load_pickled(path / other, weights_only)):
             raise PipelineCheckpointError(
                 f"its LR scheduler states differ between pipeline ranks ({source} vs {other}), and with"
                 f" pipeline_size={topo.pipeline_size} instead of {manifest['pipeline_size']} no rank's state can be"
