@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from lightning_pipe.checkpoint import format as fmt
-from lightning_pipe.checkpoint import hparams
-from lightning_pipe.checkpoint import optim
-from lightning_pipe.checkpoint.io import load_pickled, load_trainer_state
+from lightning_pipe.checkpoint import hparams, optim
+from lightning_pipe.checkpoint.io import load_trainer_state
+from lightning_pipe.checkpoint.unpickle import load_pickled
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.reliability.loaders import LOADER_STATE

@@ -12,7 +12,7 @@ file builds the module around the whole trained network, as from one device's ch
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,16 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
-def _replaced(network: nn.Module, tensors: Mapping[str, Any]) -> nn.Module:
+def _as_trained(value: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What replaces a meta tensor: ``value``, as a ``Parameter`` where the tensor was one."""
+
+    def replace(tensor: torch.Tensor) -> torch.Tensor:
+        return nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+
+    return replace
+
+
+def _replaced(network: nn.Module, tensors: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> nn.Module:
     """A deep copy of ``network`` whose state-dict tensors named in ``tensors`` are ``tensors[name](tensor)``; a tensor
     reached under several names is replaced once, so ties stay ties."""
     memo: dict[int, Any] = {}
@@ -95,21 +104,17 @@ def fill(hparams: dict[str, Any], weights: Mapping[str, torch.Tensor], names: Ma
         if missing:
             raise PipelineCheckpointError(
                 f"The hyperparameter {key!r} is a network whose tensors {missing[:3]} are not among the checkpoint's"
-                " weights, so it cannot be filled with the trained values. Consolidate a checkpoint saved with"
-                f" every parameter of the model, or keep the network out of the hyperparameters"
-                f" (`self.save_hyperparameters(ignore=[{key!r}])`)."
+                " weights (the module's tensors were renamed or removed after the strategy recorded the network at the"
+                " split), so it cannot hold the trained values. Keep the network out of the hyperparameters"
+                f" (`self.save_hyperparameters(ignore=[{key!r}])`) and pass it to `load_from_checkpoint`."
             )
-
-        def trained(tensor: torch.Tensor, full: str) -> torch.Tensor:
-            value = weights[full]
-            return nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
-
-        filled = _replaced(network, {own: lambda t, full=full: trained(t, full) for own, full in own_names.items()})
+        filled = _replaced(network, {own: _as_trained(weights[full]) for own, full in own_names.items()})
         left = [n for n, t in filled.state_dict(keep_vars=True).items() if t.is_meta]
         if left:
             raise PipelineCheckpointError(
-                f"The hyperparameter {key!r} is a network whose tensors {left[:3]} have no values in the checkpoint"
-                " (they were on the meta device when it was recorded). Keep the network out of the hyperparameters"
-                f" (`self.save_hyperparameters(ignore=[{key!r}])`) and pass it to `load_from_checkpoint`."
+                f"The hyperparameter {key!r} is a network whose tensors {left[:3]} are on the meta device and are not"
+                " the module's own (it was built without values), so the checkpoint has none for them. Keep the"
+                f" network out of the hyperparameters (`self.save_hyperparameters(ignore=[{key!r}])`) and pass it to"
+                " `load_from_checkpoint`."
             )
         hparams[key] = filled

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
+from lightning_pipe.checkpoint.unpickle import load_pickled
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import assign_whole_, place_like
 from lightning_pipe.compat import torch as torch_compat
@@ -318,47 +319,6 @@ def load_trainer_state(path: Path, weights_only: bool | None, fix: str) -> Any:
             f" one. If you trust the checkpoint, {fix}; or keep the object out of the hyperparameters"
             " (`self.save_hyperparameters(ignore=['net'])`)."
         ) from err
-
-
-class _Unimportable(Exception):
-    """A class a pickle names that cannot be imported here: its full name and the import's error."""
-
-
-class _NamingUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError) as err:  # the module is not on sys.path, or no longer has the class
-            raise _Unimportable(f"{module}.{name}", err) from err
-
-
-def _naming_pickle_module() -> Any:
-    """``pickle`` as ``torch.load(pickle_module=...)`` uses it, whose unpickler says which class it could not import."""
-    import types
-
-    naming = types.ModuleType("pickle")
-    naming.Unpickler = _NamingUnpickler  # type: ignore[attr-defined]
-    naming.load = lambda file, **kwargs: _NamingUnpickler(file, **kwargs).load()  # type: ignore[attr-defined]
-    return naming
-
-
-def load_pickled(file: Path, weights_only: bool | None) -> Any:
-    """``torch.load(file)`` on the CPU; with ``weights_only=False``, a class that cannot be imported here is named, with
-    the fix (the module holding it must be importable where the checkpoint is read)."""
-    if weights_only is not False:
-        return torch.load(file, map_location="cpu", weights_only=weights_only)
-    try:
-        return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_naming_pickle_module())
-    except _Unimportable as err:
-        qualname, cause = err.args
-        top = qualname.split(".")[0]
-        raise PipelineCheckpointError(
-            f"{str(file)!r} holds an object of class `{qualname}`, which cannot be imported here"
-            f" ({type(cause).__name__}: {cause}). Unpickling a checkpoint imports the classes it holds (a network"
-            f" kept by `save_hyperparameters()`): read it where `{qualname.rpartition('.')[0]}` is importable, from"
-            f" the project's directory (the one holding `{top}`) or with that directory on PYTHONPATH"
-            " (`PYTHONPATH=/path/to/project python -m lightning_pipe.checkpoint consolidate ...`)."
-        ) from cause
 
 
 def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights_only: bool | None) -> list[Any]:
