@@ -154,6 +154,22 @@ def test_a_tied_hyperparameter_network_stays_tied_when_filled():
     assert torch.equal(hparams["net"].embed.weight, module.net.embed.weight)
 
 
+def test_networks_inside_a_list_hyperparameter_are_named_in_a_warning(monkeypatch):
+    import lightning.pytorch as L
+
+    class Listed(L.LightningModule):
+        def __init__(self, nets: list, sizes: list) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.nets = torch.nn.ModuleList(nets)
+
+    said: list[str] = []
+    monkeypatch.setattr(ckpt_hparams, "rank_zero_warn", said.append)
+    ckpt_hparams.record(Listed([SimpleDenseNet(), SimpleDenseNet()], [1, 2]))
+    (warning,) = said
+    assert "'nets'" in warning and "inside a list" in warning and "ignore=['nets']" in warning
+
+
 def test_filling_a_hyperparameter_network_refuses_missing_weights_and_meta_leftovers():
     net = SimpleDenseNet().to("meta")
     names = {"net": {"model.0.weight": "net.model.0.weight"}}

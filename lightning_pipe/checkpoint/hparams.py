@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
@@ -72,12 +73,27 @@ def record(module: Any) -> None:
     kept = {}
     for key, value in hparams.items():
         if not isinstance(value, nn.Module):
+            _warn_nested(key, value, full)
             continue
         names = {n: full[id(t)] for n, t in value.state_dict(keep_vars=True).items() if id(t) in full}
         if names:
             kept[key] = KeptNetwork(_replaced(value, dict.fromkeys(names, _on_meta)), names)
     if kept:
         module.__dict__[_RECORD_ATTR] = kept
+
+
+def _warn_nested(key: str, value: Any, full: Mapping[int, str]) -> None:
+    """A network inside a list, tuple or dict hyperparameter is saved as it is (this rank's cut copy): say so."""
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    inner = [m for m in items if isinstance(m, nn.Module)]
+    if any(id(t) in full for m in inner for t in m.state_dict(keep_vars=True).values()):
+        rank_zero_warn(
+            f"lightning-pipe: the hyperparameter {key!r} holds networks of the module inside a {type(value).__name__},"
+            " which checkpoints save as they are after the split (this rank's stages only), so"
+            " `load_from_checkpoint` of a consolidated file cannot build them whole. Pass each network to `__init__`"
+            f" as an argument of its own, or keep them out of the hyperparameters"
+            f" (`self.save_hyperparameters(ignore=[{key!r}])`) and pass them to `load_from_checkpoint`."
+        )
 
 
 def for_checkpoint(module: Any, checkpoint: dict[str, Any]) -> None:
