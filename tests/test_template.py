@@ -293,6 +293,7 @@ def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_
     kept = load_trainer_state(source, False, "")["hyper_parameters"]["net"]
     assert type(kept) is SimpleDenseNet and "forward" not in kept.__dict__
     assert all(t.is_meta for t in kept.state_dict().values())
+    assert convert.inspect(source)["hyperparameter_networks"] == {"net": 16}  # the names consolidate fills
     with pytest.raises(PipelineCheckpointError, match=r"SimpleDenseNet.*--trust-pickle"):
         convert.consolidate(source, tmp_path / "refused.ckpt")
     target = convert.consolidate(source, tmp_path / "model.ckpt", weights_only=False)
