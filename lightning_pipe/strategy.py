@@ -21,6 +21,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pipe.checkpoint import hparams as ckpt_hparams
 from lightning_pipe.checkpoint import optim as ckpt_optim
 from lightning_pipe.checkpoint import resume as ckpt_resume
 from lightning_pipe.checkpoint import snapshot as ckpt_snapshot
@@ -43,6 +44,7 @@ from lightning_pipe.step.hooks import GradientHooks
 from lightning_pipe.step.manual import ManualOptimization
 from lightning_pipe.step.metrics import bind_metrics
 from lightning_pipe.step.report import (
+    announce_batch_arithmetic,
     announce_parameters,
     check_supported,
     check_training_batches,
@@ -202,9 +204,12 @@ class PipelineParallelStrategy(
     def _split_network(self, module: Any) -> Split:
         """This rank's stages: cut now or found from an earlier cut (:meth:`PipelineSession.cut`)."""
         check_supported(module, self.precision_plugin)
-        # Single-device checkpoints number parameters in the full model's optimizer order: record it before the split.
-        if module.trainer.state.fn == TrainerFn.FITTING and not is_split(module):
-            ckpt_optim.record_param_groups(module)
+        # Single-device checkpoints number parameters in the full model's optimizer order, and hold the networks kept
+        # by `save_hyperparameters()` whole: record both before the split.
+        if not is_split(module):
+            ckpt_hparams.record(module)
+            if module.trainer.state.fn == TrainerFn.FITTING:
+                ckpt_optim.record_param_groups(module)
         launcher = self.launcher
         rejoin = isinstance(launcher, PipelineLauncher) and launcher.recovering
         return self._session.cut(module, self.root_device, rank_zero_info, rejoin)
@@ -220,6 +225,7 @@ class PipelineParallelStrategy(
         message, instead of at the end of the first epoch."""
         trainer = self.lightning_module.trainer
         check_training_batches(trainer, self._settings, self.global_rank)
+        announce_batch_arithmetic(trainer, self.data_parallel_size, self.world_size)
         assert self._session.split is not None
         warn_batch_dependent(trainer, self._settings, self._session.split, self.pipeline_group)
 

@@ -9,18 +9,20 @@ import copy
 import functools
 import io
 import pickle
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_pipe.checkpoint import convert
+from lightning_pipe.checkpoint import hparams as ckpt_hparams
 from lightning_pipe.checkpoint.io import load_trainer_state
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError, PipelineUsageError
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import CopiedSplit, split_module
 from lightning_pipe.step.interception import CallInterceptor
-from lightning_pipe.step.report import batch_dependent_modules
+from lightning_pipe.step.report import batch_arithmetic, batch_dependent_modules
 from tests.launch import Launch, run_scenarios
 from tests.template_models import LitTemplate, SimpleDenseNet, held_out_loader, loaders, new_module, trainer
 
@@ -78,6 +80,112 @@ def test_a_refused_pickle_in_trainer_state_names_the_fix(tmp_path):
     ):
         load_trainer_state(tmp_path, None, "FIX")
     assert isinstance(load_trainer_state(tmp_path, False, "FIX")["hyper_parameters"]["net"], SimpleDenseNet)
+
+
+@pytest.mark.parametrize(
+    ("batch", "accumulate", "dp", "world", "parts"),
+    [
+        (8, 1, 1, 2, ("trains on 8 samples", "data-parallel size is 1 and the world size 2", "2x smaller")),
+        (6, 4, 2, 8, ("trains on 48 samples", "accumulate_grad_batches=4", "4 processes of each pipeline")),
+        (None, 1, 2, 4, ("the training DataLoader's batch x", "data_parallel_size=2", "2x smaller")),
+    ],
+)
+def test_the_batch_arithmetic_names_the_samples_the_sizes_and_the_divisor(batch, accumulate, dp, world, parts):
+    text = batch_arithmetic(batch, accumulate, dp, world)
+    assert all(part in text for part in parts) and "`trainer.strategy.data_parallel_size`" in text
+
+
+def test_the_batch_arithmetic_is_said_on_rank_0_only_when_the_sizes_differ(monkeypatch):
+    from lightning_pipe.step import report
+
+    said: list[str] = []
+    monkeypatch.setattr(report, "rank_zero_info", said.append)
+    fake = SimpleNamespace(train_dataloader=loaders()["train_dataloaders"], accumulate_grad_batches=2)
+    report.announce_batch_arithmetic(fake, data_parallel_size=2, world_size=2)  # plain data parallelism: nothing
+    assert said == []
+    report.announce_batch_arithmetic(fake, data_parallel_size=1, world_size=2)
+    assert len(said) == 1 and "16 samples (batches of 8 x accumulate_grad_batches=2" in said[0]
+
+
+def test_the_hyperparameter_network_is_kept_whole_on_the_meta_device_and_filled_with_the_weights():
+    module = new_module()
+    ckpt_hparams.record(module)
+    split_module(module, PipelineSettings().resolve(2), pipeline_rank=0, device=torch.device("cpu"))
+    checkpoint = {"hyper_parameters": dict(module.hparams), "state_dict": {}}
+    ckpt_hparams.for_checkpoint(module, checkpoint)
+    assert module.hparams["net"] is module.net  # the user's objects are untouched
+    kept = checkpoint["hyper_parameters"]["net"]
+    assert type(kept) is SimpleDenseNet and "forward" not in kept.__dict__
+    assert all(t.is_meta for t in kept.state_dict().values())
+    names = checkpoint.pop("hyperparameter_networks")
+    assert names["net"]["model.6.weight"] == "net.model.6.weight" and len(names["net"]) == 16
+    whole = SimpleDenseNet()
+    weights = {f"net.{k}": v for k, v in whole.state_dict().items()}
+    hparams = pickle.loads(pickle.dumps(checkpoint["hyper_parameters"]))
+    ckpt_hparams.fill(hparams, weights, names)
+    assert all(torch.equal(hparams["net"].state_dict()[k], v) for k, v in whole.state_dict().items())
+    assert all(isinstance(p, torch.nn.Parameter) for p in hparams["net"].parameters())
+
+
+def test_a_tied_hyperparameter_network_stays_tied_when_filled():
+    import lightning.pytorch as L
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.head.weight = self.embed.weight
+
+    class Holder(L.LightningModule):
+        def __init__(self, net: torch.nn.Module) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = net
+
+    module = Holder(Tied())
+    ckpt_hparams.record(module)
+    checkpoint = {"hyper_parameters": dict(module.hparams)}
+    ckpt_hparams.for_checkpoint(module, checkpoint)
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    weights["net.head.weight"] = weights["net.embed.weight"]  # consolidate names a tied tensor under both names
+    hparams = checkpoint["hyper_parameters"]
+    ckpt_hparams.fill(hparams, weights, checkpoint["hyperparameter_networks"])
+    assert hparams["net"].head.weight is hparams["net"].embed.weight
+    assert torch.equal(hparams["net"].embed.weight, module.net.embed.weight)
+
+
+def test_networks_inside_a_list_hyperparameter_are_named_in_a_warning(monkeypatch):
+    import lightning.pytorch as L
+
+    class Listed(L.LightningModule):
+        def __init__(self, nets: list, sizes: list) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.nets = torch.nn.ModuleList(nets)
+
+    said: list[str] = []
+    monkeypatch.setattr(ckpt_hparams, "rank_zero_warn", said.append)
+    ckpt_hparams.record(Listed([SimpleDenseNet(), SimpleDenseNet()], [1, 2]))
+    (warning,) = said
+    assert "'nets'" in warning and "inside a list" in warning and "ignore=['nets']" in warning
+
+
+def test_filling_a_hyperparameter_network_refuses_missing_weights_and_meta_leftovers():
+    net = SimpleDenseNet().to("meta")
+    names = {"net": {"model.0.weight": "net.model.0.weight"}}
+    with pytest.raises(PipelineCheckpointError, match=r"'net'.*'net\.model\.0\.weight'.*ignore=\['net'\]"):
+        ckpt_hparams.fill({"net": net}, {}, names)
+    with pytest.raises(PipelineCheckpointError, match=r"'net'.*'model\.0\.bias'.*ignore=\['net'\]"):
+        ckpt_hparams.fill({"net": net}, {"net.model.0.weight": torch.zeros(16, 16)}, names)
+
+
+def test_a_class_that_cannot_be_imported_is_named_with_the_fix(tmp_path, monkeypatch):
+    torch.save({"hyper_parameters": {"net": SimpleDenseNet()}}, tmp_path / "trainer.pt")
+    monkeypatch.setitem(sys.modules, "tests.template_models", None)  # as if read outside the project
+    with pytest.raises(
+        PipelineCheckpointError, match=r"`tests\.template_models\.SimpleDenseNet`.*ModuleNotFoundError.*PYTHONPATH"
+    ):
+        load_trainer_state(tmp_path, False, "FIX")
 
 
 def test_a_schedule_that_rejects_the_microbatch_count_points_to_gpipe(monkeypatch):
@@ -170,13 +278,43 @@ def test_two_microbatches_warn_once_naming_the_batchnorm_layers_and_the_alternat
 
 
 @pytest.mark.slow
-def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_loads(runs, tmp_path):
+def test_rank_0_states_the_samples_per_step_and_the_data_parallel_size_once_at_fit_start(runs):
+    ranks = runs.ranks("1F1B-two-microbatches")
+    assert ranks[1]["batch_notices"] == []
+    (notice,) = ranks[0]["batch_notices"]
+    for part in ("8 samples", "data_parallel_size=1", "world size 2", "`trainer.strategy.data_parallel_size`"):
+        assert part in notice
+
+
+@pytest.mark.slow
+def test_consolidating_a_checkpoint_holding_the_network_names_trust_pickle_then_loads_it_whole(runs, tmp_path):
     source = runs.out / "gpipe-one-microbatch" / "ckpt" / "last.ckpt"
+    # The directory's trainer state holds the network as built, its tensors on the meta device.
+    kept = load_trainer_state(source, False, "")["hyper_parameters"]["net"]
+    assert type(kept) is SimpleDenseNet and "forward" not in kept.__dict__
+    assert all(t.is_meta for t in kept.state_dict().values())
+    assert convert.inspect(source)["hyperparameter_networks"] == {"net": 16}  # the names consolidate fills
     with pytest.raises(PipelineCheckpointError, match=r"SimpleDenseNet.*--trust-pickle"):
         convert.consolidate(source, tmp_path / "refused.ckpt")
     target = convert.consolidate(source, tmp_path / "model.ckpt", weights_only=False)
-    # The pickled network is rank 0's part: a full one is passed in, as `load_from_checkpoint` allows.
-    loaded = LitTemplate.load_from_checkpoint(target, net=SimpleDenseNet(), weights_only=False)
+    loaded = LitTemplate.load_from_checkpoint(target, weights_only=False)
+    assert type(loaded.net) is SimpleDenseNet and "forward" not in loaded.net.__dict__
+    assert sorted(loaded.net.state_dict()) == sorted(SimpleDenseNet().state_dict())
+    saved = torch.load(target, weights_only=False)
+    hp_state = saved["hyper_parameters"]["net"].state_dict()
+    assert all(torch.equal(v, saved["state_dict"][f"net.{k}"]) for k, v in hp_state.items())
     tested = trainer(tmp_path / "eval", devices=1).test(loaded, held_out_loader(), verbose=False)[0]
     # last.ckpt is the resumed run's (third epoch)
     _same([tested], [runs.ranks("gpipe-one-microbatch")[0]["resumed_test"]])
+
+
+@pytest.mark.slow
+def test_consolidate_outside_the_project_names_the_class_it_cannot_import(runs, tmp_path, monkeypatch, capsys):
+    from lightning_pipe.checkpoint.__main__ import main
+
+    source = runs.out / "gpipe-one-microbatch" / "ckpt" / "last.ckpt"
+    monkeypatch.setitem(sys.modules, "tests.template_models", None)  # as if run where `tests` is not importable
+    assert main(["consolidate", "--trust-pickle", "--no-progress", str(source), str(tmp_path / "m.ckpt")]) == 1
+    error = capsys.readouterr().err
+    assert "`tests.template_models." in error and "ModuleNotFoundError" in error and "PYTHONPATH" in error
+    assert not (tmp_path / "m.ckpt").exists()

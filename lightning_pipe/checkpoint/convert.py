@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from lightning_pipe.checkpoint import format as fmt
-from lightning_pipe.checkpoint import optim
+from lightning_pipe.checkpoint import hparams, optim
 from lightning_pipe.checkpoint.io import load_trainer_state
+from lightning_pipe.checkpoint.unpickle import load_pickled
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.reliability.loaders import LOADER_STATE
@@ -52,6 +53,8 @@ def inspect(path: Path) -> dict[str, Any]:
         manifest[fmt.PARAM_GROUPS] = [[len(g) for g in groups] for groups in manifest[fmt.PARAM_GROUPS]]
     if fmt.NETWORK_RECORD in manifest:  # the whole config is for export-hf; the class says what it is
         manifest[fmt.NETWORK_RECORD] = {k: manifest[fmt.NETWORK_RECORD].get(k) for k in ("class", "attribute")}
+    if fmt.HYPERPARAMETER_NETWORKS in manifest:  # every tensor's name is for consolidate; the count says enough
+        manifest[fmt.HYPERPARAMETER_NETWORKS] = {k: len(v) for k, v in manifest[fmt.HYPERPARAMETER_NETWORKS].items()}
     return {**manifest, "model_entries": len(model), "optimizer_entries": len(keys) - len(model)}
 
 
@@ -152,7 +155,7 @@ def load_optimizer_states(path: Path, progress: bool = False, weights_only: bool
         flat = load_entries(path, f"optimizer_{i}.", progress=progress)
         states.append(optim.to_native(flat, optimizer_groups, i))
     files = manifest["lr_scheduler_files"]
-    schedulers = [torch.load(path / f, map_location="cpu", weights_only=weights_only) for f in files]
+    schedulers = [load_pickled(path / f, weights_only) for f in files]
     for name, other in zip(files[1:], schedulers[1:]):
         if not fmt.same_state(schedulers[0], other):
             raise PipelineCheckpointError(
@@ -179,7 +182,8 @@ def consolidate(
 ) -> Path:
     """Write the checkpoint directory ``src`` as the single-file Lightning checkpoint ``dst``.
 
-    ``dst`` holds the full ``state_dict`` and Lightning's loop, callback and hyperparameter state. With
+    ``dst`` holds the full ``state_dict`` and Lightning's loop, callback and hyperparameter state (a network kept by
+    ``save_hyperparameters()`` whole, holding these weights). With
     ``with_optimizer``, it also holds the optimizer states (torch's native form: parameters numbered in the order
     ``configure_optimizers`` gives them on one device) and LR scheduler states, so ``Trainer(strategy="auto")``
     resumes the run from it; without, it holds neither, like a ``save_weights_only`` checkpoint. ``weights_only`` is
@@ -196,6 +200,10 @@ def consolidate(
     if not isinstance(trainer_state, Mapping):
         raise PipelineCheckpointError(f"{str(src / fmt.TRAINER_STATE)!r} is not a Lightning checkpoint dict.")
     checkpoint = {**trainer_state, "state_dict": weights, **optimizer_state}
+    networks = fmt.read_manifest(src).get(fmt.HYPERPARAMETER_NETWORKS)
+    if networks and isinstance(checkpoint.get("hyper_parameters"), dict):
+        checkpoint["hyper_parameters"] = dict(checkpoint["hyper_parameters"])
+        hparams.fill(checkpoint["hyper_parameters"], weights, networks)
     _drop_stand_in_loader_states(checkpoint)
     if not with_optimizer:
         # A resume would find no optimizer state: drop what would be restored without it.

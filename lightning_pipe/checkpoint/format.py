@@ -51,6 +51,10 @@ NETWORK_RECORD = "huggingface"
 #: network). A loader whose prefix differs (a Trainer loading a Fabric checkpoint, or the other way round) reads the
 #: network's entries under the saved prefix; a checkpoint without it was saved with the loader's prefix.
 NETWORK_PREFIX = "network_prefix"
+#: Manifest key (unknown to older readers too): ``{hyperparameter: {its state-dict name: the module's name}}`` of the
+#: networks kept by ``save_hyperparameters()``, which ``trainer.pt`` holds on the meta device (checkpoint/hparams.py):
+#: ``consolidate`` fills them with the weights.
+HYPERPARAMETER_NETWORKS = "hyperparameter_networks"
 #: Suffixes of the sibling directories a save or removal goes through; none of them is ever a checkpoint to load.
 _TRANSIENT = re.compile(r"\.(tmp|old|trash)-[0-9a-f]+$")
 

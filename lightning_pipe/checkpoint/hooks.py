@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import Strategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import fabric_state, io, optim, resume, save, snapshot
+from lightning_pipe.checkpoint import fabric_state, hparams, io, optim, resume, save, snapshot
 from lightning_pipe.compat.lightning import requested_weights_only
 from lightning_pipe.models import kind_of
 from lightning_pipe.reliability import failures
@@ -135,6 +135,7 @@ class CheckpointHooks(Strategy):
             device = self.root_device
             session = resume.CheckpointSession(module.trainer, self.checkpoint_topology, self._streams, device)
             session.training_over = True
+        hparams.for_checkpoint(module, checkpoint)  # the networks kept by `save_hyperparameters()` as built
         attribute, network = self.checkpoint_network()
         record = kind_of(network).record(network, attribute) if network is not None else None  # for export-hf
         session.save(checkpoint, path, token, f"{cls.__module__}.{cls.__qualname__}", groups, record)

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import format as fmt
 from lightning_pipe.checkpoint import optim
+from lightning_pipe.checkpoint.unpickle import load_pickled
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import assign_whole_, place_like
 from lightning_pipe.compat import torch as torch_compat
@@ -309,7 +310,7 @@ def load_trainer_state(path: Path, weights_only: bool | None, fix: str) -> Any:
     which and names ``fix`` (how the caller loads a trusted file)."""
     file = path / fmt.TRAINER_STATE
     try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only)
+        return load_pickled(file, weights_only)
     except pickle.UnpicklingError as err:
         found = [line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line]
         raise PipelineCheckpointError(
@@ -322,11 +323,11 @@ def load_trainer_state(path: Path, weights_only: bool | None, fix: str) -> Any:
 
 def _schedulers(path: Path, manifest: Mapping[str, Any], topo: Topology, weights_only: bool | None) -> list[Any]:
     source = fmt.scheduler_source(manifest, topo.pipeline_rank, topo.pipeline_size)
-    chosen = torch.load(path / source, map_location="cpu", weights_only=weights_only)
+    chosen = load_pickled(path / source, weights_only)
     if source == fmt.scheduler_file(topo.pipeline_rank) and manifest["pipeline_size"] == topo.pipeline_size:
         return chosen
     for other in manifest["lr_scheduler_files"]:
-        if not fmt.same_state(chosen, torch.load(path / other, map_location="cpu", weights_only=weights_only)):
+        if not fmt.same_state(chosen, load_pickled(path / other, weights_only)):
             raise PipelineCheckpointError(
                 f"its LR scheduler states differ between pipeline ranks ({source} vs {other}), and with"
                 f" pipeline_size={topo.pipeline_size} instead of {manifest['pipeline_size']} no rank's state can be"

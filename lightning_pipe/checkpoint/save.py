@@ -89,6 +89,7 @@ def start_save(
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
     optimizer_states = checkpoint.pop("optimizer_states", None)
     schedulers = checkpoint.pop("lr_schedulers", None)
+    networks = checkpoint.pop(fmt.HYPERPARAMETER_NETWORKS, None)  # checkpoint/hparams.py: for the manifest
     for i, osd in enumerate(optimizer_states or []):
         state[f"optimizer_{i}"] = osd
     write = None
@@ -135,6 +136,8 @@ def start_save(
         )
         if network_record is not None:
             manifest[fmt.NETWORK_RECORD] = dict(network_record)
+        if networks:
+            manifest[fmt.HYPERPARAMETER_NETWORKS] = networks
         local_step(problems, save_file, checkpoint, tmp / fmt.TRAINER_STATE)
     agree(problems, f"Saving checkpoint {str(path)!r} failed; the previous checkpoint of that name is untouched")
     return PendingSave(path, tmp, token, manifest, write)

@@ -86,6 +86,32 @@ def check_training_batches(trainer: Any, settings: PipelineSettings, global_rank
             )
 
 
+def batch_arithmetic(batch: int | None, accumulate: int, data_parallel_size: int, world_size: int) -> str:
+    """What one optimizer step trains on, for a data-parallel size that is not the world size: the samples, and the
+    data-parallel size to divide a global batch by (not ``trainer.world_size``)."""
+    per_replica = world_size // data_parallel_size
+    parts = f"accumulate_grad_batches={accumulate} x data_parallel_size={data_parallel_size}"
+    if batch:
+        samples = f"{batch * accumulate * data_parallel_size} samples (batches of {batch} x {parts})"
+    else:
+        samples = f"the training DataLoader's batch x {parts}"
+    return (
+        f"lightning-pipe: each optimizer step trains on {samples}. The data-parallel size is {data_parallel_size}"
+        f" and the world size {world_size}: the {per_replica} processes of each pipeline all see every sample of its"
+        f" batch, so a batch size divided by `trainer.world_size` (the DDP idiom) is {per_replica}x smaller than"
+        " intended. Divide by `trainer.strategy.data_parallel_size` instead."
+    )
+
+
+def announce_batch_arithmetic(trainer: Any, data_parallel_size: int, world_size: int) -> None:
+    """At fit start, on rank 0: :func:`batch_arithmetic`, when the data-parallel size is not the world size."""
+    if data_parallel_size == world_size:
+        return
+    sizes = _batch_sizes(trainer)
+    batch = sizes[0][1] if sizes else None
+    rank_zero_info(batch_arithmetic(batch, trainer.accumulate_grad_batches, data_parallel_size, world_size))
+
+
 def _configured(settings: PipelineSettings, size: int) -> int:
     """The microbatch count the settings name for a batch of ``size`` (``size`` itself where it does not divide)."""
     if settings.microbatch_size is not None:

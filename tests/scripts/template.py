@@ -7,6 +7,7 @@ traceback in ``<name>.rank<r>.failed`` and the next one runs (tests/scripts/outc
 """
 
 import json
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -16,6 +17,17 @@ import torch
 import lightning_pipe
 from tests.scripts.outcomes import run_each
 from tests.template_models import CopyDuringFit, copies, held_out_loader, loaders, new_module, trainer
+
+
+class Notices(logging.Handler):
+    """The info messages Lightning's logger shows (rank 0's ``rank_zero_info``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
 
 
 def main() -> None:
@@ -28,9 +40,12 @@ def run(out: Path, cfg: dict) -> None:
     root = out / name
     model = new_module()
     first = trainer(root, lightning_pipe.PipelineParallelStrategy(**cfg), devices=2, max_epochs=2)
+    notices = Notices()
+    logging.getLogger("lightning.pytorch").addHandler(notices)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first.fit(model, **loaders())
+    logging.getLogger("lightning.pytorch").removeHandler(notices)
     records, tested = model.records, first.test(model, held_out_loader(), verbose=False)[0]
     during = next(c for c in first.callbacks if isinstance(c, CopyDuringFit)).found
     last = first.checkpoint_callback.last_model_path
@@ -45,6 +60,7 @@ def run(out: Path, cfg: dict) -> None:
             "resumed_records": resumed.records,
             "resumed_test": second.test(resumed, held_out_loader(), verbose=False)[0],
             "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
+            "batch_notices": [text for text in notices.said if "optimizer step trains on" in text],
             "best": first.checkpoint_callback.best_model_path,
             "during_fit": during,
             "after_fit": copies(model),
