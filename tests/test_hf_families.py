@@ -95,26 +95,47 @@ def test_family_trains_and_validates_as_on_one_device(matrix, cfg):
             assert rank["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-6), key
 
 
-PER_LAYER = "gemma4_text"
+PER_LAYER = ("gemma4_text", "gemma3n_text")
+"""Families whose layers read per-layer inputs (Gemma 3n also carries AltUp's stack of streams between blocks)."""
+#: Per family, the weights the first rank holds and the last rank does not, and the other way round.
+FIRST_AND_LAST = {
+    "gemma4_text": (["model.model.embed_tokens_per_layer.weight"], []),
+    "gemma3n_text": (
+        ["model.model.embed_tokens_per_layer.weight", "model.model.altup_projections.0.weight"],
+        ["model.model.altup_unembed_projections.0.weight"],
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def per_layer_run(tmp_path_factory):
-    if PER_LAYER not in FAMILIES:
-        pytest.skip(f"transformers {transformers.__version__} has no {PER_LAYER} family")
+    families = [family for family in PER_LAYER if family in FAMILIES]
+    if not families:
+        pytest.skip(f"transformers {transformers.__version__} has none of {PER_LAYER}")
     work = tmp_path_factory.mktemp("per-layer")
-    save_pretrained(work / "gemma4-pretrained", PER_LAYER, tie=True, layers=4)
-    run_script("per_layer.py", str(work), nprocs=2, timeout=900)
+    for family in families:
+        save_pretrained(work / f"{family}-pretrained", family, tie=True, layers=4)
+    run_script("per_layer.py", str(work), *families, nprocs=2, timeout=900)
     return work
 
 
+def _skip_missing(family: str) -> None:
+    if family not in FAMILIES:
+        pytest.skip(f"transformers {transformers.__version__} has no {family} family")
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("family", PER_LAYER)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, schedule):
-    ranks = load_ranks(per_layer_run, f"train-{schedule}")
-    ref = reference(PER_LAYER)
+def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, family, schedule):
+    _skip_missing(family)
+    ranks = load_ranks(per_layer_run, f"{family}-train-{schedule}")
+    ref = reference(family)
     assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-6)
-    assert "model.model.embed_tokens_per_layer.weight" in ranks[0]["state"]
+    first, last = FIRST_AND_LAST[family]
+    assert all(name in ranks[0]["state"] for name in first)
+    last_rank = 0 if schedule == "ZBVZeroBubble" else 1  # a V schedule puts the first and last stages on rank 0
+    assert all(name in ranks[last_rank]["state"] for name in last)
     for rank in ranks:
         assert rank["metrics"].keys() == ref["metrics"].keys()
         for key, value in ref["metrics"].items():
@@ -122,33 +143,39 @@ def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, sch
 
 
 @pytest.mark.slow
-def test_per_layer_inputs_from_directory_and_export_hf(per_layer_run):
+@pytest.mark.parametrize("family", PER_LAYER)
+def test_per_layer_inputs_from_directory_and_export_hf(per_layer_run, family):
     import torch
 
     from lightning_pipe.checkpoint import hf_export
     from tests.scripts.per_layer import STEPS
 
-    path = per_layer_run / "gemma4-pretrained"
+    _skip_missing(family)
+    path = per_layer_run / f"{family}-pretrained"
     reference_model, _ = fine_tune(path, max_steps=STEPS)
-    ranks = [torch.load(per_layer_run / f"pretrained.rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(per_layer_run / f"{family}-pretrained.rank{r}.pt") for r in range(2)]
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference_model.step_losses, rtol=TOL, atol=0)
-    # the first rank holds (and read) the per-layer table with the token embedding
-    assert "model.model.embed_tokens_per_layer.weight" in ranks[0]["keys"]
-    assert "model.model.embed_tokens_per_layer.weight" not in ranks[1]["keys"]
-    out = hf_export.export(per_layer_run / "ckpt-pretrained", per_layer_run / "export")
+    # each rank read only its own stages' tensors: the first the per-layer table (and AltUp's projections in)
+    first, last = FIRST_AND_LAST[family]
+    assert all(name in ranks[0]["keys"] and name not in ranks[1]["keys"] for name in first)
+    assert all(name in ranks[1]["keys"] and name not in ranks[0]["keys"] for name in last)
+    out = hf_export.export(per_layer_run / f"{family}-ckpt", per_layer_run / f"{family}-export")
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-    assert type(exported).__name__ == "Gemma4ForCausalLM"
+    assert type(exported).__name__ == registry()[family][1]
     torch.testing.assert_close(probe_logits(exported), probe_logits(reference_model.model), rtol=0, atol=TOL)
 
 
-def _tiny_gemma4(**overrides):
-    if PER_LAYER not in FAMILIES:
-        pytest.skip(f"transformers {transformers.__version__} has no {PER_LAYER} family")
+def _tiny(family: str, **overrides):
+    _skip_missing(family)
     from tests.hf_families import tiny_config
 
-    config = tiny_config(PER_LAYER, **overrides)
-    return getattr(transformers, registry()[PER_LAYER][1])(config)
+    config = tiny_config(family, **overrides)
+    return getattr(transformers, registry()[family][1])(config)
+
+
+def _tiny_gemma4(**overrides):
+    return _tiny("gemma4_text", **overrides)
 
 
 def test_per_layer_modules_are_units_of_the_first_stage():
