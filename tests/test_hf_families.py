@@ -5,8 +5,9 @@ transformers version (CI: the newest 5.x, the test extra's 4.57 and the lowest s
   logits and gradients;
 - slow: every registered family is exact or refused by name with its reason; the matrix trains and validates at 2
   processes under 1F1B and ZBVZeroBubble as on one device (one launch for the whole matrix);
-- slow: Gemma 4's text model (per-layer inputs, transformers 5) at 2 processes in one launch: trained and validated
-  under 1F1B and ZBVZeroBubble as on one device, fine-tuned from a ``save_pretrained`` directory and exported.
+- slow: Gemma 4's and Gemma 3n's text models (per-layer inputs; Gemma 3n's AltUp streams; transformers 5) at 2
+  processes in one launch: trained and validated under 1F1B and ZBVZeroBubble as on one device, fine-tuned from a
+  ``save_pretrained`` directory and exported.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ SCHEDULES = ("1F1B", "ZBVZeroBubble")
 CONFIGS = [
     {"name": f"{family}-{schedule}", "schedule": schedule, "devices": 2, "family": family, "tie": False}
     | {"side": "right", "layers": 4}
-    # Gemma 4: the timed split may leave the last stage only the head, refused for transformers models
-    | ({"balance": "blocks"} if family == "gemma4_text" else {})
     for family in IN_MATRIX
+    if family not in ("gemma4_text", "gemma3n_text")  # these configs run in the per-layer launch (slow tier) below
     for schedule in SCHEDULES
 ]
 TOL = 1e-5
@@ -230,3 +230,85 @@ def test_a_stage_before_a_last_stage_without_blocks_is_refused():
     first = prune(model, stage_units(layout, [4, 0])[0], layout.units, hf_placeholder(model))
     with pytest.raises(PipelineModelError, match=r"LlamaForCausalLM.*holds none of its"):
         hf_stage_call(first, (), batch(), None, True, False)
+
+
+def test_altup_projections_are_units_of_the_first_and_last_stages():
+    from lightning_pipe.models.huggingface.plan import hf_layout
+
+    layout = hf_layout(_tiny("gemma3n_text"))
+    assert layout.pre[-3:] == tuple(f"model.altup_projections.{i}" for i in range(3))
+    assert layout.post == (*(f"model.altup_unembed_projections.{i}" for i in range(3)), "model.norm", "lm_head")
+
+
+def _split_exact(model, counts):
+    """The largest difference of logits and gradients between ``model`` and its split into ``counts`` blocks per
+    stage, chained in one process."""
+    import copy
+
+    import torch
+
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.stage import hf_stage_call
+    from lightning_pipe.split.partition import stage_units
+    from lightning_pipe.split.surgery import prune
+    from tests.hf_families import batch
+
+    expected = model(**batch(), use_cache=False)
+    expected.loss.backward()
+    layout, placeholder = hf_layout(model), hf_placeholder(model)
+    stages = [prune(copy.deepcopy(model), keep, layout.units, placeholder) for keep in stage_units(layout, counts)]
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+    sent, received = [], None
+    for i, stage in enumerate(stages):
+        out = hf_stage_call(stage, (), batch(), received, i == 0, i == len(stages) - 1)
+        if i < len(stages) - 1:
+            received = tuple(t.detach().requires_grad_(True) for t in out)
+            sent.append((out, received))
+    out.loss.backward()
+    for values, got in reversed(sent):
+        torch.autograd.backward(values, [t.grad for t in got])
+    grads = {name: p.grad for stage in stages for name, p in stage.named_parameters() if p.grad is not None}
+    worst = (out.logits - expected.logits).abs().max().item()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            worst = max(worst, (grads[name] - param.grad).abs().max().item())
+    return worst
+
+
+def test_gemma3n_layers_sharing_keys_and_values_stay_with_their_source_in_a_balanced_split():
+    from lightning_pipe.models.huggingface.plan import hf_layout
+    from lightning_pipe.split.partition import balance_blocks, keep_together
+
+    # layers 2 and 3 reuse layer 1's keys and values; two layers with activation sparsity
+    model = _tiny("gemma3n_text", num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.0, 0.95, 0.0])
+    layout = hf_layout(model)
+    assert layout.together == ((1, 3),)
+    counts = keep_together(balance_blocks(4, 2), layout.together)
+    assert counts == [1, 3]
+    assert _split_exact(model, counts) < TOL
+
+
+def test_gemma3n_layers_sharing_keys_and_values_split_from_their_source_are_refused():
+    model = _tiny("gemma3n_text", num_kv_shared_layers=2)
+    with pytest.raises(PipelineModelError, match=r"Layer 2 of Gemma3nTextModel.*layer 1.*num_kv_shared_layers=2"):
+        _split_exact(model, [1, 1, 1, 1])
+
+
+def test_tensor_parallelism_is_refused_for_gemma3n_naming_its_activation_sparsity():
+    from lightning_pipe.models.huggingface.tensor_parallel import hf_tensor_parallel_plan
+
+    model = _tiny("gemma3n_text", activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+    with pytest.raises(
+        PipelineModelError, match=r"Gemma3nForCausalLM.*activation_sparsity_pattern.*0\.95.*tensor_parallel=1"
+    ):
+        hf_tensor_parallel_plan(model, 2)
+
+
+def test_gemma3n_stages_run_whole_backward_passes():
+    from lightning_pipe.models import kind_of
+    from tests.hf_families import build
+
+    assert kind_of(_tiny("gemma3n_text")).stage_call.full_backward(0)
+    assert kind_of(_tiny("gemma3n_text")).stage_call is kind_of(_tiny("gemma3n_text")).stage_call
+    assert not hasattr(kind_of(build("llama")).stage_call, "full_backward")

@@ -39,7 +39,6 @@ from lightning_pipe.models.units import Layout
 StageCall = Callable[[nn.Module, tuple, dict, Union[tuple, None], bool, bool], Any]
 
 
-
 class WholeBackward:
     """A stage call whose stages run whole backward passes in the split-backward (zero-bubble) schedules.
 

@@ -134,7 +134,12 @@ class PeftKind:
 
     def layout(self, network: nn.Module, blocks: str = "auto") -> Layout:
         layout = self.inner.layout(inner_model(network), blocks)
-        return Layout(pre=_prefixed(layout.pre), blocks=_prefixed(layout.blocks), post=_prefixed(layout.post))
+        return Layout(
+            pre=_prefixed(layout.pre),
+            blocks=_prefixed(layout.blocks),
+            post=_prefixed(layout.post),
+            together=layout.together,
+        )
 
     def dataflow_order(self, network: nn.Module) -> list[str] | None:
         raise PipelineModelError(

@@ -35,6 +35,24 @@ def balance_blocks(num_blocks: int, num_stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
 
 
+def keep_together(counts: Sequence[int], together: Sequence[tuple[int, int]]) -> list[int]:
+    """``counts`` (blocks per stage) with each cut that falls inside one of the ``together`` ranges (first and last
+    block index, included) moved to the nearer end of the range, where that leaves every stage a block; a cut that
+    cannot move stays (the stage call then refuses the split, naming the layers)."""
+    cuts = list(itertools.accumulate(counts))[:-1]
+    total = sum(counts)
+    for first, last in together:
+        for k, cut in enumerate(cuts):
+            if not first < cut <= last:
+                continue
+            low, high = cuts[k - 1] if k else 0, cuts[k + 1] if k + 1 < len(cuts) else total
+            options = [end for end in (first, last + 1) if low < end < high]
+            if options:
+                cuts[k] = min(options, key=lambda end: abs(end - cut))
+    bounds = [0, *cuts, total]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
 def counts_from_split_points(blocks: Sequence[str], split_points: Sequence[str], num_stages: int) -> list[int]:
     """Blocks per stage from the names of the blocks at which stages 1..N-1 begin."""
     if len(split_points) != num_stages - 1:

@@ -34,9 +34,7 @@ def run_family(work: Path, family: str) -> None:
     strategy = PipelineParallelStrategy(schedule="1F1B", init_weights=path)
     model, trainer = fine_tune(path, strategy, devices=2, max_steps=STEPS)
     keys = sorted(model.state_dict())
-    torch.save(
-        {"losses": model.step_losses, "keys": keys}, work / f"{family}-pretrained.rank{trainer.global_rank}.pt"
-    )
+    torch.save({"losses": model.step_losses, "keys": keys}, work / f"{family}-pretrained.rank{trainer.global_rank}.pt")
     trainer.save_checkpoint(work / f"{family}-ckpt")
 
 

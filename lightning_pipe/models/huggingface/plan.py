@@ -26,7 +26,7 @@ from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.base import Placeholder
 from lightning_pipe.models.huggingface import altup
 from lightning_pipe.models.huggingface.heads import HEAD_SPEC, task_heads
-from lightning_pipe.models.huggingface.per_layer import plan_entries
+from lightning_pipe.models.huggingface.per_layer import plan_entries, shared_kv_ranges
 from lightning_pipe.models.huggingface.vision import vision_plan
 from lightning_pipe.models.units import CONTAINERS, Layout
 
@@ -341,7 +341,10 @@ def hf_layout(network: nn.Module) -> Layout:
     pre = tuple(name for name in names[:at] if _has_params(_find(network, name)))
     post = tuple(name for name in names[at + 1 :] if _has_params(_find(network, name)))
     blocks = tuple(f"{stack}.{key}" for key, child in network.get_submodule(stack).named_children())
-    layout = Layout(pre=pre, blocks=blocks, post=post)
+    prefix = base_prefix(network)
+    base = _find(network, prefix) if prefix else network
+    together = shared_kv_ranges(base) if base is not None else ()  # layers reading another layer's keys and values
+    layout = Layout(pre=pre, blocks=blocks, post=post, together=together)
     _check_coverage(network, layout)
     return layout
 
