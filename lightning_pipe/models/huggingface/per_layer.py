@@ -123,7 +123,17 @@ def shared_kv_sources(base: nn.Module) -> dict[int, int]:
 
 def shared_kv_ranges(base: nn.Module) -> tuple[tuple[int, int], ...]:
     """The ranges of layers (first and last index) that one stage must hold for every layer reusing keys and values
-    to find them: each reusing layer with its source, overlapping ranges merged."""
+    to find them: each reusing layer with its source, overlapping ranges merged. Refuses sharing that goes through
+    the decoding cache (transformers 4.x's Gemma 3n), which a stage does not keep in training."""
+    config = getattr(base, "config", None)
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared and getattr(config, "kv_sharing_modes", None) is None:
+        raise PipelineModelError(
+            f"{type(base).__name__} has `num_kv_shared_layers={shared}`, and in this transformers version its layers"
+            " share keys and values only through the decoding cache, which pipeline stages run without"
+            " (`use_cache=False`), so the shared layers would compute their own. Build the model with"
+            " `num_kv_shared_layers=0`, or install transformers>=5, where the sharing does not need the cache."
+        )
     ranges: list[tuple[int, int]] = []
     for first, last in sorted((source, layer) for layer, source in shared_kv_sources(base).items()):
         if ranges and first <= ranges[-1][1]:
