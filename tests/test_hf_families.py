@@ -339,3 +339,12 @@ def test_gemma3n_sharing_keys_and_values_through_the_cache_is_refused():
     model = getattr(transformers, registry()["gemma3n_text"][1])(config)
     with pytest.raises(PipelineModelError, match=r"Gemma3nTextModel.*num_kv_shared_layers=2.*transformers>=5"):
         hf_layout(model)
+
+
+def test_a_peft_model_around_gemma3n_runs_whole_backward_passes():
+    peft = pytest.importorskip("peft")
+    from lightning_pipe.models import kind_of
+
+    model = peft.get_peft_model(_tiny("gemma3n_text"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert kind_of(model).name.startswith("peft")
+    assert kind_of(model).stage_call.full_backward(0)
