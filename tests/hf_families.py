@@ -73,6 +73,7 @@ MATRIX = (
     "deepseek_v3",
     "glm4",
     "gemma4_text",  # per-layer inputs, sent by the first stage (transformers 5)
+    "gemma3n_text",  # per-layer inputs and AltUp's stack of streams between blocks (transformers 5)
 )
 
 

@@ -115,6 +115,35 @@ def test_hooks_fill_what_the_recording_left_unset():
     torch.testing.assert_close(net.inv_freq, torch.tensor([1.0, 0.1, 0.01, 0.001]))  # set: kept beside `rot`
 
 
+class FromUnrecorded(nn.Module):
+    """A buffer computed from a tensor whose meta creation no operator records (Gemma 3n's
+    ``torch.rsqrt(torch.tensor(2.0))``), beside a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.rsqrt(torch.tensor(2.0)), persistent=False)
+
+
+def test_a_value_computed_from_an_unrecorded_meta_tensor_is_left_to_the_hook():
+    class WithHook(FromUnrecorded):
+        def _init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, WithHook):
+                nn.init.constant_(module.scale, 2.0**-0.5)
+
+    with torch.device("meta"), record_init() as recording:
+        net = WithHook()
+    assert initialize(net, CPU, 0, recording=recording.finish(net)) == "_init_weights"
+    assert net.scale.item() == pytest.approx(2.0**-0.5)
+
+
+def test_a_value_computed_from_an_unrecorded_meta_tensor_without_a_hook_is_reported_missing():
+    with torch.device("meta"), record_init() as recording:
+        net = FromUnrecorded()
+    with pytest.raises(PipelineModelError, match=r"Tensors \['scale'\]"):
+        initialize(net, CPU, 0, recording=recording.finish(net))
+
+
 def test_a_recorded_generator_draws_from_the_parameter_s_seed():
     def with_generator(net: Net) -> None:
         _init_any_way(net)

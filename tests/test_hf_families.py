@@ -5,8 +5,9 @@ transformers version (CI: the newest 5.x, the test extra's 4.57 and the lowest s
   logits and gradients;
 - slow: every registered family is exact or refused by name with its reason; the matrix trains and validates at 2
   processes under 1F1B and ZBVZeroBubble as on one device (one launch for the whole matrix);
-- slow: Gemma 4's text model (per-layer inputs, transformers 5) at 2 processes in one launch: trained and validated
-  under 1F1B and ZBVZeroBubble as on one device, fine-tuned from a ``save_pretrained`` directory and exported.
+- slow: Gemma 4's and Gemma 3n's text models (per-layer inputs; Gemma 3n's AltUp streams; transformers 5) at 2
+  processes in one launch: trained and validated under 1F1B and ZBVZeroBubble as on one device, fine-tuned from a
+  ``save_pretrained`` directory and exported.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ SCHEDULES = ("1F1B", "ZBVZeroBubble")
 CONFIGS = [
     {"name": f"{family}-{schedule}", "schedule": schedule, "devices": 2, "family": family, "tie": False}
     | {"side": "right", "layers": 4}
-    # Gemma 4: the timed split may leave the last stage only the head, refused for transformers models
-    | ({"balance": "blocks"} if family == "gemma4_text" else {})
     for family in IN_MATRIX
+    if family not in ("gemma4_text", "gemma3n_text")  # these configs run in the per-layer launch (slow tier) below
     for schedule in SCHEDULES
 ]
 TOL = 1e-5
@@ -95,26 +95,58 @@ def test_family_trains_and_validates_as_on_one_device(matrix, cfg):
             assert rank["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-6), key
 
 
-PER_LAYER = "gemma4_text"
+PER_LAYER = ("gemma4_text", "gemma3n_text")
+"""Families whose layers read per-layer inputs (Gemma 3n also carries AltUp's stack of streams between blocks)."""
+#: Per family, the weights the first rank holds and the last rank does not, and the other way round.
+FIRST_AND_LAST = {
+    "gemma4_text": (["model.model.embed_tokens_per_layer.weight"], []),
+    "gemma3n_text": (
+        ["model.model.embed_tokens_per_layer.weight", "model.model.altup_projections.0.weight"],
+        ["model.model.altup_unembed_projections.0.weight"],
+    ),
+}
+
+
+#: transformers 4.x's Gemma 3n leaves its scale buffers to `__init__`, which the meta device loses (refused by name)
+LAUNCHED = [
+    f for f in PER_LAYER if f in FAMILIES and (f != "gemma3n_text" or int(transformers.__version__.split(".")[0]) >= 5)
+]
 
 
 @pytest.fixture(scope="module")
 def per_layer_run(tmp_path_factory):
-    if PER_LAYER not in FAMILIES:
-        pytest.skip(f"transformers {transformers.__version__} has no {PER_LAYER} family")
+    families = LAUNCHED
+    if not families:
+        pytest.skip(f"transformers {transformers.__version__} has none of {PER_LAYER}")
     work = tmp_path_factory.mktemp("per-layer")
-    save_pretrained(work / "gemma4-pretrained", PER_LAYER, tie=True, layers=4)
-    run_script("per_layer.py", str(work), nprocs=2, timeout=900)
+    for family in families:
+        save_pretrained(work / f"{family}-pretrained", family, tie=True, layers=4)
+    run_script("per_layer.py", str(work), *families, nprocs=2, timeout=900)
     return work
 
 
+def _skip_unlaunched(family: str) -> None:
+    if family not in LAUNCHED:
+        pytest.skip(f"transformers {transformers.__version__}: {family} is not in the per-layer launch")
+
+
+def _skip_missing(family: str) -> None:
+    if family not in FAMILIES:
+        pytest.skip(f"transformers {transformers.__version__} has no {family} family")
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("family", PER_LAYER)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, schedule):
-    ranks = load_ranks(per_layer_run, f"train-{schedule}")
-    ref = reference(PER_LAYER)
+def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, family, schedule):
+    _skip_unlaunched(family)
+    ranks = load_ranks(per_layer_run, f"{family}-train-{schedule}")
+    ref = reference(family)
     assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-6)
-    assert "model.model.embed_tokens_per_layer.weight" in ranks[0]["state"]
+    first, last = FIRST_AND_LAST[family]
+    assert all(name in ranks[0]["state"] for name in first)
+    last_rank = 0 if schedule == "ZBVZeroBubble" else 1  # a V schedule puts the first and last stages on rank 0
+    assert all(name in ranks[last_rank]["state"] for name in last)
     for rank in ranks:
         assert rank["metrics"].keys() == ref["metrics"].keys()
         for key, value in ref["metrics"].items():
@@ -122,33 +154,41 @@ def test_per_layer_inputs_train_and_validate_as_on_one_device(per_layer_run, sch
 
 
 @pytest.mark.slow
-def test_per_layer_inputs_from_directory_and_export_hf(per_layer_run):
+@pytest.mark.parametrize("family", PER_LAYER)
+def test_per_layer_inputs_from_directory_and_export_hf(per_layer_run, family):
     import torch
 
     from lightning_pipe.checkpoint import hf_export
     from tests.scripts.per_layer import STEPS
 
-    path = per_layer_run / "gemma4-pretrained"
+    _skip_unlaunched(family)
+    path = per_layer_run / f"{family}-pretrained"
     reference_model, _ = fine_tune(path, max_steps=STEPS)
-    ranks = [torch.load(per_layer_run / f"pretrained.rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(per_layer_run / f"{family}-pretrained.rank{r}.pt") for r in range(2)]
     for rank in ranks:
         torch.testing.assert_close(rank["losses"], reference_model.step_losses, rtol=TOL, atol=0)
-    # the first rank holds (and read) the per-layer table with the token embedding
-    assert "model.model.embed_tokens_per_layer.weight" in ranks[0]["keys"]
-    assert "model.model.embed_tokens_per_layer.weight" not in ranks[1]["keys"]
-    out = hf_export.export(per_layer_run / "ckpt-pretrained", per_layer_run / "export")
+    # each rank read only its own stages' tensors: the first the per-layer table (and AltUp's projections in)
+    first, last = FIRST_AND_LAST[family]
+    assert all(name in ranks[0]["keys"] and name not in ranks[1]["keys"] for name in first)
+    assert all(name in ranks[1]["keys"] and name not in ranks[0]["keys"] for name in last)
+    out = hf_export.export(per_layer_run / f"{family}-ckpt", per_layer_run / f"{family}-export")
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-    assert type(exported).__name__ == "Gemma4ForCausalLM"
+    assert type(exported).__name__ == registry()[family][1]
     torch.testing.assert_close(probe_logits(exported), probe_logits(reference_model.model), rtol=0, atol=TOL)
 
 
-def _tiny_gemma4(**overrides):
-    if PER_LAYER not in FAMILIES:
-        pytest.skip(f"transformers {transformers.__version__} has no {PER_LAYER} family")
+def _tiny(family: str, **overrides):
+    _skip_missing(family)
     from tests.hf_families import tiny_config
 
-    config = tiny_config(PER_LAYER, **overrides)
-    return getattr(transformers, registry()[PER_LAYER][1])(config)
+    config = tiny_config(family, **overrides)
+    if overrides.get("num_kv_shared_layers") and getattr(config, "kv_sharing_modes", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} shares keys and values through the cache: refused")
+    return getattr(transformers, registry()[family][1])(config)
+
+
+def _tiny_gemma4(**overrides):
+    return _tiny("gemma4_text", **overrides)
 
 
 def test_per_layer_modules_are_units_of_the_first_stage():
@@ -203,3 +243,108 @@ def test_a_stage_before_a_last_stage_without_blocks_is_refused():
     first = prune(model, stage_units(layout, [4, 0])[0], layout.units, hf_placeholder(model))
     with pytest.raises(PipelineModelError, match=r"LlamaForCausalLM.*holds none of its"):
         hf_stage_call(first, (), batch(), None, True, False)
+
+
+def test_altup_projections_are_units_of_the_first_and_last_stages():
+    from lightning_pipe.models.huggingface.plan import hf_layout
+
+    layout = hf_layout(_tiny("gemma3n_text"))
+    assert layout.pre[-3:] == tuple(f"model.altup_projections.{i}" for i in range(3))
+    assert layout.post == (*(f"model.altup_unembed_projections.{i}" for i in range(3)), "model.norm", "lm_head")
+
+
+def _split_exact(model, counts):
+    """The largest difference of logits and gradients between ``model`` and its split into ``counts`` blocks per
+    stage, chained in one process."""
+    import copy
+
+    import torch
+
+    from lightning_pipe.models.huggingface.plan import hf_layout, hf_placeholder
+    from lightning_pipe.models.huggingface.stage import hf_stage_call
+    from lightning_pipe.split.partition import stage_units
+    from lightning_pipe.split.surgery import prune
+    from tests.hf_families import batch
+
+    expected = model(**batch(), use_cache=False)
+    expected.loss.backward()
+    layout, placeholder = hf_layout(model), hf_placeholder(model)
+    stages = [prune(copy.deepcopy(model), keep, layout.units, placeholder) for keep in stage_units(layout, counts)]
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+    sent, received = [], None
+    for i, stage in enumerate(stages):
+        out = hf_stage_call(stage, (), batch(), received, i == 0, i == len(stages) - 1)
+        if i < len(stages) - 1:
+            received = tuple(t.detach().requires_grad_(True) for t in out)
+            sent.append((out, received))
+    out.loss.backward()
+    for values, got in reversed(sent):
+        torch.autograd.backward(values, [t.grad for t in got])
+    grads = {name: p.grad for stage in stages for name, p in stage.named_parameters() if p.grad is not None}
+    worst = (out.logits - expected.logits).abs().max().item()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            worst = max(worst, (grads[name] - param.grad).abs().max().item())
+    return worst
+
+
+def test_gemma3n_layers_sharing_keys_and_values_stay_with_their_source_in_a_balanced_split():
+    from lightning_pipe.models.huggingface.plan import hf_layout
+    from lightning_pipe.split.partition import balance_blocks, keep_together
+
+    # layers 2 and 3 reuse layer 1's keys and values; two layers with activation sparsity
+    model = _tiny("gemma3n_text", num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.0, 0.95, 0.0])
+    layout = hf_layout(model)
+    assert layout.together == ((1, 3),)
+    counts = keep_together(balance_blocks(4, 2), layout.together)
+    assert counts == [1, 3]
+    assert _split_exact(model, counts) < TOL
+
+
+def test_gemma3n_layers_sharing_keys_and_values_split_from_their_source_are_refused():
+    model = _tiny("gemma3n_text", num_kv_shared_layers=2)
+    with pytest.raises(PipelineModelError, match=r"Layer 2 of Gemma3nTextModel.*layer 1.*num_kv_shared_layers=2"):
+        _split_exact(model, [1, 1, 1, 1])
+
+
+def test_tensor_parallelism_is_refused_for_gemma3n_naming_its_activation_sparsity():
+    from lightning_pipe.models.huggingface.tensor_parallel import hf_tensor_parallel_plan
+
+    model = _tiny("gemma3n_text", activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+    with pytest.raises(
+        PipelineModelError, match=r"Gemma3nForCausalLM.*activation_sparsity_pattern.*0\.95.*tensor_parallel=1"
+    ):
+        hf_tensor_parallel_plan(model, 2)
+
+
+def test_gemma3n_stages_run_whole_backward_passes():
+    from lightning_pipe.models import kind_of
+    from tests.hf_families import build
+
+    assert kind_of(_tiny("gemma3n_text")).stage_call.full_backward(0)
+    assert kind_of(_tiny("gemma3n_text")).stage_call is kind_of(_tiny("gemma3n_text")).stage_call
+    assert not hasattr(kind_of(build("llama")).stage_call, "full_backward")
+
+
+def test_gemma3n_sharing_keys_and_values_through_the_cache_is_refused():
+    """transformers 4.x's Gemma 3n shares keys and values only through the decoding cache."""
+    from lightning_pipe.models.huggingface.plan import hf_layout
+    from tests.hf_families import tiny_config
+
+    _skip_missing("gemma3n_text")
+    config = tiny_config("gemma3n_text", num_kv_shared_layers=2)
+    if getattr(config, "kv_sharing_modes", None) is not None:
+        pytest.skip(f"transformers {transformers.__version__} shares them without the cache")
+    model = getattr(transformers, registry()["gemma3n_text"][1])(config)
+    with pytest.raises(PipelineModelError, match=r"Gemma3nTextModel.*num_kv_shared_layers=2.*transformers>=5"):
+        hf_layout(model)
+
+
+def test_a_peft_model_around_gemma3n_runs_whole_backward_passes():
+    peft = pytest.importorskip("peft")
+    from lightning_pipe.models import kind_of
+
+    model = peft.get_peft_model(_tiny("gemma3n_text"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert kind_of(model).name.startswith("peft")
+    assert kind_of(model).stage_call.full_backward(0)

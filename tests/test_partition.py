@@ -16,6 +16,7 @@ from lightning_pipe.split.partition import (
     balance_blocks,
     check_balance,
     counts_from_split_points,
+    keep_together,
     stage_to_rank,
     stage_units,
 )
@@ -236,3 +237,21 @@ def test_a_batch_no_count_can_run_is_refused_naming_the_schedule_and_the_fix():
         _count(1)
     with pytest.raises(MicrobatchError, match=r"batch of 3 samples.*DualPipeV schedule with 4 stages.*\(1, 3\)"):
         _count(3, schedule="DualPipeV", stages_per_rank=2)
+
+
+@pytest.mark.parametrize(
+    ("counts", "together", "expected"),
+    [
+        ([2, 2], [(1, 3)], [1, 3]),  # the cut inside 1..3 moves to its start
+        ([3, 1], [(0, 2)], [3, 1]),  # no cut inside: unchanged
+        ([1, 3], [(0, 1)], [2, 2]),  # the nearer end is the range's end
+        ([8, 7, 8, 7], [(18, 29)], [8, 7, 3, 12]),  # Gemma 3n E2B: 30 layers, 10 sharing layers 18 and 19's
+        ([9, 9, 9, 8], [(18, 34)], [6, 6, 6, 17]),  # Gemma 3n's default: 35 layers, 15 sharing; the first 18 re-spread
+        ([1, 1, 2], [(0, 1)], [2, 1, 1]),  # moved to the range's end: the stages after it re-spread
+        ([1, 1, 1, 1], [(1, 3)], [1, 1, 1, 1]),  # no stage could hold them: unchanged (the stage call refuses)
+        ([2, 2, 2], [(1, 2), (3, 4)], [1, 2, 3]),  # two ranges, each cut moved to its range's start
+    ],
+)
+def test_keep_together_moves_cuts_out_of_ranges_one_stage_must_hold(counts, together, expected):
+    assert keep_together(counts, together) == expected
+    assert sum(keep_together(counts, together)) == sum(counts)

@@ -38,6 +38,27 @@ from lightning_pipe.models.units import Layout
 #: stage must run whole backward passes in the split-backward schedules (``full_backward(stage) -> bool``).
 StageCall = Callable[[nn.Module, tuple, dict, Union[tuple, None], bool, bool], Any]
 
+
+class WholeBackward:
+    """A stage call whose stages run whole backward passes in the split-backward (zero-bubble) schedules.
+
+    torch's split backward computes a stage's weight gradients group by group from the nodes where each weight's
+    path meets the input's, freeing the graph as it goes; a weight used twice in a block, once upstream of the
+    other (Gemma 3n's AltUp router, read by its predict and correct steps), needs a path another group has already
+    freed. A whole backward computes the same gradients in one pass: the schedule keeps its order, and the stage's
+    weight pass has nothing left to do.
+    """
+
+    def __init__(self, call: StageCall) -> None:
+        self.call = call
+
+    def __call__(self, body: nn.Module, args: tuple, kwargs: dict, received: tuple | None, *flags: bool) -> Any:
+        return self.call(body, args, kwargs, received, *flags)
+
+    def full_backward(self, stage: int) -> bool:
+        return True
+
+
 Placeholder = Callable[[str], "nn.Module | None"]
 """Given a unit's name, the module that stands in for it on stages that do not hold it; ``None``: remove it."""
 

@@ -31,7 +31,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
-from lightning_pipe.models.base import Placeholder
+from lightning_pipe.models.base import Placeholder, WholeBackward
 from lightning_pipe.models.huggingface.kind import HuggingFaceKind
 from lightning_pipe.models.huggingface.plan import is_hf_model
 from lightning_pipe.models.huggingface.stage import prepare_call, run_stage
@@ -113,6 +113,10 @@ def peft_profile_call(view: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     return (), prepare_call(view, args, kwargs, inner_model(view))
 
 
+PEFT_WHOLE_BACKWARD = WholeBackward(peft_stage_call)
+"""The stage call of a PEFT model around one whose stages run whole backward passes (Gemma 3n's AltUp)."""
+
+
 class PeftKind:
     """A ``peft.PeftModel`` around a transformers model (:class:`~lightning_pipe.models.base.ModelKind`)."""
 
@@ -124,11 +128,18 @@ class PeftKind:
         _refuse_dora(network)
         self.model = inner_model(network)
         self.inner = HuggingFaceKind(self.model)
+        if isinstance(self.inner.stage_call, WholeBackward):
+            self.stage_call = PEFT_WHOLE_BACKWARD
         self.name = f"peft {type(network).__name__} of transformers {type(self.model).__name__}"
 
     def layout(self, network: nn.Module, blocks: str = "auto") -> Layout:
         layout = self.inner.layout(inner_model(network), blocks)
-        return Layout(pre=_prefixed(layout.pre), blocks=_prefixed(layout.blocks), post=_prefixed(layout.post))
+        return Layout(
+            pre=_prefixed(layout.pre),
+            blocks=_prefixed(layout.blocks),
+            post=_prefixed(layout.post),
+            together=layout.together,
+        )
 
     def dataflow_order(self, network: nn.Module) -> list[str] | None:
         raise PipelineModelError(

@@ -28,13 +28,16 @@ class Layout:
     stage; ``blocks`` are the entries of the block stack that the stages share out. A network with several block
     stacks (an encoder and a decoder: ``frontend="dataflow"``) has its stacks' blocks in order, and ``between`` the
     units that run between two stacks (an encoder's final norm): ``(block, units)``, the units placed with the block
-    they follow.
+    they follow. ``together``: ranges of block indices, first and last included, that one stage should hold whole
+    (layers that read an earlier layer's keys and values: Gemma 3n's and Gemma 4's ``num_kv_shared_layers``); the
+    balanced splits keep them together where the stage count allows.
     """
 
     pre: tuple[str, ...]
     blocks: tuple[str, ...]
     post: tuple[str, ...]
     between: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    together: tuple[tuple[int, int], ...] = ()
 
     @functools.cached_property
     def _after(self) -> dict[str, tuple[str, ...]]:

@@ -28,7 +28,13 @@ from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataf
 from lightning_pipe.split.deferred_init import InitRecording
 from lightning_pipe.split.frontend import choose_frontend
 from lightning_pipe.split.initialization import initialize, warn_whole_model
-from lightning_pipe.split.partition import counts_from_split_points, one_unit_counts, stage_to_rank, stage_units
+from lightning_pipe.split.partition import (
+    counts_from_split_points,
+    keep_together,
+    one_unit_counts,
+    stage_to_rank,
+    stage_units,
+)
 from lightning_pipe.split.surgery import (
     call_passing_on,
     check_ownership,
@@ -270,6 +276,8 @@ def _counts(
         model = CostModel(m, min(m, num_stages), measure_update_time(device))
     counts, profiles = resolve_balance(mode, network, layout, num_stages, example=example, device=device, model=model)
     counts = list(agree(counts))
+    if isinstance(balance, str) and layout.together:
+        counts = keep_together(counts, layout.together)
     announce(split_table(layout, counts, profiles, model if profiles else None, network))
     return counts
 

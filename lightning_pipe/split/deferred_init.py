@@ -125,7 +125,10 @@ class InitRecording:
                     f" initialisation ({self.ops[needed[0]].describe()}) cannot be replayed on its own. Create it as"
                     " a tensor of its own (`nn.Parameter(torch.empty(...))`)."
                 )
-            seeded(seed, root.name, _Replay(self, root, tensor, device, needed).run)
+            replay = _Replay(self, root, tensor, device, needed)
+            if not replay.replayable():
+                continue  # left unset: the model's init hook sets it, or it is reported as missing
+            seeded(seed, root.name, replay.run)
             replayed += 1
         return replayed
 
@@ -231,6 +234,18 @@ class _Replay:
         self.recording, self.root, self.device, self.indices = recording, root, device, indices
         self.bases: dict[int, Tensor] = {root.key: target}  # storage -> a real tensor laid out as the meta storage
         self.real: dict[int, Tensor] = {}  # id of a recorded output -> its real value
+
+    def replayable(self) -> bool:
+        """Whether every meta tensor the operators read has recorded values: one made on the meta device by a call
+        that no operator records (``torch.tensor(2.0)``, read by Gemma 3n's ``torch.rsqrt(torch.tensor(2.0))``)
+        never had any."""
+        known = {self.root.key}
+        for index in self.indices:
+            op = self.recording.ops[index]
+            if any(t.is_meta and _key(t) not in known for t in torch_compat.tensors_of((op.args, op.kwargs))):
+                return False
+            known |= op.creates
+        return True
 
     def run(self) -> None:
         for index in self.indices:

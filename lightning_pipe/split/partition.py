@@ -35,6 +35,40 @@ def balance_blocks(num_blocks: int, num_stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
 
 
+def keep_together(counts: Sequence[int], together: Sequence[tuple[int, int]]) -> list[int]:
+    """``counts`` (blocks per stage) with each cut that falls inside one of the ``together`` ranges (first and last
+    block index, included) moved to the nearer end of the range. Where the cuts on that side are in the way, the
+    blocks on that side are spread evenly over their stages again; a cut that cannot move (too few blocks outside the
+    range for the stages) stays, and the stage call refuses the split, naming the layers."""
+    cuts = list(itertools.accumulate(counts))[:-1]
+    total = sum(counts)
+    for first, last in together:
+        for k, cut in enumerate(cuts):
+            if first < cut <= last:
+                options = [
+                    moved for moved in (_cut_at(cuts, k, first, total), _cut_at(cuts, k, last + 1, total)) if moved
+                ]
+                if options:
+                    cuts = min(options, key=lambda moved: abs(moved[k] - cut))
+    bounds = [0, *cuts, total]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _cut_at(cuts: list[int], k: int, at: int, total: int) -> list[int] | None:
+    """``cuts`` with cut ``k`` at block ``at``, the stages before (or after) it re-spread evenly if they are in the
+    way; ``None`` if they hold too few blocks for a block each."""
+    stages = len(cuts) + 1
+    if not k + 1 <= at <= total - (stages - k - 1):
+        return None
+    moved = [*cuts[:k], at, *cuts[k + 1 :]]
+    if k and moved[k - 1] >= at:
+        moved[:k] = list(itertools.accumulate(balance_blocks(at, k + 1)))[:-1]
+    if k + 1 < len(moved) and moved[k + 1] <= at:
+        after = balance_blocks(total - at, stages - k - 1)
+        moved[k + 1 :] = [at + c for c in itertools.accumulate(after)][:-1]
+    return moved
+
+
 def counts_from_split_points(blocks: Sequence[str], split_points: Sequence[str], num_stages: int) -> list[int]:
     """Blocks per stage from the names of the blocks at which stages 1..N-1 begin."""
     if len(split_points) != num_stages - 1:

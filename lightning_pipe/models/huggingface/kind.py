@@ -19,8 +19,8 @@ from torch import nn
 
 from lightning_pipe.compat import transformers as hf_compat
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.models.base import Placeholder
-from lightning_pipe.models.huggingface import router_logits
+from lightning_pipe.models.base import Placeholder, WholeBackward
+from lightning_pipe.models.huggingface import altup, router_logits
 from lightning_pipe.models.huggingface.generation import HuggingFaceDecoding
 from lightning_pipe.models.huggingface.heads import new_weights
 from lightning_pipe.models.huggingface.plan import (
@@ -64,6 +64,10 @@ def _has_submodule(network: nn.Module, name: str) -> bool:
     return True
 
 
+WHOLE_BACKWARD = WholeBackward(hf_stage_call)
+"""The stage call of a model with AltUp (Gemma 3n): one object, so that every ``kind_of`` gives the same call."""
+
+
 class HuggingFaceKind:
     """A transformers ``PreTrainedModel`` (:class:`~lightning_pipe.models.base.ModelKind`)."""
 
@@ -73,6 +77,8 @@ class HuggingFaceKind:
 
     def __init__(self, network: nn.Module) -> None:
         self.name = f"transformers {type(network).__name__}"
+        if altup.needs_whole_backward(network):
+            self.stage_call = WHOLE_BACKWARD
 
     def layout(self, network: nn.Module, blocks: str = "auto") -> Layout:
         return hf_layout(network)  # the model's own pipeline plan names its blocks

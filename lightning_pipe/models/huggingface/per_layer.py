@@ -105,23 +105,54 @@ class PerLayerInputs:
         return self.computed[:, :, next_first:].contiguous()
 
 
-def check_shared_kv(base: nn.Module, local: list[int]) -> None:
-    """Refuse a stage holding a layer that reuses the keys and values of an earlier layer (Gemma 4's
-    ``num_kv_shared_layers``: its ``kv_sharing_modes`` say ``"reuse"`` and ``"store"``) without holding that layer:
-    they are not sent between stages."""
+def shared_kv_sources(base: nn.Module) -> dict[int, int]:
+    """``{layer: the earlier layer whose keys and values it reuses}`` (Gemma 3n's and Gemma 4's
+    ``num_kv_shared_layers``: their ``kv_sharing_modes`` say ``"reuse"`` and ``"store"``); empty without sharing."""
     config = getattr(base, "config", None)
     modes = list(getattr(config, "kv_sharing_modes", None) or ())
     if "reuse" not in modes:
-        return
+        return {}
     types = list(config.layer_types)
-    for i in local:
-        if modes[i] != "reuse":
-            continue
+    sources = {}
+    for i, mode in enumerate(modes):
         source = max((j for j in range(i) if modes[j] == "store" and types[j] == types[i]), default=None)
+        if mode == "reuse" and source is not None:
+            sources[i] = source
+    return sources
+
+
+def shared_kv_ranges(base: nn.Module) -> tuple[tuple[int, int], ...]:
+    """The ranges of layers (first and last index) that one stage must hold for every layer reusing keys and values
+    to find them: each reusing layer with its source, overlapping ranges merged. Refuses sharing that goes through
+    the decoding cache (transformers 4.x's Gemma 3n), which a stage does not keep in training."""
+    config = getattr(base, "config", None)
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared and getattr(config, "kv_sharing_modes", None) is None:
+        raise PipelineModelError(
+            f"{type(base).__name__} has `num_kv_shared_layers={shared}`, and in this transformers version its layers"
+            " share keys and values only through the decoding cache, which pipeline stages run without"
+            " (`use_cache=False`), so the shared layers would compute their own. Build the model with"
+            " `num_kv_shared_layers=0`, or install transformers>=5, where the sharing does not need the cache."
+        )
+    ranges: list[tuple[int, int]] = []
+    for first, last in sorted((source, layer) for layer, source in shared_kv_sources(base).items()):
+        if ranges and first <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(last, ranges[-1][1]))
+        else:
+            ranges.append((first, last))
+    return tuple(ranges)
+
+
+def check_shared_kv(base: nn.Module, local: list[int]) -> None:
+    """Refuse a stage holding a layer that reuses the keys and values of an earlier layer without holding that
+    layer: they are not sent between stages."""
+    for i in local:
+        source = shared_kv_sources(base).get(i)
         if source is not None and source not in local:
             raise PipelineModelError(
                 f"Layer {i} of {type(base).__name__} reuses the keys and values of layer {source}"
-                f" (`num_kv_shared_layers={config.num_kv_shared_layers}`), which another pipeline stage holds: they"
-                f" are not sent between stages. Put layers {source} to {i} on one stage (`balance=`), or use fewer"
-                " stages."
+                f" (`num_kv_shared_layers={base.config.num_kv_shared_layers}`), which another pipeline stage holds:"
+                f" they are not sent between stages. Put layers {source} to {i} on one stage (`balance=` as a list;"
+                " the balanced splits do it where the stage count allows), use fewer stages, or build the model with"
+                " `num_kv_shared_layers=0`."
             )

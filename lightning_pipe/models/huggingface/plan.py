@@ -24,8 +24,9 @@ from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.compat.transformers import head_pp_plan, set_head_pp_plan
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.base import Placeholder
+from lightning_pipe.models.huggingface import altup
 from lightning_pipe.models.huggingface.heads import HEAD_SPEC, task_heads
-from lightning_pipe.models.huggingface.per_layer import plan_entries
+from lightning_pipe.models.huggingface.per_layer import plan_entries, shared_kv_ranges
 from lightning_pipe.models.huggingface.vision import vision_plan
 from lightning_pipe.models.units import CONTAINERS, Layout
 
@@ -35,9 +36,6 @@ MIN_TRANSFORMERS = "4.54"
 UNSUPPORTED = {
     "glm_moe_dsa": "its blocks hand the next block their top-k attention indices besides the hidden states"
     " (`hidden_states, topk_indices = decoder_layer(...)`), and a stage sends the next one the hidden states only",
-    "gemma3n_text": "its blocks take a stack of `altup_num_inputs` hidden states, which projections outside its"
-    " pipeline plan build before the blocks and merge after them (AltUp), and a stage sends one hidden-states tensor"
-    " in the model's plan",
     "hrm_text": "it runs its two block stacks several times per forward (recurrent cycles), so its blocks do not run"
     " once each, in order, as pipeline stages do",
 }
@@ -177,19 +175,29 @@ def _plan(network: nn.Module) -> _Plan:
 
 
 def _with_per_layer_modules(network: nn.Module, prefix: str, plan: _Plan) -> _Plan:
-    """``plan`` with the modules that compute per-layer inputs (Gemma 4) before its block list: units the first stage
-    holds (:mod:`.per_layer`)."""
+    """``plan`` with the modules outside transformers' plan that a family runs around its block list: before it, the
+    modules that compute per-layer inputs (Gemma 4, Gemma 3n: :mod:`.per_layer`) and AltUp's projections that build
+    the stack of streams (Gemma 3n); after it, AltUp's projections that merge the stack back (:mod:`.altup`)."""
     base = _find(network, prefix) if prefix else network
-    extra = [f"{prefix}.{name}" if prefix else name for name in plan_entries(base)] if base is not None else []
-    if not extra:
+    if base is None:
+        return plan
+    before, after = altup.plan_entries(base)
+    before, after = _under(prefix, plan_entries(base) + before), _under(prefix, after)
+    if not before and not after:
         return plan
     stack = next((name for name in plan if isinstance(_find(network, name), CONTAINERS)), None)
     ordered: _Plan = {}
     for name, spec in plan.items():
         if name == stack:
-            ordered.update({entry: ([], []) for entry in extra})
+            ordered.update({entry: ([], []) for entry in before})
         ordered[name] = spec
+        if name == stack:
+            ordered.update({entry: ([], []) for entry in after})
     return ordered
+
+
+def _under(prefix: str, names: list[str]) -> list[str]:
+    return [f"{prefix}.{name}" if prefix else name for name in names]
 
 
 def _require_plan(network: nn.Module) -> _Plan:
@@ -333,7 +341,10 @@ def hf_layout(network: nn.Module) -> Layout:
     pre = tuple(name for name in names[:at] if _has_params(_find(network, name)))
     post = tuple(name for name in names[at + 1 :] if _has_params(_find(network, name)))
     blocks = tuple(f"{stack}.{key}" for key, child in network.get_submodule(stack).named_children())
-    layout = Layout(pre=pre, blocks=blocks, post=post)
+    prefix = base_prefix(network)
+    base = _find(network, prefix) if prefix else network
+    together = shared_kv_ranges(base) if base is not None else ()  # layers reading another layer's keys and values
+    layout = Layout(pre=pre, blocks=blocks, post=post, together=together)
     _check_coverage(network, layout)
     return layout
 

@@ -15,8 +15,9 @@ of other stages are stand-ins (:func:`lightning_pipe.models.huggingface.plan.hf_
 - the last stage's call returns what the model returns on one device (logits, ``loss`` when ``labels`` are given).
 - mixture-of-experts models called with ``output_router_logits=True``: every stage's router logits travel with the
   hidden states to the last stage, whose load-balancing loss sees every layer's (:mod:`.router_logits`).
-- per-layer inputs (Gemma 4): the first stage computes them and each stage sends, right after the hidden states, the
-  slices of the layers after its own (:mod:`.per_layer`).
+- per-layer inputs (Gemma 4, Gemma 3n): the first stage computes them and each stage sends, right after the hidden
+  states, the slices of the layers after its own (:mod:`.per_layer`).
+- AltUp (Gemma 3n): the hidden states between blocks are a stack of streams, sent whole (:mod:`.altup`).
 
 transformers 4.x blocks of some families return tuples that the forward unpacks (``layer_outputs[0]``); the stand-ins
 return the hidden states the way the stage's blocks do, found on the stage's first call (:data:`_STYLE`).
@@ -38,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.compat.transformers import cache_argument
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError
-from lightning_pipe.models.huggingface import router_logits, vision
+from lightning_pipe.models.huggingface import altup, router_logits, vision
 from lightning_pipe.models.huggingface.generation import StageCaches
 from lightning_pipe.models.huggingface.per_layer import PerLayerInputs, check_shared_kv, has_per_layer_inputs
 from lightning_pipe.models.huggingface.plan import AbsentInput, PassThrough, base_prefix, block_stack
@@ -125,7 +126,7 @@ def run_stage(
     carry = router_logits.Carry(model, call, carried, is_last)
     known = view.__dict__.get(_STYLE)
     for style in (known,) if known else _STYLES:
-        entry = _Entry(view, blocks, local[0], hidden, style)
+        entry = _Entry(view, blocks, local[0], hidden, style, altup.embedding_like(_base(model), hidden))
         try:
             with carry.recording(), inputs.installed():
                 if _CHECKED in view.__dict__:
@@ -145,11 +146,15 @@ def run_stage(
     )
 
 
-def _per_layer_base(model: nn.Module, local: list[int], whole: bool) -> nn.Module | None:
-    """The base model when it gives its blocks per-layer inputs (Gemma 4) and the model is split, else ``None``;
-    refuses a stage whose layers reuse another stage's keys and values."""
+def _base(model: nn.Module) -> nn.Module:
     prefix = base_prefix(model)
-    base = model.get_submodule(prefix) if prefix else model
+    return model.get_submodule(prefix) if prefix else model
+
+
+def _per_layer_base(model: nn.Module, local: list[int], whole: bool) -> nn.Module | None:
+    """The base model when it gives its blocks per-layer inputs (Gemma 4, Gemma 3n) and the model is split, else
+    ``None``; refuses a stage whose layers reuse another stage's keys and values."""
+    base = _base(model)
     if whole or not has_per_layer_inputs(base):
         return None
     check_shared_kv(base, local)
@@ -199,10 +204,13 @@ def _blocks(view: nn.Module) -> list[nn.Module]:
 
 
 class _Entry:
-    """The hooks that start a stage at its first block (index ``first``) with ``hidden``."""
+    """The hooks that start a stage at its first block (index ``first``) with ``hidden``; the embedding's stand-in
+    returns zeros shaped like ``like`` (``hidden``, or one stream of Gemma 3n's AltUp stack)."""
 
-    def __init__(self, view: nn.Module, blocks: list[nn.Module], first: int, hidden: Tensor, style: str) -> None:
-        self.view, self.blocks, self.first, self.hidden = view, blocks, first, hidden
+    def __init__(
+        self, view: nn.Module, blocks: list[nn.Module], first: int, hidden: Tensor, style: str, like: Tensor
+    ) -> None:
+        self.view, self.blocks, self.first, self.hidden, self.like = view, blocks, first, hidden, like
         self.output = (hidden,) if style == "tuple" else hidden
 
     def install(self, stack: ExitStack) -> None:
@@ -218,7 +226,7 @@ class _Entry:
         _hook(stack, block.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
         for absent in self.view.modules():
             if isinstance(absent, AbsentInput):
-                absent.like = self.hidden
+                absent.like = self.like
                 stack.callback(setattr, absent, "like", None)
 
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

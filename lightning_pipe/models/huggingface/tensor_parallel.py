@@ -56,8 +56,25 @@ def full_plan(network: nn.Module) -> dict[str, str]:
     return plan
 
 
+def _refuse_gemma3n(network: nn.Module) -> None:
+    """Gemma 3n: its sparse MLPs' threshold is a statistic over the width the plan shards; refused whole (a pattern
+    of zeros leaves AltUp and the per-layer inputs, outside its plan, untested under tensor parallelism)."""
+    config = network.config  # type: ignore[attr-defined]
+    if getattr(config, "model_type", None) != "gemma3n_text":
+        return
+    pattern = list(getattr(config, "activation_sparsity_pattern", None) or ())
+    raise PipelineModelError(
+        f"Tensor parallelism is not applied to {type(network).__name__} (model_type 'gemma3n_text'): its MLPs with"
+        f" activation sparsity (`activation_sparsity_pattern`, here {pattern[:4]}{' ...' if len(pattern) > 4 else ''})"
+        " cut the gate projection at its mean plus a multiple of its standard deviation over the intermediate width"
+        " that the plan shards, so each rank would cut at its own threshold. Use `tensor_parallel=1` for Gemma 3n"
+        " (pipeline and data parallelism train it exactly)."
+    )
+
+
 def check_plan(network: nn.Module, plan: dict[str, str], tensor_parallel: int) -> None:
     """Refuse a plan this strategy cannot apply exactly, and head counts the ranks cannot share."""
+    _refuse_gemma3n(network)
     unsupported = {name: style for name, style in plan.items() if style not in STYLES}
     if unsupported:
         shown = ", ".join(f"{name!r}: {style!r}" for name, style in sorted(unsupported.items())[:4])
