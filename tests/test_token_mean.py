@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -96,10 +94,15 @@ def test_counted_items_refuse_a_loss_counted_in_some_microbatches_only():
 
 
 def test_uneven_ignored_names_the_tensor_and_the_counts():
-    batch = {"ids": torch.ones(4, 3, dtype=torch.long), "labels": torch.tensor([[1, -100], [-100, -100], [1, 2], [3, 4]])}
+    batch = {
+        "ids": torch.ones(4, 3, dtype=torch.long),
+        "labels": torch.tensor([[1, -100], [-100, -100], [1, 2], [3, 4]]),
+    }
     microbatches = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
     assert uneven_ignored(microbatches) == ("batch['labels']", [3, 0])
-    assert uneven_ignored([(torch.ones(2, 2), torch.full((2,), -100)), (torch.ones(2, 2), torch.full((2,), -100))]) is None
+    assert (
+        uneven_ignored([(torch.ones(2, 2), torch.full((2,), -100)), (torch.ones(2, 2), torch.full((2,), -100))]) is None
+    )
     assert uneven_ignored(microbatches[:1]) is None
 
 

@@ -85,4 +85,3 @@ def _at(obj: Any, path: tuple) -> Any:
 
 def _name(path: tuple) -> str:
     return "batch" + "".join(f"[{key!r}]" for key in path)
-
