@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -109,3 +111,128 @@ def test_uneven_ignored_names_the_tensor_and_the_counts():
 def test_uneven_ignored_message_names_the_tensor_the_counts_and_the_fix():
     message = uneven_ignored_message("training_step", "batch[2]", [3, 0])
     assert "`batch[2]`" in message and "[3, 0]" in message and "'num_items': (labels != -100).sum()" in message
+
+
+# ------------------------------------------------------------------------------------------------ one process
+# One process, one stage, 4 microbatches of 2 rows: the microbatch means and their weighting as under any pipeline
+# (the 2-process runs: tests/test_peft.py, tests/test_hf_heads.py).
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    from tests.hf_pretrained import save_pretrained
+
+    return save_pretrained(tmp_path_factory.mktemp("token_mean") / "llama", "llama", False, layers=4, seed=3)
+
+
+def _pipelined(directory, **kwargs):
+    from lightning_pipe import PipelineParallelStrategy
+    from tests.peft_models import fine_tune
+
+    strategy = PipelineParallelStrategy(schedule="GPipe", microbatches=4, init_weights=directory)
+    return fine_tune(directory, "lora", strategy, bare=True, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_lora_fine_tune_returning_the_models_own_loss_equals_one_device(directory):
+    from tests.peft_models import fine_tune
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model, _, val = _pipelined(directory)
+    assert not [w for w in said if "num_items" in str(w.message)]  # counted: nothing to say
+    reference, _, reference_val = fine_tune(directory, "lora", start=model.initial, bare=True)
+    torch.testing.assert_close(model.step_losses, reference.step_losses, rtol=1e-5, atol=0)
+    assert val == pytest.approx(reference_val, rel=1e-5)  # logged only (`self.log("val_loss", loss)`)
+    for name, value in reference.named_parameters():
+        if value.requires_grad:
+            torch.testing.assert_close(model.get_parameter(name), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_loss_the_strategy_cannot_count_is_noticed_once(directory, monkeypatch):
+    from tests.peft_models import LitPeft
+
+    def scaled(self, batch, batch_idx):  # a value computed from the model's loss: not the model's own token mean
+        ids, mask, labels = batch
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss * 1.0
+
+    monkeypatch.setattr(LitPeft, "training_step", scaled)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _pipelined(directory)
+    notices = [str(w.message) for w in said if "`num_items`" in str(w.message)]
+    assert len(notices) == 1, notices
+    assert "`training_step`" in notices[0] and "`batch[2]`" in notices[0] and "'num_items'" in notices[0]
+
+
+@pytest.mark.slow
+def test_a_token_classifier_returning_the_models_own_loss_equals_one_device(tmp_path):
+    from lightning_pipe import PipelineParallelStrategy
+    from tests.hf_heads import fine_tune, save_pretrained
+
+    directory = save_pretrained(tmp_path / "tagger", "tagger", seed=2)
+    strategy = PipelineParallelStrategy(schedule="GPipe", microbatches=4, init_weights=directory)
+    model, _ = fine_tune(directory, "tagger", strategy, bare=True)
+    reference, _ = fine_tune(directory, "tagger", bare=True)
+    torch.testing.assert_close(model.step_losses, reference.step_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(model.val_losses, reference.val_losses, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ litgpt, Fabric
+def _sft_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets as litgpt's SFT collate makes them: each row's prompt (of its own length) and its padding
+    masked with -100."""
+    from tests.fabric_loop import BLOCK, VOCAB
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, VOCAB, (8, BLOCK), generator=g)
+    positions = torch.arange(BLOCK)
+    prompt = torch.randint(1, BLOCK // 2, (8, 1), generator=g)
+    end = torch.randint(BLOCK // 2 + 1, BLOCK + 1, (8, 1), generator=g)
+    targets = torch.where((positions >= prompt) & (positions < end), ids, torch.full_like(ids, -100))
+    return ids, targets
+
+
+def test_docs_litgpt_step_returns_num_items_and_without_it_the_notice_fires():
+    pytest.importorskip("litgpt")
+    from lightning.fabric import Fabric
+    from litgpt.utils import chunked_cross_entropy
+
+    from lightning_pipe import PipelineFabricStrategy
+    from tests.fabric_loop import build_litgpt
+
+    def loss_of(model, batch):
+        input_ids, targets = batch
+        logits = model(input_ids, lm_head_chunk_size=4)
+        logits[-1] = logits[-1][..., :-1, :]
+        return chunked_cross_entropy(logits, targets[..., 1:])
+
+    def as_docs(model):  # docs/fabric.md's step function
+        return lambda batch: {"loss": loss_of(model, batch), "num_items": (batch[1][..., 1:] != -100).sum()}
+
+    batch = _sft_batch()
+    one = Fabric(accelerator="cpu", devices=1)
+    one.seed_everything(0)
+    reference = build_litgpt(one)
+    expected = loss_of(reference, batch)
+    expected.backward()
+    expected_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    fabric = Fabric(strategy=PipelineFabricStrategy(frontend="dataflow", microbatches=4), accelerator="cpu", devices=1)
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = fabric.setup_module(build_litgpt(fabric))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        weighted = model.step(as_docs(model), batch)
+        fabric.backward(weighted)
+    assert not [w for w in said if "`num_items`" in str(w.message)]
+    assert float(weighted) == pytest.approx(float(expected), rel=1e-6)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert float(norm) == pytest.approx(float(expected_norm), rel=1e-5)
+    model.zero_grad()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        bare = model.step(lambda b: loss_of(model, b), batch)
+        fabric.backward(bare)
+    notices = [str(w.message) for w in said if "`num_items`" in str(w.message)]
+    assert len(notices) == 1 and "`the step function`" in notices[0] and "`batch[1]`" in notices[0], notices
+    assert float(bare) != pytest.approx(float(expected), rel=1e-6)  # the mean of the microbatch means
