@@ -192,6 +192,7 @@ def _sft_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, targets
 
 
+@pytest.mark.slow
 def test_docs_litgpt_step_returns_num_items_and_without_it_the_notice_fires():
     pytest.importorskip("litgpt")
     from lightning.fabric import Fabric

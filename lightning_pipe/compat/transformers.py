@@ -138,6 +138,12 @@ def token_mean_losses() -> dict[Callable[..., Any], bool]:
 _LOSS_FUNCTION = "_loss_function"
 
 
+def has_own_loss_function(model: Any) -> bool:
+    """Whether a loss function was set on the instance (``model.loss_function = fn``, kept in ``_loss_function``).
+    Public replacement: none."""
+    return _LOSS_FUNCTION in model.__dict__
+
+
 def replace_loss_function(model: Any, fn: Callable[..., Any]) -> Callable[[], None]:
     """Make ``model.loss_function`` return ``fn`` (its public setter) and return what puts the model's own back: its
     previous instance function, or none (the property's ``_loss_function``, which the setter writes and no public API

@@ -65,7 +65,7 @@ def _task_models(body: nn.Module) -> list[nn.Module]:
         m
         for m in body.modules()
         if isinstance(getattr(type(m), "loss_function", None), property)
-        and (getattr(m, "loss_type", None) is not None or "_loss_function" in m.__dict__)
+        and (getattr(m, "loss_type", None) is not None or tf_compat.has_own_loss_function(m))
     ]
 
 
