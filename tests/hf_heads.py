@@ -106,7 +106,9 @@ class LitHead(L.LightningModule):
     """Fine-tunes the task model of the directory ``path``; ``user_loss``: the step computes the loss from ``logits``
     itself instead of passing ``labels=``; ``lora``: with :func:`lora_config`'s adapters, recording the trainable
     tensors it starts from (``initial``) and whether the frozen ones stay bitwise unchanged (``frozen_unchanged``);
-    ``start``: values for the trainable tensors at the start (the pipeline run's adapters, for a reference)."""
+    ``start``: values for the trainable tensors at the start (the pipeline run's adapters, for a reference);
+    ``bare``: the steps of a one-device script, the model's own loss returned and logged as it is (no ``num_items``, no
+    ``batch_size=``)."""
 
     def __init__(
         self,
@@ -117,8 +119,10 @@ class LitHead(L.LightningModule):
         user_loss: bool = False,
         lora: bool = False,
         start: dict | None = None,
+        bare: bool = False,
     ):
         super().__init__()
+        self.bare = bare
         self.path, self.task, self.side, self.pretrained, self.user_loss = str(path), task, side, pretrained, user_loss
         self.lora, self.start = lora, start
         self.initial: dict[str, torch.Tensor] = {}
@@ -177,9 +181,14 @@ class LitHead(L.LightningModule):
         return (target != -100).sum() if self.task == "tagger" else torch.tensor(len(target))
 
     def training_step(self, batch, batch_idx):
+        if self.bare:
+            return self._loss(batch)
         return {"loss": self._loss(batch), "num_items": self._items(batch)}
 
     def validation_step(self, batch, batch_idx):
+        if self.bare:
+            self.log("val_loss", self._loss(batch))
+            return
         self.log("val_loss", self._loss(batch), batch_size=int(self._items(batch)))
 
     def on_train_batch_start(self, batch, batch_idx) -> None:

@@ -68,8 +68,10 @@ class LitHF(L.LightningModule):
     def training_step(self, batch, batch_idx):
         out, n = self._out(batch)
         self.log("train_loss", out.loss)
-        # token-weighted (the batch's token mean), or each microbatch's token mean weighted by its samples
-        return {"loss": out.loss, "num_items": n} if self.hparams.weighted else {"loss": out.loss}
+        # token-weighted (the batch's token mean), or each microbatch's token mean weighted by its samples (said as
+        # `num_items`: the model's own loss returned alone would be counted by tokens under `ddp`, not under `fsdp`)
+        samples = torch.tensor(len(out.logits))
+        return {"loss": out.loss, "num_items": n if self.hparams.weighted else samples}
 
     def validation_step(self, batch, batch_idx):
         out, n = self._out(batch)

@@ -31,11 +31,15 @@ def peft_config(tuner: str):
 class LitPeft(LitPretrained):
     """Fine-tunes the directory ``path`` with the adapters of ``tuner``; records the trainable tensors it started
     from and the frozen ones before and after (``initial``, ``frozen``, ``frozen_after``). ``start``: values for the
-    trainable tensors at the start of training (the pipeline run's, for a reference with the same adapters)."""
+    trainable tensors at the start of training (the pipeline run's, for a reference with the same adapters).
+    ``bare``: the steps as a one-device script has them, the model's own loss returned and logged as it is (no
+    ``num_items``, no ``batch_size=``)."""
 
-    def __init__(self, path: str, tuner: str, pretrained: bool = False, start: dict | None = None) -> None:
+    def __init__(
+        self, path: str, tuner: str, pretrained: bool = False, start: dict | None = None, bare: bool = False
+    ) -> None:
         super().__init__(path, pretrained=pretrained)
-        self.tuner, self.start = tuner, start
+        self.tuner, self.start, self.bare = tuner, start, bare
         self.initial: dict[str, torch.Tensor] = {}
         self.frozen: dict[str, torch.Tensor] = {}
         self.frozen_after: dict[str, torch.Tensor] = {}
@@ -55,9 +59,20 @@ class LitPeft(LitPretrained):
         with torch.random.fork_rng():
             self.model = peft.get_peft_model(self.model, peft_config(self.tuner))
 
+    def training_step(self, batch, batch_idx):
+        if not self.bare:
+            return super().training_step(batch, batch_idx)
+        ids, mask, labels = batch
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
     def validation_step(self, batch, batch_idx):
         ids, mask, labels = batch
         loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if self.bare:
+            self.log("val_loss", loss)
+            return
         # token-weighted: the pipeline's microbatch means then combine into one device's token mean
         self.log("val_loss", loss, batch_size=int((labels[:, 1:] != -100).sum()))
 
@@ -82,12 +97,18 @@ class LitPeft(LitPretrained):
 
 
 def fine_tune(
-    path: Path, tuner: str, strategy=None, devices: int = 1, start: dict | None = None, max_steps: int = 4
+    path: Path,
+    tuner: str,
+    strategy=None,
+    devices: int = 1,
+    start: dict | None = None,
+    max_steps: int = 4,
+    bare: bool = False,
 ) -> tuple[LitPeft, L.Trainer, float]:
     """Fit ``max_steps`` steps from the directory, then validate; on one device with ``from_pretrained`` when
     ``strategy`` is None. Returns the module, the Trainer and the validation loss."""
     L.seed_everything(0)
-    model = LitPeft(str(path), tuner, pretrained=strategy is None, start=start)
+    model = LitPeft(str(path), tuner, pretrained=strategy is None, start=start, bare=bare)
     kwargs = {"strategy": strategy} if strategy is not None else {}
     trainer = quiet_trainer(devices=devices, max_steps=max_steps, limit_val_batches=0, **kwargs)
     trainer.fit(model)

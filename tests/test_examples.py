@@ -102,16 +102,51 @@ def test_cnn_example(tmp_path: Path) -> None:
             "--trainer.limit_train_batches=12",
             "--trainer.limit_val_batches=3",
             "--trainer.log_every_n_steps=4",
+            "--model.norm=batch",
         ),
     )
     metrics = logged(tmp_path)
     assert len(metrics["train_loss"]) == 3
     assert all(math.isfinite(v) for v in metrics["train_loss"])
     assert 0.0 <= metrics["train_acc"][-1] <= 1.0
-    # BatchNorm's running statistics on the second stage must survive torch's shape inference (no NaN), and
+    # With `norm=batch` (ResNet's BatchNorm): its running statistics on the second stage must survive torch's shape
+    # inference (no NaN), and
     # 12 steps already beat chance (0.1) on held-out digits.
     assert math.isfinite(metrics["val_loss"][-1])
     assert 0.3 < metrics["val_acc"][-1] <= 1.0
+
+
+@pytest.mark.slow
+def test_cnn_example_as_configured_trains_as_one_device(tmp_path: Path) -> None:
+    """The README's first command's network (GroupNorm, the default) under the config's microbatching: the same
+    losses as one device (one process here, the config's 4 microbatches; the 2-stage split is exact by
+    construction, tests/test_parity.py)."""
+    pytest.importorskip("sklearn")
+    import importlib.util
+
+    import lightning.pytorch as L
+
+    import lightning_pipe
+    from tests.models import quiet_trainer
+
+    spec = importlib.util.spec_from_file_location("cnn_train", EXAMPLES / "cnn" / "train.py")
+    cnn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cnn)
+
+    def losses(strategy) -> list[float]:
+        L.seed_everything(0)
+        model, data = cnn.DigitsClassifier(), cnn.Digits(batch_size=32)
+        seen: list[float] = []
+        model.on_train_batch_end = lambda outputs, batch, batch_idx: seen.append(float(outputs["loss"]))
+        kwargs = {"strategy": strategy} if strategy is not None else {}
+        trainer = quiet_trainer(devices=1, max_epochs=1, limit_train_batches=4, limit_val_batches=0, **kwargs)
+        trainer.fit(model, datamodule=data)
+        return seen
+
+    pipelined = losses(lightning_pipe.PipelineParallelStrategy(schedule="GPipe", microbatches=4))
+    torch_losses = losses(None)
+    assert len(pipelined) == 4
+    assert pipelined == pytest.approx(torch_losses, rel=1e-5)
 
 
 @pytest.mark.extended

@@ -20,6 +20,7 @@ from tests.hf_models import build  # noqa: E402
 from tests.hf_pretrained import save_pretrained  # noqa: E402
 from tests.launch import Launch, run_script  # noqa: E402
 from tests.peft_models import fine_tune, peft_config  # noqa: E402
+from tests.scripts.peft_adapters import label  # noqa: E402
 
 TOL = 1e-5
 DIRECTORIES = ("llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied")
@@ -121,12 +122,12 @@ def work(tmp_path_factory):
 
 
 @functools.cache
-def _reference_run(path: str, tuner: str, start: tuple):
-    return fine_tune(path, tuner, start=dict(start))
+def _reference_run(path: str, tuner: str, start: tuple, bare: bool = False):
+    return fine_tune(path, tuner, start=dict(start), bare=bare)
 
 
-def _reference(path: str, tuner: str, start: tuple) -> tuple[list[float], float, dict, dict]:
-    model, _, val = _reference_run(path, tuner, start)
+def _reference(path: str, tuner: str, start: tuple, bare: bool = False) -> tuple[list[float], float, dict, dict]:
+    model, _, val = _reference_run(path, tuner, start, bare)
     return model.step_losses, val, model.initial, model.frozen
 
 
@@ -143,14 +144,15 @@ def _launch(work, schedule: str, nprocs: int, runs: list[str], **kwargs) -> Laun
 
 def _ranks(launch: Launch, schedule: str, run: str) -> list[dict]:
     """The run's per-rank results; fails with the run's own traceback (the run and its continuation)."""
-    return launch.ranks(f"{schedule}-{'-'.join(run.split(':')[:2])}")
+    return launch.ranks(f"{schedule}-{label(run)}")
 
 
 def _check(launch: Launch, schedule: str, run: str) -> None:
     name, tuner = run.split(":")[:2]
     ranks = _ranks(launch, schedule, run)
     initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
-    losses, val, trainable, frozen = _reference(str(launch.out / name), tuner, tuple(sorted(initial.items())))
+    start, bare = tuple(sorted(initial.items())), run.endswith(":bare")
+    losses, val, trainable, frozen = _reference(str(launch.out / name), tuner, start, bare)
     assert sorted(initial) == sorted(trainable), run  # every adapter on exactly the ranks' stages
     for key, value in initial.items():  # peft's initialisation: the second factor starts at zero
         if ".lora_B." in key or ".hada_w2_b." in key:
@@ -163,7 +165,7 @@ def _check(launch: Launch, schedule: str, run: str) -> None:
         assert all(torch.equal(v, frozen[k]) for k, v in rank["frozen_loaded"].items()), run
         # gradients and optimizer state for the trainable tensors only
         assert rank["optimizer_state"] == len(rank["initial"]), run
-    _check_checkpoint(launch.out / f"ckpt-{schedule}-{name}-{tuner}", ranks, frozen)
+    _check_checkpoint(launch.out / f"ckpt-{schedule}-{label(run)}", ranks, frozen)
 
 
 def _check_checkpoint(path, ranks: list[dict], frozen: dict) -> None:
@@ -248,10 +250,18 @@ def test_export_of_a_peft_checkpoint_names_adapter_and_merge(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-RUNS_1F1B = ["llama-tied:lora", "llama-untied:lora-saved:continue", "qwen2-tied:loha", "qwen2-untied:lora-late"]
+#: `:bare`: the steps of a one-device script (the model's own loss from `labels=`, no `num_items`), exact because the
+#: strategy counts each microbatch's labelled tokens (tests/test_token_mean.py)
+RUNS_1F1B = [
+    "llama-tied:lora",
+    "llama-untied:lora-saved:continue",
+    "qwen2-tied:loha",
+    "qwen2-untied:lora-late",
+    "llama-untied:lora:bare",
+]
 #: ZBVZeroBubble splits each backward in two; with `lora-late` the stages before layer 6 hold no adapter, and the
 #: gradients still reach the later stages' adapters.
-RUNS_ZBV = ["llama-tied:lora-late", "qwen2-tied:lora"]
+RUNS_ZBV = ["llama-tied:lora-late", "qwen2-tied:lora", "llama-untied:lora:bare"]
 RUNS_INTERLEAVED = ["llama-tied:lora", "qwen2-untied:loha"]
 
 

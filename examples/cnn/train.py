@@ -2,8 +2,13 @@
 
 The data set ships inside scikit-learn (``sklearn.datasets.load_digits``): nothing is downloaded. The networks are
 plain ``nn.Sequential`` models, so they need no change at all for pipelining; ``split_points`` in the config puts
-the stage boundary where the hand-written splits of the ResNet-50 and AlexNet tutorials put it. Run from the
-repository root:
+the stage boundary where the hand-written splits of the ResNet-50 and AlexNet tutorials put it.
+
+The ResNet normalises with GroupNorm by default, per sample, so the pipeline trains exactly as one device does on the
+same batches. ``--model.norm=batch`` gives it ResNet's BatchNorm, which normalises over the batch: a pipeline runs it
+once per microbatch, so its statistics come from 8 images instead of 32 and the results differ from one device (the
+strategy says so at fit start). AlexNet's dropout draws its masks per microbatch: statistically the same, not the
+same numbers. Run from the repository root:
 
     python examples/cnn/train.py fit --config examples/cnn/config.yaml
 """
@@ -26,35 +31,43 @@ import lightning_pipe  # noqa: F401  (registers strategy="pipeline" and makes th
 NUM_CLASSES = 10
 
 
+Norm = Literal["group", "batch"]
+
+
+def norm_layer(norm: Norm, channels: int) -> nn.Module:
+    """GroupNorm (per sample: exact under microbatching) or BatchNorm (over the batch: over each microbatch here)."""
+    return nn.GroupNorm(8, channels) if norm == "group" else nn.BatchNorm2d(channels)
+
+
 class BasicBlock(nn.Module):
     """ResNet's two-convolution residual block, with a 1x1 projection when the shape changes."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: Norm = "group") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
+        self.bn1 = norm_layer(norm, c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
+        self.bn2 = norm_layer(norm, c_out)
         self.shortcut = nn.Sequential()
         if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), norm_layer(norm, c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
-def resnet(width: int) -> nn.Sequential:
+def resnet(width: int, norm: Norm = "group") -> nn.Sequential:
     """ResNet-18's layout at 8x8 scale. Seed 003's ResNet-50 split puts conv1..layer2 on device 0, the rest on 1."""
     return nn.Sequential(
         OrderedDict(
             conv1=nn.Conv2d(1, width, 3, 1, 1, bias=False),
-            bn1=nn.BatchNorm2d(width),
+            bn1=norm_layer(norm, width),
             relu=nn.ReLU(),
-            layer1=BasicBlock(width, width, 1),  # (B, w, 8, 8)
-            layer2=BasicBlock(width, 2 * width, 2),  # (B, 2w, 4, 4)
-            layer3=BasicBlock(2 * width, 4 * width, 2),  # (B, 4w, 2, 2)
-            layer4=BasicBlock(4 * width, 8 * width, 2),  # (B, 8w, 1, 1)
+            layer1=BasicBlock(width, width, 1, norm),  # (B, w, 8, 8)
+            layer2=BasicBlock(width, 2 * width, 2, norm),  # (B, 2w, 4, 4)
+            layer3=BasicBlock(2 * width, 4 * width, 2, norm),  # (B, 4w, 2, 2)
+            layer4=BasicBlock(4 * width, 8 * width, 2, norm),  # (B, 8w, 1, 1)
             avgpool=nn.AdaptiveAvgPool2d(1),
             flatten=nn.Flatten(),
             fc=nn.Linear(8 * width, NUM_CLASSES),
@@ -84,16 +97,21 @@ def alexnet(width: int) -> nn.Sequential:
 
 
 class DigitsClassifier(L.LightningModule):
-    def __init__(self, arch: Literal["resnet", "alexnet"] = "resnet", width: int = 16, lr: float = 0.05) -> None:
+    def __init__(
+        self, arch: Literal["resnet", "alexnet"] = "resnet", width: int = 16, lr: float = 0.05, norm: Norm = "group"
+    ) -> None:
         """
         Args:
             arch: ``resnet`` (split as seed 003 splits ResNet-50) or ``alexnet`` (features | classifier, seed 002).
             width: Channels of the first convolution.
             lr: SGD learning rate (momentum 0.9, cosine decay over ``max_epochs``).
+            norm: The ResNet's normalisation: ``group`` (per sample; the pipeline equals one device) or ``batch``
+                (BatchNorm, over each microbatch under the pipeline: differs from one device, and the strategy says
+                so).
         """
         super().__init__()
         self.save_hyperparameters()
-        self.net = resnet(width) if arch == "resnet" else alexnet(width)
+        self.net = resnet(width, norm) if arch == "resnet" else alexnet(width)
         self.train_acc = MulticlassAccuracy(NUM_CLASSES)
         self.val_acc = MulticlassAccuracy(NUM_CLASSES)
 

@@ -118,3 +118,44 @@ def cache_argument(call: dict[str, Any]) -> Optional[str]:
     """The name under which the network call ``call`` (by argument name) passes a cache, ``None`` when it passes
     none."""
     return next((name for name in CACHE_ARGUMENTS if call.get(name) is not None), None)
+
+
+def token_mean_losses() -> dict[Callable[..., Any], bool]:
+    """transformers' loss functions that average a cross-entropy over the labels that are not ``ignore_index``, with
+    whether each shifts the labels by one (causal LM) or not (masked LM, token classification). Public module
+    (``transformers.loss.loss_utils``, 4.46+ and 5.x) but no documented list; read by identity with
+    ``model.loss_function``."""
+    from transformers.loss import loss_utils
+
+    return {
+        loss_utils.ForCausalLMLoss: True,
+        loss_utils.ForMaskedLMLoss: False,
+        loss_utils.ForTokenClassification: False,
+    }
+
+
+#: where ``PreTrainedModel.loss_function``'s setter keeps a function set on the instance
+_LOSS_FUNCTION = "_loss_function"
+
+
+def has_own_loss_function(model: Any) -> bool:
+    """Whether a loss function was set on the instance (``model.loss_function = fn``, kept in ``_loss_function``).
+    Public replacement: none."""
+    return _LOSS_FUNCTION in model.__dict__
+
+
+def replace_loss_function(model: Any, fn: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``model.loss_function`` return ``fn`` (its public setter) and return what puts the model's own back: its
+    previous instance function, or none (the property's ``_loss_function``, which the setter writes and no public API
+    removes). Public replacement: none."""
+    had = _LOSS_FUNCTION in model.__dict__
+    previous = model.__dict__.get(_LOSS_FUNCTION)
+    model.loss_function = fn
+
+    def restore() -> None:
+        if had:
+            model.__dict__[_LOSS_FUNCTION] = previous
+        else:
+            model.__dict__.pop(_LOSS_FUNCTION, None)
+
+    return restore

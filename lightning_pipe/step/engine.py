@@ -45,7 +45,11 @@ class StepEngine:
         self.runtime = PipelineRuntime(
             stage_modules(split), split.num_stages, split.stage_ranks, pipeline_group, device, submesh_lookup(mesh)
         )
-        self.protocol = StepProtocol(self.runtime, CallInterceptor(split.network, outside), MetricMirror(owner), rng)
+        interceptor = CallInterceptor(split.network, outside)
+        # Under FSDP a counted token mean would be refused like a returned `num_items` where replicas count unlike
+        # (data_parallel.check_token_weighting): the strategy counts only where that weighting always applies.
+        count_items = not settings.sharded
+        self.protocol = StepProtocol(self.runtime, interceptor, MetricMirror(owner), rng, count_items)
         self.training = ScheduleExecutor(self.runtime, settings)
         self.evaluation = ForwardOnlyExecutor(self.runtime, settings, split.static_microbatch_size)
         self.loss_parallel = settings.loss_parallel and settings.tensor_parallel_size > 1

@@ -42,11 +42,13 @@ def merge_microbatch_logs(
     per_microbatch: Sequence[Sequence[LoggedValue]],
     weights: Sequence[float] | None = None,
     step_value_of: StepValueOf | None = None,
+    weights_of: Mapping[str, Sequence[float]] | None = None,
 ) -> list[LoggedValue]:
     """Merge the logs of one batch's microbatches into what one full-batch call would have logged.
 
-    ``weights`` are the microbatches' weights for mean-reduced values (equal when ``None``); ``step_value_of`` finds
-    the full-batch value of a logged metric forward output.
+    ``weights`` are the microbatches' weights for mean-reduced values (equal when ``None``), ``weights_of`` those of
+    particular names (a model's own token-mean loss: its items); ``step_value_of`` finds the full-batch value of a
+    logged metric forward output.
     """
     order: list[str] = []
     grouped: dict[str, list[tuple[int, LoggedValue]]] = {}
@@ -56,7 +58,8 @@ def merge_microbatch_logs(
                 order.append(entry.name)
                 grouped[entry.name] = []
             grouped[entry.name].append((index, entry))
-    return [_merge_one(name, grouped[name], weights, step_value_of) for name in order]
+    own = weights_of or {}
+    return [_merge_one(name, grouped[name], own.get(name, weights), step_value_of) for name in order]
 
 
 def _merge_one(

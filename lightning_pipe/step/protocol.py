@@ -21,6 +21,7 @@ that says what the user's step is (:mod:`lightning_pipe.step.frontend`: a Lightn
 from __future__ import annotations
 
 import functools
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from lightning_pipe.comm import collectives
 from lightning_pipe.comm.dtensor import full
 from lightning_pipe.errors import MicrobatchError, PipelineUsageError
 from lightning_pipe.microbatch import batch_size, signature, split_batch
+from lightning_pipe.models.huggingface.loss_items import Counted, items_of
 from lightning_pipe.step.executors.base import Executor
 from lightning_pipe.step.executors.forward_only import ForwardOnlyExecutor
 from lightning_pipe.step.frontend import TRAINING, UserStep
@@ -44,6 +46,7 @@ from lightning_pipe.step.rng import RngStreams
 from lightning_pipe.step.runtime import PipelineRuntime
 from lightning_pipe.step.sharing import OutcomeChannel
 from lightning_pipe.step.stage import StepContext
+from lightning_pipe.step.token_mean import counted_items, uneven_ignored, uneven_ignored_message
 from lightning_pipe.structures import map_structure, map_tensors
 
 NUM_ITEMS = "num_items"
@@ -81,6 +84,10 @@ class _Record:
     logs: dict[int, list[LoggedValue]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     items: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: the items a microbatch's loss averages over, counted by the strategy (the model's own token-mean loss)
+    counted: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    #: per microbatch, the logged values that are the model's own token-mean loss, with its items
+    logged_items: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: a manual-optimization step's optimizer calls per microbatch
     ops: dict[int, tuple[Op, ...]] = field(default_factory=dict)
 
@@ -101,8 +108,14 @@ class StepProtocol:
         interceptor: CallInterceptor,
         mirror: MetricMirror,
         rng: RngStreams,
+        count_items: bool = True,
     ) -> None:
         self.runtime = runtime
+        #: weight a microbatch by the items of the model's own token-mean loss when the step returns that loss
+        self.count_items = count_items
+        #: shape keys whose batches were checked for ignore values in uneven counts (:meth:`_notice_uneven`)
+        self._uneven_checked: set[int] = set()
+        self._uneven_said = False
         self.interceptor = interceptor
         self.mirror = mirror
         self.rng = rng
@@ -142,7 +155,8 @@ class StepProtocol:
 
                     def on_output(m: int, output: Any) -> Any:
                         metrics.enter(m)
-                        return self._microbatch(user_step, microbatches[m], output, m, record, scale, accumulate)
+                        seen = step.counted.get(m, [])
+                        return self._microbatch(user_step, microbatches[m], output, m, record, scale, accumulate, seen)
 
                     step.on_output = on_output
                     executor.run(key, step)
@@ -150,6 +164,8 @@ class StepProtocol:
                     # there delays the last backwards, which the other stages wait for (measured: +1.2 ms a step on
                     # the small benchmark network). The other ranks' receive was posted when the step started.
                     local = self._settle(user_step, record, sizes, metrics, _checksum(key))
+                if hook == TRAINING and local.grad_scale is None:
+                    self._notice_uneven(user_step.name, microbatches, _checksum(key))
             else:
                 executor.run(key, step)
         shared = self.channel.share(self._portable(local) if local is not None else None)
@@ -225,11 +241,17 @@ class StepProtocol:
         record: _Record,
         scale: float,
         accumulate: int,
+        seen: list[Counted],
     ) -> Any:
         result, logs = self.run_user_step(user_step, microbatch, output)
         record.logs[m] = logs
+        if seen and self.count_items:
+            found = {e.name: items_of(e.value, seen) for e in logs}
+            record.logged_items[m] = {name: items for name, items in found.items() if items is not None}
         hook = user_step.hook
         if hook != TRAINING:
+            if self.count_items:
+                record.counted[m] = items_of(result.get("loss") if isinstance(result, Mapping) else result, seen)
             record.results[m] = result = _whole(result)
             items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
             record.items[m] = None if items is None else torch.as_tensor(items).detach()
@@ -239,12 +261,20 @@ class StepProtocol:
             record.results[m] = _whole(result.output)
         else:
             loss, items = _loss_and_items(user_step.name, result)
+            if items is None and self.count_items:
+                # Counted only where the step returns no num_items of its own: never both.
+                record.counted[m] = items_of(loss, seen)
         # The loss keeps its graph (a DTensor under loss parallelism) for backward; everything recorded is whole.
         record.losses[m], record.items[m] = full(loss).detach(), items
         if m not in record.ops:
             record.results[m] = {**_whole(result), "loss": record.losses[m]} if isinstance(result, Mapping) else loss
-        if items is None:
+        counted = record.counted.get(m)
+        if items is None and counted is None:
             return loss * scale
+        if items is None:
+            # The model's own mean over this microbatch's items (a transformers loss from `labels=`): weighted like a
+            # step that returns them as num_items (their sum is known at settle, which checks every microbatch was).
+            return loss * counted.to(loss.dtype) / accumulate
         # Token-weighted: the sum of this microbatch's item losses; gradients are divided by the batch's total
         # num_items once it is known (Outcome.grad_scale), which gives the batch's item mean as on one device.
         return loss * items.to(loss.dtype) / accumulate
@@ -255,10 +285,17 @@ class StepProtocol:
         hook, n = user_step.hook, len(sizes)
         items = [record.items.get(m) for m in range(n)]
         weighted = _check_items(user_step.name, items)
+        if not weighted:
+            counted = counted_items(user_step.name, [record.counted.get(m) for m in range(n)])
+            if counted is not None:
+                items, weighted = counted, _check_items(user_step.name, counted)
         weights = [float(i) for i in items] if weighted else [float(s) for s in sizes]
         metrics.settle()
         logs = merge_microbatch_logs(
-            [record.logs[m] for m in range(n)], weights=weights, step_value_of=metrics.step_value_of
+            [record.logs[m] for m in range(n)],
+            weights=weights,
+            step_value_of=metrics.step_value_of,
+            weights_of=None if weighted else _logged_items(record, n),
         )
         outcome = Outcome(logs=logs, metric_updates=metrics.updates(), key_checksum=checksum)
         if hook == TRAINING:
@@ -292,6 +329,17 @@ class StepProtocol:
             key_checksum=outcome.key_checksum,
             manual_ops=outcome.manual_ops,
         )
+
+    def _notice_uneven(self, name: str, microbatches: list[Any], checksum: int) -> None:
+        """Say once when a step weighted equally returned a loss over a batch whose integer tensors hold the ignore
+        value in uneven counts per microbatch (checked on the first batch of each shape: counting costs a host sync)."""
+        if self._uneven_said or checksum in self._uneven_checked:
+            return
+        self._uneven_checked.add(checksum)
+        found = uneven_ignored(microbatches)
+        if found is not None:
+            self._uneven_said = True
+            warnings.warn(uneven_ignored_message(name, *found), UserWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------------------------ replay
     def _replay(self, user_step: UserStep, logs: list[LoggedValue]) -> None:
@@ -340,6 +388,14 @@ def _loss_and_items(name: str, result: Any) -> tuple[torch.Tensor, torch.Tensor 
             " averages over: one non-negative integer, e.g. `(labels != -100).sum()`."
         )
     return loss, items.reshape(())
+
+
+def _logged_items(record: _Record, n: int) -> dict[str, list[float]]:
+    """The logged names that hold the model's own token-mean loss in every microbatch, with its items per
+    microbatch: merged as one device's mean over the batch's items, whatever weights the step's other values."""
+    found = [record.logged_items.get(m, {}) for m in range(n)]
+    names = set(found[0]).intersection(*found[1:]) if found else set()
+    return {name: [float(f[name]) for f in found] for name in names}
 
 
 def _check_items(name: str, items: list[torch.Tensor | None]) -> bool:

@@ -31,6 +31,7 @@ from lightning_pipe.comm.transport import pack, unpack
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.base import StageCall
+from lightning_pipe.models.huggingface.loss_items import Counted, counting
 from lightning_pipe.models.plain import activation_argument
 from lightning_pipe.step.interception import Call
 from lightning_pipe.structures import is_dtensor
@@ -66,6 +67,9 @@ class StepContext:
     failure: BaseException | None = None
     #: the last stage ran torch's shape inference: its loss function is next, on no real microbatch
     inference_output: bool = False
+    #: on the last stage: the token-mean losses the model's own loss function computed per microbatch, with their
+    #: item counts (:mod:`lightning_pipe.models.huggingface.loss_items`)
+    counted: dict[int, list[Counted]] = field(default_factory=dict)
 
     def final_output(self, microbatch: int, tensors: Any) -> Any:
         """The network's output for ``microbatch`` rebuilt from the tensors the last stage returned."""
@@ -131,6 +135,9 @@ class StageModule(nn.Module):
             if microbatch is None:
                 with eval_mode([self.body]):
                     output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
+            elif self.is_last:
+                with counting(self.body) as step.counted[microbatch]:
+                    output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, True)
             else:
                 output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
         except Exception as err:

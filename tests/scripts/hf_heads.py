@@ -1,7 +1,8 @@
 """Fine-tune tiny Hugging Face task heads (tests/hf_heads.py) under pipeline configurations, from their directories.
 Usage: hf_heads.py WORK CONFIGS_JSON (a list of {"name", "task", "schedule", "side", "user_loss", "directory",
-"model_plan", "lora"}); one launch runs them all (``model_plan``: the classifier's plan given to the strategy,
-transformers' own removed; ``lora``: the LoRA reward-model recipe, the head in ``modules_to_save``). Each rank saves
+"model_plan", "lora", "bare"}); one launch runs them all (``model_plan``: the classifier's plan given to the strategy,
+transformers' own removed; ``lora``: the LoRA reward-model recipe, the head in ``modules_to_save``; ``bare``: the
+model's own loss returned and logged as it is, no ``num_items``). Each rank saves
 per config its losses, validation losses, and the head's parameters (``<name>.rank<r>.pt``; with ``lora`` also the
 tensors it started from and whether the frozen ones stayed unchanged); the run's checkpoint is saved as
 ``ckpt-<name>``, and the warnings the load raised. A config that raises leaves its traceback in
@@ -39,6 +40,7 @@ def run(work: Path, cfg: dict) -> None:
             side=cfg["side"],
             user_loss=cfg["user_loss"],
             lora=cfg.get("lora", False),
+            bare=cfg.get("bare", False),
         )
     result = {
         "losses": model.step_losses,

@@ -11,6 +11,9 @@ checkpoint's adapters (``export-hf --adapter``) to ``adapter-<schedule>-<directo
 from the directory and that adapter directory (``init_adapter``) for 2 steps; each rank saves its losses, validation
 loss and the trainable tensors it started from as ``continued-<schedule>-<directory>-<tuner>.rank<r>.pt``.
 
+A RUN ``<directory>:<tuner>:bare`` fine-tunes with the steps of a one-device script: the model's own loss returned
+and logged as it is (no ``num_items``); its outcome is named ``<schedule>-<directory>-<tuner>-bare``.
+
 A run that raises leaves its traceback in ``<schedule>-<directory>-<tuner>.rank<r>.failed`` and the next run goes on
 (tests/scripts/outcomes.py).
 """
@@ -27,14 +30,20 @@ from tests.scripts.outcomes import run_each
 
 def main() -> None:
     work, schedule, devices = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    configs = [{"name": f"{schedule}-{'-'.join(run.split(':')[:2])}", "run": run} for run in sys.argv[4:]]
+    configs = [{"name": f"{schedule}-{label(run)}", "run": run} for run in sys.argv[4:]]
     run_each(work, configs, lambda work, cfg: fine_tune_run(work, schedule, devices, cfg["run"]))
+
+
+def label(run: str) -> str:
+    """A run's name in its outcome files: ``<directory>-<tuner>``, with ``-bare`` for a bare run."""
+    name, tuner, *then = run.split(":")
+    return f"{name}-{tuner}" + ("-bare" if then == ["bare"] else "")
 
 
 def fine_tune_run(work: Path, schedule: str, devices: int, run: str) -> None:
     name, tuner, *then = run.split(":")
     strategy = PipelineParallelStrategy(schedule=schedule, init_weights=work / name)
-    model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices)
+    model, trainer, val = fine_tune(work / name, tuner, strategy, devices=devices, bare=then == ["bare"])
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     state = trainer.optimizers[0].state
     result = {
@@ -49,8 +58,8 @@ def fine_tune_run(work: Path, schedule: str, devices: int, run: str) -> None:
         "trainable": len(model.initial),
     }
     result["final"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    torch.save(result, work / f"{schedule}-{name}-{tuner}.rank{trainer.global_rank}.pt")
-    trainer.save_checkpoint(work / f"ckpt-{schedule}-{name}-{tuner}")
+    torch.save(result, work / f"{schedule}-{label(run)}.rank{trainer.global_rank}.pt")
+    trainer.save_checkpoint(work / f"ckpt-{schedule}-{label(run)}")
     if then == ["continue"]:
         _continue(work, schedule, devices, name, tuner, trainer)
 
