@@ -47,6 +47,15 @@ TOLERANCE = {"bf16-mixed": {"rtol": 1.6e-2, "atol": 1e-5}, "bf16-true": {"rtol":
 WEIGHTS_ATOL = {"bf16-mixed": 2**-7, "bf16-true": 2**-4}
 
 
+#: litgpt's full fine-tune as its script runs at 2 processes: the model built with `empty_init`, its weights loaded by
+#: its own strict `load_checkpoint` of the whole model (or `fabric.load_raw`), SFT-padded targets, the step returning
+#: `num_items`. The reference is the same script under Fabric(devices=1), without `num_items`.
+LOADED = [
+    {**LITGPT, "name": "litgpt-load-checkpoint", "schedule": "1F1B", "checkpoint": "litgpt.pth", "raw": False},
+    {**LITGPT, "name": "litgpt-load-raw-ZBV", "schedule": "ZBVZeroBubble", "checkpoint": "litgpt.pth", "raw": True},
+]
+LOADED = [{**cfg, "meta": True, "sft": True, "weighted": True} for cfg in LOADED]
+
 #: save after step 2 of 4, then continue from it in a fresh model and optimizer (the same launch)
 SAVED = {"name": "ckpt-full", "schedule": "1F1B", "devices": 2, "save_at": 2}
 RESUMED = {"name": "ckpt-resumed", "schedule": "1F1B", "devices": 2, "resume": "ckpt-full"}
@@ -78,7 +87,9 @@ def two_procs(tmp_path_factory) -> Launch:
     trainer = quiet_trainer(devices=1, max_steps=2, strategy=lightning_pipe.PipelineParallelStrategy())
     trainer.fit(LitGPT2(0, 2))
     trainer.save_checkpoint(out / "trainer-ckpt")
-    configs = [*CONFIGS, SAVED, RESUMED, FROM_TRAINER]
+    torch.manual_seed(7)  # weights unlike the loop's own start
+    torch.save(build_litgpt(Fabric(accelerator="cpu", devices=1)).state_dict(), out / "litgpt.pth")
+    configs = [*CONFIGS, SAVED, RESUMED, FROM_TRAINER, *LOADED]
     return run_scenarios("fabric_parity.py", out, configs, nprocs=2, launcher="lightning")
 
 
@@ -120,6 +131,23 @@ def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
     if cfg.get("lora"):  # the frozen base: bitwise its start weights (the reference's, which no optimizer holds)
         frozen = [k for k in weights if "lora_" not in k]
         assert frozen and all(torch.equal(merged[k], weights[k]) for k in frozen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", LOADED, ids=lambda c: c["name"])
+def test_litgpt_loop_with_its_own_strict_load_checkpoint_matches_one_device(two_procs, cfg):
+    reference = {**cfg, "meta": False, "checkpoint": str(two_procs.out / cfg["checkpoint"])}
+    losses, weights, norms = train_litgpt(Fabric(accelerator="cpu", devices=1), reference, pipelined=False)
+    saved = torch.load(two_procs.out / cfg["checkpoint"])
+    ranks = two_procs.ranks(cfg["name"])
+    merged = {k: v for r in ranks for k, v in r["weights"].items()}
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+    assert merged.keys() == weights.keys() == saved.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+    assert not torch.equal(weights["lm_head.weight"], saved["lm_head.weight"]), "the loop trained from the file"
 
 
 def test_litgpt_under_the_modules_frontend_is_refused_by_name():
