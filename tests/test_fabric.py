@@ -378,6 +378,20 @@ def test_load_of_a_missing_value_is_refused(fabric, set_up, tmp_path):
     assert fabric.load(tmp_path / "ckpt", state) == {} and state["step"] == 3
 
 
+def test_load_raw_of_a_whole_state_dict_file_goes_through_load_state_dict(fabric, set_up, tmp_path):
+    model = set_up[0]
+    torch.manual_seed(3)
+    source = GPT2(vocab=VOCAB, block_size=16, n_layer=4, n_head=2, n_embd=32).state_dict()
+    torch.save(source, tmp_path / "weights.pt")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save({**source, "h.9.attn.weight": torch.zeros(1)}, tmp_path / "unknown.pt")
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*h\.9\.attn\.weight"):
+        fabric.load_raw(tmp_path / "unknown.pt", model)
+    fabric.load_raw(tmp_path / "weights.pt", model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in source.items())
+    model.load_state_dict(before)  # the module-scoped model as the other tests found it
+
+
 def test_clip_by_another_norm_is_refused(fabric, set_up):
     model, optimizer, _, _ = set_up
     with pytest.raises(PipelineConfigError, match=r"norm_type=1.0.*Use `norm_type=2`"):
