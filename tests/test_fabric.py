@@ -133,6 +133,8 @@ def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
         assert frozen and all(torch.equal(merged[k], weights[k]) for k in frozen)
 
 
+# In the launch of the 2-process Fabric loops (extended): 2 more configurations of it
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", LOADED, ids=lambda c: c["name"])
 def test_litgpt_loop_with_its_own_strict_load_checkpoint_matches_one_device(two_procs, cfg):
