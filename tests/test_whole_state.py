@@ -45,6 +45,17 @@ def test_each_rank_keeps_its_own_entries_of_the_whole_state_dict():
     assert not set(halves[0].state_dict()) & set(halves[1].state_dict()), "each rank holds its own stages"
 
 
+def test_a_ranks_own_state_dict_loads_as_into_any_module():
+    # The strategy's per-rank checkpoint loads (`set_model_state_dict`) give a rank its own entries only.
+    for half in _ranks(_whole(0)):
+        own = {k: v + 1 for k, v in half.state_dict().items()}
+        assert half.load_state_dict(own) is not None
+        assert all(torch.equal(half.state_dict()[k], v) for k, v in own.items())
+        del own[next(iter(own))]
+        with pytest.raises(RuntimeError, match=r"Missing key\(s\)"):
+            half.load_state_dict(own)
+
+
 def test_an_unknown_key_is_unexpected_on_every_rank():
     source = {**_whole(1).state_dict(), "model.layers.9.fc1.weight": torch.zeros(1)}
     for half in _ranks(_whole(0)):

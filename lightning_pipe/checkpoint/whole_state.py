@@ -5,6 +5,9 @@ Scripts load weights with a strict ``load_state_dict`` of the whole model (litgp
 stages; the others are checked against the whole model's names and shapes, recorded before the cut
 (``Split.state_shapes``), so every rank reports the same missing keys, unexpected keys and size mismatches that one
 device would, without communicating. No collective: ranks may call it at different times, or only some of them.
+
+A state dict that holds no other stage's entry is this rank's own (the strategy's per-rank checkpoint loads, a rank's
+``state_dict()`` loaded back): it loads as into any module, strict about this rank's entries only.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def keep_own_entries(network: nn.Module, whole: Shapes, ties: Sequence[Tie]) -> 
     ) -> None:
         given = {k[len(prefix) :]: state_dict[k] for k in list(state_dict) if k.startswith(prefix)}
         own = module.state_dict(keep_vars=True)
+        if not any(name in whole and name not in own for name in given):
+            return  # this rank's entries only (the strategy's own per-rank loads, a rank's `state_dict()`): as torch
         filled = _fill_ties(given, own, ties, prefix)
         for name, value in filled.items():
             state_dict[prefix + name] = value
