@@ -5,6 +5,7 @@ with its own strict ``load_checkpoint``: tests/test_fabric.py."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -54,6 +55,13 @@ def test_a_ranks_own_state_dict_loads_as_into_any_module():
         del own[next(iter(own))]
         with pytest.raises(RuntimeError, match=r"Missing key\(s\)"):
             half.load_state_dict(own)
+
+
+def test_a_pickled_half_loads_as_any_module():
+    # torch.save(model), a network kept in the hyperparameters: the copy is not this rank's run.
+    half = pickle.loads(pickle.dumps(_ranks(_whole(0))[0]))
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\)"):
+        half.load_state_dict(_whole(1).state_dict())
 
 
 def test_an_unknown_key_is_unexpected_on_every_rank():

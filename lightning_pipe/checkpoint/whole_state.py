@@ -32,8 +32,23 @@ def keep_own_entries(network: nn.Module, whole: Shapes, ties: Sequence[Tie]) -> 
     loaded, the other stages' are checked against ``whole`` (``Split.state_shapes``, the uncut network's) and dropped.
     ``ties``: parameters shared across stages; every rank's copy gets the value one device's shared parameter would.
     Returns the handle that removes the hook."""
+    return network.register_load_state_dict_pre_hook(_KeepOwnEntries(whole, ties))
 
-    def hook(
+
+class _KeepOwnEntries:
+    """The load-state-dict pre-hook of :func:`keep_own_entries` (torch calls it with the module's part of the state
+    dict, before the module and its children load it)."""
+
+    def __init__(self, whole: Shapes, ties: Sequence[Tie]) -> None:
+        self.whole, self.ties = whole, ties
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A pickled or copied network (`torch.save(model)`, kept in the hyperparameters) loads as any module: the
+        # hook belongs to this rank's run.
+        return _no_hook, ()
+
+    def __call__(
+        self,
         module: nn.Module,
         state_dict: dict[str, Any],
         prefix: str,
@@ -43,11 +58,12 @@ def keep_own_entries(network: nn.Module, whole: Shapes, ties: Sequence[Tie]) -> 
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        whole = self.whole
         given = {k[len(prefix) :]: state_dict[k] for k in list(state_dict) if k.startswith(prefix)}
         own = module.state_dict(keep_vars=True)
         if not any(name in whole and name not in own for name in given):
             return  # this rank's entries only (the strategy's own per-rank loads, a rank's `state_dict()`): as torch
-        filled = _fill_ties(given, own, ties, prefix)
+        filled = _fill_ties(given, own, self.ties, prefix)
         for name, value in filled.items():
             state_dict[prefix + name] = value
         for name, value in given.items():
@@ -57,9 +73,7 @@ def keep_own_entries(network: nn.Module, whole: Shapes, ties: Sequence[Tie]) -> 
                 if tuple(value.shape) == tuple(own[name].shape):  # a mismatch is torch's to report
                     state_dict[prefix + name] = place_like(value, own[name])  # this rank's slice of the whole tensor
         unexpected_keys.extend(prefix + name for name in given if name not in whole)
-        missing_keys.extend(
-            prefix + name for name in whole if name not in given and (name not in own or name in filled)
-        )
+        missing_keys.extend(prefix + n for n in whole if n not in given and (n not in own or n in filled))
         for name, value in given.items():
             shape = whole.get(name)
             if name in own or shape is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == shape:
@@ -69,7 +83,13 @@ def keep_own_entries(network: nn.Module, whole: Shapes, ties: Sequence[Tie]) -> 
                 f" shape in current model is {torch.Size(shape)}."
             )
 
-    return network.register_load_state_dict_pre_hook(hook)
+
+def _no_hook() -> Any:
+    return _pass
+
+
+def _pass(*args: Any) -> None:
+    """What a copied network's hook becomes: nothing."""
 
 
 def _fill_ties(given: Mapping[str, Any], own: Mapping[str, Any], ties: Sequence[Tie], prefix: str) -> dict[str, Any]:
