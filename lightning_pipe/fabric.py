@@ -271,10 +271,16 @@ class PipelineFabricStrategy(PipelineArguments, DDPStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """``fabric.load(path, state)``: each rank reads its own stages' entries (any layout at save time) into the
-        model and optimizers of ``state``; returns the checkpoint's values ``state`` did not ask for."""
+        model and optimizers of ``state``; returns the checkpoint's values ``state`` did not ask for. ``fabric.load_raw(
+        file, model)``: the file's whole state dict, through ``model.load_state_dict`` (each rank keeps its own)."""
         from lightning_pipe.checkpoint import fabric_state
+        from lightning_pipe.models.files import load_mapped
 
         self._require_split("fabric.load")
+        if isinstance(state, nn.Module) and Path(path).is_file():
+            # `fabric.load_raw(path, model)`: a whole model's state dict, each rank keeping its stages' entries.
+            state.load_state_dict(load_mapped(Path(path), weights_only), strict=strict)
+            return {}
         if not isinstance(state, dict):
             state = {"model": state} if isinstance(state, nn.Module) else {}
         path = Path(self.broadcast(path))

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import adapters as ckpt_adapters
 from lightning_pipe.checkpoint import io as ckpt_io
+from lightning_pipe.checkpoint.whole_state import keep_own_entries
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.mesh import MeshAxes, MeshCache
 from lightning_pipe.compat import lightning as pl_compat
@@ -186,8 +187,9 @@ class PipelineSession(MeshAxes):
     ) -> None:
         """Build the pipeline of ``split`` in ``module``, in this order: the step engine; ``place()`` (the front end
         moves the model to ``device``); the initial weights (once); the stage wrappers; the tied copies and the
-        gradients. ``outside``: the message for a call of the network outside a step. The front end agrees the random
-        streams (:meth:`agree_random_streams`) where its own order puts it."""
+        gradients; ``load_state_dict`` of a whole state dict. ``outside``: the message for a call of the network
+        outside a step. The front end agrees the random streams (:meth:`agree_random_streams`) where its own order
+        puts it."""
         self.split = split
         self._engine = StepEngine(
             module, split, self._settings, self.pipeline_group, device, self.rng, self.device_mesh, outside
@@ -200,6 +202,8 @@ class PipelineSession(MeshAxes):
         # After wrapping (FSDP replaces parameters): this rank's copies of parameters shared across stages.
         ties = self.ties.copies(self._mesh, self.meshes.layout, split, module)
         self.gradients = stage_gradients(module, ties, self.device_mesh, self.wrapped)
+        # `load_state_dict` of the whole model (litgpt's `load_checkpoint`, `fabric.load_raw`): this rank's entries.
+        self.run.callback(keep_own_entries(split.network, split.state_shapes, split.ties).remove)
 
     def load_initial_weights(
         self, model: nn.Module, *, device: torch.device, precision: Optional[str], strict: bool

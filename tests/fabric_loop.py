@@ -25,6 +25,16 @@ def dataset(steps: int) -> TensorDataset:
     return TensorDataset(x[:, :-1], x[:, 1:])
 
 
+def sft_targets(data: TensorDataset) -> TensorDataset:
+    """``data`` with each row's targets past its own length ignored (-100), as litgpt's SFT batches are padded: rows
+    and microbatches hold different numbers of labelled tokens."""
+    x, y = data.tensors
+    y = y.clone()
+    for row in range(len(y)):
+        y[row, 3 + (row * 7) % (BLOCK - 4) :] = -100
+    return TensorDataset(x, y)
+
+
 def build_gpt(fabric: Any, meta: bool = False, n_layer: int = 4) -> torch.nn.Module:
     with fabric.init_module(empty_init=meta):
         return GPT2(vocab=VOCAB, block_size=BLOCK, n_layer=n_layer, n_head=2, n_embd=32)
@@ -94,28 +104,41 @@ def build_litgpt(fabric: Any, meta: bool = False, lora: bool = False, n_layer: i
 def train_litgpt(fabric: Any, cfg: dict[str, Any], pipelined: bool) -> tuple[list[float], dict[str, Any], list]:
     """litgpt's full fine-tune loop (``litgpt/finetune/full.py``'s ``fit``), with its chunked cross-entropy and,
     when ``cfg["chunk"]``, its LoRA script's ``lm_head_chunk_size``; with ``cfg["lora"]``, its LoRA fine-tune
-    (``litgpt/finetune/lora.py``: ``litgpt.lora.GPT``, the optimizer over the trainable parameters)."""
-    from litgpt.utils import chunked_cross_entropy
+    (``litgpt/finetune/lora.py``: ``litgpt.lora.GPT``, the optimizer over the trainable parameters). With
+    ``cfg["checkpoint"]`` the weights come from that file of the whole model, loaded as litgpt's scripts load it
+    (its strict ``load_checkpoint``; ``fabric.load_raw`` with ``cfg["raw"]``); ``cfg["sft"]``: targets padded with
+    -100 (:func:`sft_targets`); ``cfg["weighted"]``: the pipelined step returns the labelled tokens as ``num_items``."""
+    from litgpt.utils import chunked_cross_entropy, load_checkpoint
 
     fabric.seed_everything(0)
     accumulate, steps, chunk = cfg.get("accumulate", 1), cfg.get("steps", 4), cfg.get("chunk", 0)
     built = build_litgpt(fabric, cfg.get("meta", False), cfg.get("lora", False), cfg.get("n_layer", 4))
     model = fabric.setup_module(built)
+    if cfg.get("checkpoint"):
+        if cfg.get("raw"):
+            fabric.load_raw(cfg["checkpoint"], model)
+        else:
+            load_checkpoint(fabric, model, cfg["checkpoint"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = fabric.setup_optimizers(torch.optim.SGD(trainable, lr=0.05, momentum=0.9))
     # `batch`: the global batch (its samples are shared out over data-parallel replicas by the sampler).
     batch, replicas = cfg.get("batch", BATCH), cfg.get("replicas", 1)
     data = dataset(steps * accumulate * batch // BATCH)
+    data = sft_targets(data) if cfg.get("sft") else data
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch // replicas))
 
-    def forward_and_loss(batch: Any) -> torch.Tensor:
+    def forward_and_loss(batch: Any) -> Any:
         input_ids, targets = batch
         if chunk:
             logits = model(input_ids, lm_head_chunk_size=chunk)
             logits[-1] = logits[-1][..., :-1, :]
-            return chunked_cross_entropy(logits, targets[..., 1:])
-        logits = model(input_ids)
-        return chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
+            loss = chunked_cross_entropy(logits, targets[..., 1:])
+        else:
+            logits = model(input_ids)
+            loss = chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
+        if cfg.get("weighted") and pipelined:  # the batch's mean over labelled tokens, whatever the microbatches hold
+            return {"loss": loss, "num_items": (targets[..., 1:] != -100).sum()}
+        return loss
 
     # litgpt's scripts keep the loop's position in the state they save (`fabric.save(path, state)`).
     state = {"model": model, "optimizer": optimizer, "iter_num": 0}

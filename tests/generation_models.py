@@ -38,10 +38,31 @@ def build(family: str, layers: int):
     raise ValueError(family)
 
 
+def peft_config(tuner: str):
+    """The adapters of ``tuner`` with values of their own (peft's default LoRA/LoHa init leaves the model unchanged,
+    which would hide adapters a stage did not apply); ``lora`` also trains the final norm whole
+    (``modules_to_save``)."""
+    import peft
+
+    if tuner == "loha":
+        return peft.LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_weights=False)
+    if tuner == "lora":
+        return peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["norm"], init_lora_weights=False
+        )
+    raise ValueError(tuner)
+
+
 class LitGenerate(L.LightningModule):
-    def __init__(self, family: str = "llama", layers: int = 4, sample: bool = False) -> None:
+    """``tuner``: the model wrapped by ``peft.get_peft_model`` with those adapters (:func:`peft_config`)."""
+
+    def __init__(self, family: str = "llama", layers: int = 4, sample: bool = False, tuner: str | None = None) -> None:
         super().__init__()
         self.model = build(family, layers)
+        if tuner is not None:
+            import peft
+
+            self.model = peft.get_peft_model(self.model, peft_config(tuner))
         self.sample = sample
         self.generated: list[torch.Tensor] = []
 
@@ -60,19 +81,25 @@ class LitGenerate(L.LightningModule):
         self.log("val_token_rms", new.float().pow(2).mean().sqrt())
         self.log("val_eos_rate", (new == EOS).any(dim=1).float().mean(), prog_bar=True)
 
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
     def predict_step(self, batch, batch_idx):
         return self._generate(batch)
 
     def val_dataloader(self):
         return DataLoader(padded_batches(12, 1, "left"), batch_size=4)
 
+    def test_dataloader(self):
+        return DataLoader(padded_batches(8, 3, "left"), batch_size=4)
+
     def predict_dataloader(self):
         return DataLoader(padded_batches(10, 2, "left"), batch_size=4)
 
 
-def run_generation(make_strategy=None, devices: int = 1, **model_kwargs) -> dict:
-    """Validate then predict (each with a fresh seed and a strategy from ``make_strategy()``; one device when it is
-    None); what the rank generated, logged and predicted."""
+def run_generation(make_strategy=None, devices: int = 1, test: bool = False, **model_kwargs) -> dict:
+    """Validate, test (with ``test``) then predict (each with a fresh seed and a strategy from ``make_strategy()``; one
+    device when it is None); what the rank generated, logged and predicted."""
 
     def trainer():
         return quiet_trainer(devices=devices, **(dict(strategy=make_strategy()) if make_strategy else {}))
@@ -80,6 +107,9 @@ def run_generation(make_strategy=None, devices: int = 1, **model_kwargs) -> dict
     L.seed_everything(0)
     model = LitGenerate(**model_kwargs)
     metrics = trainer().validate(model, verbose=False)[0]
+    if test:
+        L.seed_everything(2)
+        metrics |= {f"test/{k}": v for k, v in trainer().test(model, verbose=False)[0].items()}
     L.seed_everything(1)
     predictions = trainer().predict(model)
     return {

@@ -47,6 +47,15 @@ TOLERANCE = {"bf16-mixed": {"rtol": 1.6e-2, "atol": 1e-5}, "bf16-true": {"rtol":
 WEIGHTS_ATOL = {"bf16-mixed": 2**-7, "bf16-true": 2**-4}
 
 
+#: litgpt's full fine-tune as its script runs at 2 processes: the model built with `empty_init`, its weights loaded by
+#: its own strict `load_checkpoint` of the whole model (or `fabric.load_raw`), SFT-padded targets, the step returning
+#: `num_items`. The reference is the same script under Fabric(devices=1), without `num_items`.
+LOADED = [
+    {**LITGPT, "name": "litgpt-load-checkpoint", "schedule": "1F1B", "checkpoint": "litgpt.pth", "raw": False},
+    {**LITGPT, "name": "litgpt-load-raw-ZBV", "schedule": "ZBVZeroBubble", "checkpoint": "litgpt.pth", "raw": True},
+]
+LOADED = [{**cfg, "meta": True, "sft": True, "weighted": True} for cfg in LOADED]
+
 #: save after step 2 of 4, then continue from it in a fresh model and optimizer (the same launch)
 SAVED = {"name": "ckpt-full", "schedule": "1F1B", "devices": 2, "save_at": 2}
 RESUMED = {"name": "ckpt-resumed", "schedule": "1F1B", "devices": 2, "resume": "ckpt-full"}
@@ -78,7 +87,9 @@ def two_procs(tmp_path_factory) -> Launch:
     trainer = quiet_trainer(devices=1, max_steps=2, strategy=lightning_pipe.PipelineParallelStrategy())
     trainer.fit(LitGPT2(0, 2))
     trainer.save_checkpoint(out / "trainer-ckpt")
-    configs = [*CONFIGS, SAVED, RESUMED, FROM_TRAINER]
+    torch.manual_seed(7)  # weights unlike the loop's own start
+    torch.save(build_litgpt(Fabric(accelerator="cpu", devices=1)).state_dict(), out / "litgpt.pth")
+    configs = [*CONFIGS, SAVED, RESUMED, FROM_TRAINER, *LOADED]
     return run_scenarios("fabric_parity.py", out, configs, nprocs=2, launcher="lightning")
 
 
@@ -120,6 +131,25 @@ def test_two_process_fabric_loop_matches_one_device(two_procs, cfg):
     if cfg.get("lora"):  # the frozen base: bitwise its start weights (the reference's, which no optimizer holds)
         frozen = [k for k in weights if "lora_" not in k]
         assert frozen and all(torch.equal(merged[k], weights[k]) for k in frozen)
+
+
+# In the launch of the 2-process Fabric loops (extended): 2 more configurations of it
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", LOADED, ids=lambda c: c["name"])
+def test_litgpt_loop_with_its_own_strict_load_checkpoint_matches_one_device(two_procs, cfg):
+    reference = {**cfg, "meta": False, "checkpoint": str(two_procs.out / cfg["checkpoint"])}
+    losses, weights, norms = train_litgpt(Fabric(accelerator="cpu", devices=1), reference, pipelined=False)
+    saved = torch.load(two_procs.out / cfg["checkpoint"])
+    ranks = two_procs.ranks(cfg["name"])
+    merged = {k: v for r in ranks for k, v in r["weights"].items()}
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
+    assert merged.keys() == weights.keys() == saved.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+    assert not torch.equal(weights["lm_head.weight"], saved["lm_head.weight"]), "the loop trained from the file"
 
 
 def test_litgpt_under_the_modules_frontend_is_refused_by_name():
@@ -348,6 +378,20 @@ def test_load_of_a_missing_value_is_refused(fabric, set_up, tmp_path):
         fabric.load(tmp_path / "ckpt", state)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     assert fabric.load(tmp_path / "ckpt", state) == {} and state["step"] == 3
+
+
+def test_load_raw_of_a_whole_state_dict_file_goes_through_load_state_dict(fabric, set_up, tmp_path):
+    model = set_up[0]
+    torch.manual_seed(3)
+    source = GPT2(vocab=VOCAB, block_size=16, n_layer=4, n_head=2, n_embd=32).state_dict()
+    torch.save(source, tmp_path / "weights.pt")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save({**source, "h.9.attn.weight": torch.zeros(1)}, tmp_path / "unknown.pt")
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*h\.9\.attn\.weight"):
+        fabric.load_raw(tmp_path / "unknown.pt", model)
+    fabric.load_raw(tmp_path / "weights.pt", model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in source.items())
+    model.load_state_dict(before)  # the module-scoped model as the other tests found it
 
 
 def test_clip_by_another_norm_is_refused(fabric, set_up):

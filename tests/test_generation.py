@@ -27,9 +27,10 @@ from lightning_pipe.split.partition import balance_blocks, stage_units  # noqa: 
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from lightning_pipe.step.generation import decoding_of  # noqa: E402
 from lightning_pipe.step.interception import CallInterceptor  # noqa: E402
-from tests.generation_models import build, run_generation  # noqa: E402
+from tests.generation_models import LitGenerate, build, run_generation  # noqa: E402
 from tests.hf_models import padded_batches  # noqa: E402
 from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.models import quiet_trainer  # noqa: E402
 
 TOL = 1e-5
 
@@ -219,6 +220,41 @@ def test_the_interceptor_keeps_the_forward_signature():
         interceptor.remove()
 
 
+# ------------------------------------------------------------------------------------------------ PEFT models
+def test_a_peft_model_generates_through_two_stages_of_one_process_as_one_device():
+    import lightning_pipe
+
+    pytest.importorskip("peft")
+
+    def predict(strategy=None):
+        torch.manual_seed(0)
+        model = LitGenerate(layers=4, tuner="lora")
+        return quiet_trainer(devices=1, **({"strategy": strategy} if strategy else {})).predict(model)
+
+    ref = predict()
+    got = predict(lightning_pipe.PipelineParallelStrategy(schedule="Interleaved1F1B", stages_per_rank=2))
+    assert len(got) == len(ref) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize(
+    "config,kwargs,names",
+    [
+        ({}, {"adapter_names": ["default"]}, ["adapter_names", "model.set_adapter(name)"]),
+        ({"alora_invocation_tokens": [3]}, {}, ["alora_invocation_tokens", "without `alora_invocation_tokens`"]),
+    ],
+)
+def test_generate_of_a_peft_model_with_per_call_adapter_arguments_is_refused(config, kwargs, names):
+    peft = pytest.importorskip("peft")
+    from lightning_pipe.models.peft import PeftDecoding
+
+    model = peft.get_peft_model(build("llama", layers=2), peft.LoraConfig(r=2, target_modules=["q_proj"], **config))
+    with pytest.raises(PipelineUsageError) as err:
+        PeftDecoding().check(model, (), {"max_new_tokens": 3, **kwargs})
+    for name in ["`PeftModel.generate(...)`", *names]:
+        assert name in str(err.value)
+
+
 # ------------------------------------------------------------------------------------------------ multi-process
 def _configs(families, schedule, devices, layers):
     return [
@@ -230,16 +266,22 @@ def _configs(families, schedule, devices, layers):
 
 
 TWO = _configs(["llama", "mistral"], "1F1B", 2, 4)
+#: PEFT models (LoRA with a `modules_to_save` norm; LoHa) generate in validation, test and predict steps
+PEFT = [
+    {"name": f"llama-{tuner}-1F1B-{mode}", "schedule": "1F1B", "devices": 2, "family": "llama", "layers": 4}
+    | {"sample": mode == "sample", "tuner": tuner, "test": True}
+    for tuner, mode in (("lora", "greedy"), ("lora", "sample"), ("loha", "greedy"))
+]
 FOUR = _configs(["llama"], "Interleaved1F1B", 4, 8)
 
 
 @functools.cache
-def reference(family: str, sample: bool, layers: int) -> dict:
-    return run_generation(family=family, sample=sample, layers=layers)
+def reference(family: str, sample: bool, layers: int, tuner: str | None = None, test: bool = False) -> dict:
+    return run_generation(family=family, sample=sample, layers=layers, tuner=tuner, test=test)
 
 
 def _check(launch: Launch, cfg):
-    ref = reference(cfg["family"], cfg["sample"], cfg["layers"])
+    ref = reference(cfg["family"], cfg["sample"], cfg["layers"], cfg.get("tuner"), cfg.get("test", False))
     for rank, got in enumerate(launch.ranks(cfg["name"])):  # fails with the scenario's own traceback
         # every rank ran the same generate loop: every rank holds the one device's ids
         assert len(got["generated"]) == len(ref["generated"])
@@ -258,7 +300,7 @@ def _check(launch: Launch, cfg):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("generation2")
-    return run_scenarios("generation.py", out, TWO, nprocs=2, launcher="lightning", timeout=900)
+    return run_scenarios("generation.py", out, [*TWO, *PEFT], nprocs=2, launcher="lightning", timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +313,20 @@ def four(tmp_path_factory) -> Launch:
 @pytest.mark.parametrize("cfg", TWO, ids=lambda c: c["name"])
 def test_generate_in_validation_and_predict_equals_one_device(two, cfg):
     _check(two, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", PEFT, ids=lambda c: c["name"])
+def test_generate_of_a_peft_model_in_validation_test_and_predict_equals_one_device(two, cfg):
+    _check(two, cfg)
+    base = reference(cfg["family"], cfg["sample"], cfg["layers"])
+    assert any(not torch.equal(a, b) for a, b in zip(base["generated"], reference(**_peft(cfg))["generated"])), (
+        "the adapters change the ids: a stage that skipped them would be seen"
+    )
+
+
+def _peft(cfg):
+    return {k: cfg[k] for k in ("family", "sample", "layers", "tuner", "test")}
 
 
 @pytest.mark.extended

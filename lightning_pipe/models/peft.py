@@ -14,6 +14,10 @@ module of ``modules_to_save`` keeps the original under ``original_module`` besid
   ``modules_to_save`` copy starts from the same stored tensor, as peft copies the pretrained module; adapters are not
   in a model directory, and keep peft's own initialisation (recorded in ``configure_model`` and replayed per rank).
 
+- ``generate`` is the PEFT model's own (its forward hooks around the wrapped model's ``generate`` loop); each call
+  that loop makes of the wrapped model is one call of the PEFT model through the stages, which keep their own
+  layers' caches as a transformers model's do (:class:`PeftDecoding`).
+
 Prompt-learning tuners (prefix, prompt, p-tuning) add virtual tokens to every layer's input and are refused, as is
 tensor parallelism (peft's adapter layers are not in the model's tensor-parallel plan).
 
@@ -22,16 +26,19 @@ tensor parallelism (peft's adapter layers are not in the model's tensor-parallel
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pipe.errors import PipelineConfigError, PipelineModelError
+from lightning_pipe.errors import PipelineConfigError, PipelineModelError, PipelineUsageError
 from lightning_pipe.models.base import Placeholder, WholeBackward
+from lightning_pipe.models.huggingface.generation import HuggingFaceDecoding
 from lightning_pipe.models.huggingface.kind import HuggingFaceKind
 from lightning_pipe.models.huggingface.plan import is_hf_model
 from lightning_pipe.models.huggingface.stage import prepare_call, run_stage
@@ -202,8 +209,8 @@ class PeftKind:
     def restore_buffers(self, module: nn.Module) -> bool:
         return self.inner.restore_buffers(module)
 
-    def decoding(self) -> None:
-        return None  # generate of a PEFT model under the pipeline is not built: refused by name
+    def decoding(self) -> PeftDecoding:
+        return PeftDecoding()
 
     def state_dict_adapter(self) -> Any:
         from lightning_pipe.models.huggingface.files import PeftFiles
@@ -212,3 +219,55 @@ class PeftKind:
 
     def _is_adapter(self, network: nn.Module, name: str) -> bool:
         return any(part.startswith(adapter_prefixes(network)) for part in name.split("."))
+
+
+class PeftDecoding(HuggingFaceDecoding):
+    """A PEFT model's ``generate`` under a pipeline: peft's own ``generate`` runs on every rank, and each call its
+    wrapped model's loop makes of the wrapped model goes through the pipelined PEFT model instead (the stages run the
+    PEFT model's forward, which hands the call, its cache included, to the wrapped model's)."""
+
+    def check(self, network: nn.Module, args: tuple, kwargs: dict) -> None:
+        super().check(network, args, kwargs)
+        special = sorted(set(kwargs) & set(getattr(network, "special_peft_forward_args", ())))
+        config = getattr(network, "active_peft_config", None)
+        if getattr(config, "alora_invocation_tokens", None) is not None:
+            special.append("alora_invocation_tokens (an aLoRA adapter)")
+        if special:
+            raise PipelineUsageError(
+                f"`{type(network).__name__}.generate(...)` with {', '.join(special)}: peft applies these through"
+                " forward hooks around the whole `generate`, which the pipeline's stages do not run. Generate without"
+                " them (one active adapter: `model.set_adapter(name)`, and a LoRA without `alora_invocation_tokens`)."
+            )
+
+    def generate(self, network: nn.Module, args: tuple, kwargs: dict) -> Any:
+        with _calls_through(network, inner_model(network)):
+            return type(network).generate(network, *args, **kwargs)  # the class's: the instance's is the interceptor
+
+
+@contextmanager
+def _calls_through(network: nn.Module, model: nn.Module) -> Generator[None, None, None]:
+    """Within the block, a call of ``model`` (the wrapped transformers model) from outside ``network``'s forward is
+    a call of ``network``: the pipelined PEFT model, whose stages call ``model``'s forward themselves."""
+    own = type(model).forward.__get__(model)
+    busy = False
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal busy
+        if busy:  # a stage of this rank runs the PEFT model's forward, which calls the wrapped model's
+            return own(*args, **kwargs)
+        busy = True
+        try:
+            return network(*args, **kwargs)
+        finally:
+            busy = False
+
+    forward.__signature__ = inspect.signature(own)  # type: ignore[attr-defined]  # generate reads its parameters
+    before = model.__dict__.get("forward")
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if before is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = before  # type: ignore[method-assign]

@@ -93,6 +93,9 @@ class Split:
     tensor_parallel: Any = None
     #: the blocks per stage global rank 0 decided (a replacement rank of a recovery in place cuts with them)
     counts: tuple[int, ...] = ()
+    #: the shape of every entry of the uncut network's state dict (``None``: not a tensor), by name relative to the
+    #: network: a whole model's state dict is checked against it on every rank
+    state_shapes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         # A pickled or deep-copied LightningModule (`torch.save(model)`, EMA/SWA callbacks) keeps only which stages
@@ -307,6 +310,7 @@ def split_module(
         return existing
     attr, network = resolve_module(lightning_module, settings.module)
     check_whole_before_split(network)
+    state_shapes = _state_shapes(network)
     if settings.model_plan is not None:
         use_plan(network, settings.model_plan)  # the user's plan, where the transformers kind reads a family's
     settings = _with_frontend(network, settings, announce)
@@ -345,6 +349,7 @@ def split_module(
         "ties": ties,
         "shared": shared,
         "counts": tuple(counts),
+        "state_shapes": state_shapes,
     }
     if settings.frontend == "trace":
         split = _trace(lightning_module, network, counts, local, settings, device, common, recording)
@@ -382,6 +387,11 @@ def split_module(
     return split
 
 
+def _state_shapes(network: nn.Module) -> dict[str, tuple[int, ...] | None]:
+    # Before the cut (meta tensors too: nothing is read), for a whole model's state dict loaded later.
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in network.state_dict().items()}
+
+
 def _tensor_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
@@ -408,7 +418,7 @@ def _trace(
     if has_meta_tensors(network):
         args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    state_keys = set(network.state_dict().keys())
+    state_keys = set(common["state_shapes"])
     starts = [sum(counts[:s]) for s in range(1, len(counts))]
     traced = trace_stages(network, args, kwargs, [layout.blocks[i] for i in starts])
     bodies = {s: traced[s] for s in local}

@@ -45,10 +45,10 @@ def decoding_of(network: nn.Module, runtime: PipelineRuntime, hook: str) -> Deco
         raise PipelineUsageError(
             f"`{name}.generate(...)` was called in `{hook}`, but a {kind.name} does not decode under"
             " PipelineParallelStrategy: each stage keeps only its own layers' key/value cache, and the forward of a"
-            f" {kind.name} does not say which argument and output carry a per-layer cache. Only a transformers model's"
-            " own `generate` decodes (its forward takes `past_key_values`, a transformers `Cache` indexed by layer,"
-            " with `cache_position`, and returns it). Build the network as a transformers model to generate, or call"
-            " the network once per step (the whole sequence, no cache)."
+            f" {kind.name} does not say which argument and output carry a per-layer cache. Only the own `generate` of a"
+            " transformers model (or of a PEFT model around one) decodes (its forward takes `past_key_values`, a"
+            " transformers `Cache` indexed by layer, with `cache_position`, and returns it). Build the network as a"
+            " transformers model to generate, or call the network once per step (the whole sequence, no cache)."
         )
     calls = {type(s.stage_call).__name__ for s in runtime.stages.values() if s.stage_call is not kind.stage_call}
     if calls:

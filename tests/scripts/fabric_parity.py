@@ -4,7 +4,7 @@ its losses, clip norms and weights per configuration.
 Usage: fabric_parity.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "accumulate", "clip", "meta",
 "precision", "weighted", ...}; a refused configuration saves its error, any other failure its traceback
 (tests/scripts/outcomes.py)); ``save_at`` saves ``<name>-ckpt`` after that step, ``resume`` continues from
-``<resume>-ckpt`` in a fresh model.
+``<resume>-ckpt`` in a fresh model; ``checkpoint`` loads the whole model's weights from that file of ``OUT_DIR``.
 """
 
 import json
@@ -35,6 +35,8 @@ def run(out: Path, cfg: dict) -> None:
     assert isinstance(fabric.strategy, lightning_pipe.PipelineFabricStrategy)
     if "save_at" in cfg:
         cfg["save_to"] = str(out / f"{cfg['name']}-ckpt")
+    if "checkpoint" in cfg:
+        cfg["checkpoint"] = str(out / cfg["checkpoint"])
     if "resume" in cfg:
         cfg["resume_from"] = str(out / f"{cfg['resume']}-ckpt")
     loop = train_litgpt if cfg.get("model") == "litgpt" else train

@@ -1,7 +1,7 @@
 """Generate in validation_step and predict_step (tests/generation_models.py) under pipeline configurations.
 Usage: generation.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "sample"}, optionally
-"layers" and "eval_microbatches"); one launch runs them all, each leaving its result or its traceback
-(tests/scripts/outcomes.py)."""
+"layers", "eval_microbatches", "tuner" (a PEFT model: tests/generation_models.py) and "test" (test_step too)); one
+launch runs them all, each leaving its result or its traceback (tests/scripts/outcomes.py)."""
 
 import json
 import sys
@@ -25,7 +25,13 @@ def run(out: Path, cfg: dict) -> None:
         )
 
     result = run_generation(
-        strategy, devices=cfg["devices"], family=cfg["family"], sample=cfg["sample"], layers=cfg.get("layers", 4)
+        strategy,
+        devices=cfg["devices"],
+        test=cfg.get("test", False),
+        family=cfg["family"],
+        sample=cfg["sample"],
+        layers=cfg.get("layers", 4),
+        tuner=cfg.get("tuner"),
     )
     torch.save(result, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")
 

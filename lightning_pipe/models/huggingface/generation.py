@@ -61,10 +61,12 @@ class StageCaches:
     def __init__(self) -> None:
         self._caches: dict[int, tuple[nn.Module, Any]] = {}
 
-    def of(self, view: nn.Module) -> Any:
+    def of(self, view: nn.Module, model: nn.Module | None = None) -> Any:
+        """The cache of ``view``'s layers; ``model``: the transformers model the view runs (a PEFT view's
+        ``base_model.model``; the view itself by default)."""
         held = self._caches.get(id(view))
         if held is None:
-            held = self._caches[id(view)] = (view, make_stage_cache(view))
+            held = self._caches[id(view)] = (view, make_stage_cache(view if model is None else model))
         return held[1]
 
 

@@ -181,7 +181,7 @@ def prepare_call(
     target = view if model is None else model
     name = cache_argument(call)
     if name is not None and isinstance(call[name], StageCaches):
-        call[name] = call[name].of(view)
+        call[name] = call[name].of(view, target)
         _refuse_unsupported(target, {**call, name: None})
         call["use_cache"] = True
         return call
