@@ -21,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_pipe import PipelineParallelStrategy
 from lightning_pipe.step.engine import StepEngine
+from lightning_pipe.step.interception import LoggedValue
+from lightning_pipe.step.merging import merge_device, merge_microbatch_logs, merge_outputs
 from tests.models import VOCAB, LitLM, LitLMWithMetric, quiet_trainer
 
 #: what reads a tensor's value on the host (and ``to`` where it copies to the CPU: see :class:`HostReads`)
@@ -81,7 +83,12 @@ class PerStep(L.Callback):
 
 
 class _Logging(LitLM):
-    """Logs the ways a step can: a loss on the progress bar, a sum, a value weighted by ``batch_size=``, a number."""
+    """Logs the ways a step can: a loss on the progress bar, a sum, a value weighted by ``batch_size=``, a number
+    (unless ``number=False``: logging a Python number copies it to the device, on one device too)."""
+
+    def __init__(self, number: bool = True) -> None:
+        super().__init__()
+        self.number = number
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -90,7 +97,8 @@ class _Logging(LitLM):
         self.log("train_loss", loss, prog_bar=True)
         self.log("tokens", (y >= 0).sum().float(), reduce_fx="sum")
         self.log("top", logits.max(), batch_size=x.shape[0])
-        self.log("lr", 0.05)
+        if self.number:
+            self.log("lr", 0.05)
         return loss
 
 
@@ -101,6 +109,28 @@ def _reads_per_step(model: L.LightningModule, strategy: Any, steps: int = 3) -> 
     quiet_trainer(devices=1, max_steps=steps, strategy=strategy, callbacks=[per_step]).fit(model)
     assert len(per_step.steps) == steps
     return per_step.steps
+
+
+def test_microbatch_logs_merge_where_they_are():
+    """On the meta device, where a copy to the host raises: the merged values and the loss stay on the device."""
+    meta = [torch.ones((), device="meta") for _ in range(4)]
+    logs = [[LoggedValue("loss", v), LoggedValue("n", v, {"reduce_fx": "sum"}), LoggedValue("lr", 0.1)] for v in meta]
+    merged = merge_microbatch_logs(logs, weights=[2.0, 2.0, 1.0, 3.0])
+    assert [(e.name, e.value.device.type, e.value.dtype) for e in merged] == [
+        ("loss", "meta", torch.float32),
+        ("n", "meta", torch.float32),
+        ("lr", "cpu", torch.float32),  # Python numbers: merged on the CPU, where they are
+    ]
+    loss = merge_outputs(meta, [2.0, 2.0, 1.0, 3.0], "training_step")
+    assert loss.device.type == "meta" and loss.dtype == torch.float32
+
+
+def test_merging_falls_back_to_the_cpu_where_the_device_has_no_float64():
+    class OnMps:
+        device = torch.device("mps")
+
+    assert merge_device([OnMps()]) == torch.device("cpu")  # type: ignore[list-item]
+    assert merge_device([torch.ones(()), torch.ones((), device="meta")]) == torch.device("meta")
 
 
 @functools.cache
@@ -157,5 +187,5 @@ def test_a_training_step_on_cuda_never_waits_for_the_device(monkeypatch):
     monkeypatch.setattr(StepEngine, "train", strict)
     L.seed_everything(0)
     strategy = PipelineParallelStrategy(microbatches=4, stages_per_rank=2, schedule="Interleaved1F1B")
-    quiet_trainer(accelerator="cuda", devices=1, max_steps=4, strategy=strategy).fit(_Logging())
+    quiet_trainer(accelerator="cuda", devices=1, max_steps=4, strategy=strategy).fit(_Logging(number=False))
     assert len(calls) == 4
