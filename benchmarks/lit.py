@@ -130,10 +130,13 @@ class StepClock(L.Callback):
             self.clock.tick()
 
 
-def trainer(strategy: Any, devices: int, steps: int, callbacks: list[Any], val_batches: int = 0) -> L.Trainer:
+def trainer(
+    strategy: Any, devices: int, steps: int, callbacks: list[Any], val_batches: int = 0, accelerator: str = "auto"
+) -> L.Trainer:
+    """A benchmark Trainer: on CUDA where torch sees it (``accelerator="auto"``), else the CPU or ``accelerator``."""
     return L.Trainer(
         strategy=strategy,
-        accelerator="cuda" if torch.cuda.is_available() else "cpu",
+        accelerator=("cuda" if torch.cuda.is_available() else "cpu") if accelerator == "auto" else accelerator,
         devices=devices,
         max_steps=steps,
         limit_val_batches=val_batches,

@@ -147,7 +147,13 @@ def private_uses(tree: ast.Module) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path,tree", [s for s in _sources() if not s[0].startswith("compat")], ids=lambda v: str(v))
+def _path_id(value: object) -> str:
+    """A test id from the file or class name only: a tree's or class's repr holds its address, which differs between
+    processes (pytest-xdist refuses a suite whose workers collect different ids)."""
+    return value if isinstance(value, str) else ""
+
+
+@pytest.mark.parametrize("path,tree", [s for s in _sources() if not s[0].startswith("compat")], ids=_path_id)
 def test_private_names_only_in_compat(path, tree):
     assert private_uses(tree) == [], f"{path} uses private names; move them to lightning_pipe/compat/"
 
@@ -203,9 +209,7 @@ def _classes_with_third_party_bases() -> list[tuple[str, type, ast.ClassDef]]:
     return found
 
 
-@pytest.mark.parametrize(
-    "where,cls,node", _classes_with_third_party_bases(), ids=lambda v: v if isinstance(v, str) else ""
-)
+@pytest.mark.parametrize("where,cls,node", _classes_with_third_party_bases(), ids=_path_id)
 def test_no_private_names_of_base_classes(where, cls, node):
     theirs = _third_party_private_names(cls)
     uses = {name: line for name, line in _own_private_names(node).items() if name in theirs}
@@ -224,7 +228,7 @@ def communication_calls(tree: ast.Module) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path,tree", [s for s in _sources() if s[0] != "comm/collectives.py"], ids=lambda v: str(v))
+@pytest.mark.parametrize("path,tree", [s for s in _sources() if s[0] != "comm/collectives.py"], ids=_path_id)
 def test_communication_only_in_collectives(path, tree):
     assert communication_calls(tree) == [], f"{path} calls torch.distributed directly; use lightning_pipe.comm"
 

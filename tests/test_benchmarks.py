@@ -542,7 +542,8 @@ def test_lightning_driving_the_hand_loop_trains_exactly_as_the_hand_loop(tmp_pat
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         module = lit.HandModule(spec, "1F1B", 4, spec.batch, steps)
-        lit.trainer(lit.unwrapped_ddp(), 1, steps, []).fit(module)
+        # On the CPU, as the bare loop below (with CUDA visible the benchmark Trainer would take the GPU).
+        lit.trainer(lit.unwrapped_ddp(), 1, steps, [], accelerator="cpu").fit(module)
         bare = hand.HandPipeline(spec, "1F1B", 4, 0, 1, torch.device("cpu"))
         initial = [p.detach().clone() for p in bare.optimizer.param_groups[0]["params"]]
         # Lightning's DistributedSampler shuffles training data (seed 0, epoch 0) even for one replica: replay it

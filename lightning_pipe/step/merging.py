@@ -6,6 +6,9 @@ Pure functions over recorded values; no process group.
   weighted: by the step's ``num_items`` when it returns one (a token-mean loss), else by ``batch_size=`` passed to
   ``self.log``, else by the microbatch sizes. A logged forward output of a torchmetrics object is replaced by the
   metric's full-batch value (:mod:`lightning_pipe.step.metrics`). A logged metric object is kept as it is.
+  Values are combined in float64 on the device that holds them, weights entering as Python numbers, so merging reads
+  nothing back to the host and copies nothing to the device: the step never waits for the device here. A device
+  without float64 (Apple's MPS) merges on the CPU in float64 instead, one copy to the host per logged value.
 - **Outputs**: tensors with a batch dimension are concatenated, scalar floats averaged with the same weights, integer
   scalars (counts) summed; dicts, lists and tuples entry by entry.
 """
@@ -78,28 +81,51 @@ def _merge_one(
             return LoggedValue(name, _scalar(name, found[0][1]), kwargs)
     if len(entries) == 1:
         return LoggedValue(name, _scalar(name, first.value), kwargs)
-    values = torch.stack([_scalar(name, e.value).to("cpu", torch.float64) for _, e in entries])
+    scalars = [_scalar(name, e.value) for _, e in entries]
+    device = merge_device(scalars)
     if kwargs.get("batch_size") is not None:
         entry_weights = [float(e.kwargs["batch_size"]) for _, e in entries]
         kwargs["batch_size"] = int(sum(entry_weights))
     else:
         entry_weights = [1.0 if weights is None else float(weights[i]) for i, _ in entries]
+    values = [converted(v, device, torch.float64) for v in scalars]
     merged = _reduce(values, kwargs.get("reduce_fx", "mean"), entry_weights)
     dtype = first.value.dtype if isinstance(first.value, torch.Tensor) else torch.float32
     return LoggedValue(name, merged.to(dtype), kwargs)
 
 
-def _reduce(values: torch.Tensor, reduce_fx: Any, weights: Sequence[float]) -> torch.Tensor:
+def merge_device(values: Sequence[torch.Tensor]) -> torch.device:
+    """Where logged ``values`` are combined in float64: the device of the first one not on the CPU (a logged Python
+    number is a CPU tensor; the user's losses are on the device), the CPU when none is or when the device has no
+    float64 (MPS)."""
+    device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
+    return torch.device("cpu") if device.type == "mps" else device
+
+
+def converted(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` on ``device``, naming the device only for a move (so that a move to the host is always
+    written as one, and the step's host-read counter in the tests sees every move)."""
+    return tensor.to(dtype) if tensor.device == device else tensor.to(device, dtype)
+
+
+def _reduce(values: Sequence[torch.Tensor], reduce_fx: Any, weights: Sequence[float]) -> torch.Tensor:
+    """``values`` (0-dim float64 tensors on one device) combined by ``reduce_fx``; a mean weighted by ``weights``,
+    which enter as Python numbers (no copy to the device)."""
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
     name = name.lower()
     if name == "sum":
-        return values.sum()
+        return torch.stack(list(values)).sum()
     if name in ("max", "amax"):
-        return values.max()
+        return torch.stack(list(values)).max()
     if name in ("min", "amin"):
-        return values.min()
-    w = torch.tensor(weights, dtype=torch.float64)
-    return (values * w).sum() / w.sum()
+        return torch.stack(list(values)).min()
+    return weighted_mean(values, weights)
+
+
+def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """The mean of the 0-dim float64 tensors ``values`` weighted by the Python numbers ``weights``, on their device:
+    each value times its weight, summed, over the weights' sum (exact for integer weights, as sizes and counts are)."""
+    return torch.stack([v * w for v, w in zip(values, weights)]).sum() / math.fsum(weights)
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
@@ -138,9 +164,9 @@ def _merge_tensors(tensors: Sequence[torch.Tensor], sizes: Sequence[float]) -> t
         return torch.cat(list(tensors))
     if all(t.dim() == 0 for t in tensors):
         if first.is_floating_point():
-            weights = torch.tensor(list(sizes), dtype=torch.float64, device=first.device)
-            mean = (torch.stack(list(tensors)).double() * weights).sum() / weights.sum()
-            return mean.to(first.dtype)
+            device = merge_device(tensors)
+            mean = weighted_mean([converted(t, device, torch.float64) for t in tensors], [float(s) for s in sizes])
+            return converted(mean, first.device, first.dtype)
         return torch.stack(list(tensors)).sum()
     raise PipelineUsageError(
         f"Step outputs of shapes {[tuple(t.shape) for t in tensors]} cannot be combined across microbatches: tensors"

@@ -40,7 +40,14 @@ from lightning_pipe.step.frontend import TRAINING, UserStep
 from lightning_pipe.step.generation import Lockstep, decoding_of
 from lightning_pipe.step.interception import Call, CallInterceptor, LoggedValue
 from lightning_pipe.step.manual import ManualResult, Op, agreed_ops
-from lightning_pipe.step.merging import is_scalar_structure, merge_microbatch_logs, merge_outputs
+from lightning_pipe.step.merging import (
+    converted,
+    is_scalar_structure,
+    merge_device,
+    merge_microbatch_logs,
+    merge_outputs,
+    weighted_mean,
+)
 from lightning_pipe.step.metrics import MetricMirror, MetricUpdate, StepMetrics
 from lightning_pipe.step.rng import RngStreams
 from lightning_pipe.step.runtime import PipelineRuntime
@@ -353,12 +360,15 @@ class StepProtocol:
 
 
 def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """The microbatch losses' mean weighted by ``weights``, computed in float64, in the losses' dtype."""
-    stacked = torch.stack(losses).double()
+    """The microbatch losses' mean weighted by ``weights``, computed in float64 (on the CPU where the device has none),
+    in the losses' dtype and on their device; the weights enter as Python numbers, so nothing is copied to the device
+    nor read back (:func:`~lightning_pipe.step.merging.weighted_mean`)."""
+    device = merge_device(losses)
     if all(w == weights[0] for w in weights):
-        return stacked.mean().to(losses[0].dtype)
-    w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
-    return ((stacked * w).sum() / w.sum()).to(losses[0].dtype)
+        mean = converted(torch.stack(losses), device, torch.float64).mean()
+    else:
+        mean = weighted_mean([converted(loss, device, torch.float64) for loss in losses], weights)
+    return converted(mean, losses[0].device, losses[0].dtype)
 
 
 def _whole(value: Any) -> Any:

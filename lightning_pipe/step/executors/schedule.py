@@ -28,6 +28,14 @@ def _zero_loss(output: Any) -> torch.Tensor:
     return sum((local(t).float().sum() * 0.0 for t in leaves if t.is_floating_point()), torch.zeros(()))
 
 
+def _microbatch_index(target: torch.Tensor, arange: torch.Tensor | None) -> int:
+    """The microbatch a schedule target (a one-element chunk of ``arange``, the step's ``torch.arange(n)``) stands
+    for: the view's offset in it (metadata, so the step reads no tensor to the host), or the value where torch handed
+    over a copy instead of a view."""
+    shared = arange is not None and target.untyped_storage().data_ptr() == arange.untyped_storage().data_ptr()
+    return target.storage_offset() if shared and target.numel() == 1 else int(target)
+
+
 def step_options(schedule: Any) -> dict[str, Any]:
     """Keyword arguments for ``schedule.step``: the last stage's outputs are not kept nor merged (each microbatch's
     output already reached the user's step through the loss function), where this torch has ``return_outputs``."""
@@ -204,7 +212,7 @@ class ScheduleExecutor:
             step.inference_output = False
             return _zero_loss(output)
         assert step.on_output is not None, "the last stage's step has an output handler"
-        microbatch = int(target)  # a one-element chunk of torch.arange(n)
+        microbatch = _microbatch_index(target, self._targets.get(len(step.calls)))
         last = self.runtime.stages[self.runtime.num_stages - 1]
         recorder = last.recorder
         if recorder is None:
