@@ -20,6 +20,7 @@ from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.models import kind_of, use_plan
 from lightning_pipe.models.base import Placeholder, StageCall
+from lightning_pipe.models.huggingface.directory import is_hf_directory
 from lightning_pipe.models.units import ONE_UNIT, Layout, find_block_stack, find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
@@ -27,7 +28,7 @@ from lightning_pipe.split.calls import call_traced
 from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.deferred_init import InitRecording
 from lightning_pipe.split.frontend import choose_frontend
-from lightning_pipe.split.initialization import initialize, warn_whole_model
+from lightning_pipe.split.initialization import initialize, loaded_names, warn_whole_model
 from lightning_pipe.split.partition import counts_from_split_points, one_unit_counts, stage_to_rank, stage_units
 from lightning_pipe.split.surgery import (
     call_passing_on,
@@ -320,6 +321,7 @@ def split_module(
     ranks = stage_to_rank(num_stages, int(settings.pipeline_size), settings.placement)
     local = [s for s in range(num_stages) if ranks[s] == pipeline_rank]
     seed = torch.initial_seed()
+    init = {"init_values": settings.init_values, "loaded": _loaded(network, prefix, settings)}
     absent = {s: tuple(u for u in layout.units if u not in units_per_stage[s]) for s in local}
     ties = plan_ties(network, layout.units, units_per_stage)
     common = {
@@ -336,7 +338,7 @@ def split_module(
         "shared": shared,
     }
     if settings.frontend == "trace":
-        split = _trace(lightning_module, network, counts, local, settings, device, common, recording)
+        split = _trace(lightning_module, network, counts, local, settings, device, common, recording, init)
     else:
         check_ownership(network, layout.units)
         full_bytes = _tensor_bytes(network)
@@ -356,6 +358,7 @@ def split_module(
                     owner=lightning_module,
                     recording=recording,
                     prefix=prefix,
+                    **init,
                 )
             retie(network, shared)
             construction_peak = peak.bytes
@@ -371,6 +374,14 @@ def split_module(
     return split
 
 
+def _loaded(network: nn.Module, prefix: str, settings: PipelineSettings) -> frozenset[str]:
+    """What ``init_weights`` sets when it is a Hugging Face directory: one device's ``from_pretrained`` draws nothing
+    for those tensors. (A one-device script loading a ``.ckpt`` or state dict builds its model first, drawing.)"""
+    if settings.init_weights is None or not is_hf_directory(settings.init_weights) or not has_meta_tensors(network):
+        return frozenset()
+    return loaded_names(network, prefix)
+
+
 def _tensor_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
@@ -384,6 +395,7 @@ def _trace(
     device: torch.device,
     common: dict[str, Any],
     recording: InitRecording | None,
+    init: dict[str, Any],
 ) -> Split:
     attr, layout = common["network_attr"], common["layout"]
     if not attr:
@@ -408,7 +420,7 @@ def _trace(
     setattr(lightning_module, attr, holder)
     if has_meta_tensors(holder):
         prefix = f"{attr}."
-        initialize(holder, device, seed, units=(), owner=lightning_module, recording=recording, prefix=prefix)
+        initialize(holder, device, seed, units=(), owner=lightning_module, recording=recording, prefix=prefix, **init)
     return Split(bodies=bodies, network=holder, static_microbatch_size=static, **common)
 
 

@@ -1,8 +1,9 @@
-"""The seed of each module or unit of a network: ``seed + crc32(name)``, so its initial values depend on its name in
-the full model only, not on the pipeline layout or on which rank holds it.
+"""The random streams a split network's initial values are drawn from.
 
-Both ways of initialising a split network draw under these seeds: the model's own init hooks
-(:mod:`lightning_pipe.split.initialization`) and the replay of what ``configure_model`` did on the meta device
+``init_values="per_unit"``: the seed of each module or unit, ``seed + crc32(name)``, so its initial values depend on
+its name in the full model only, not on the pipeline layout or on which rank holds it; the model's own init hooks
+(:mod:`lightning_pipe.split.initialization`) always draw under these seeds. ``init_values="one_device"``: the global
+streams as they were when ``configure_model`` began (:class:`Streams`), replayed in one device's order
 (:mod:`lightning_pipe.split.deferred_init`).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,3 +29,24 @@ def seeded(seed: int, name: str, fn: Callable[[], Any]) -> None:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(unit_seed(seed, name))
         fn()
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The global random streams at one moment: the CPU generator's state and, for a CUDA ``device``, that device's."""
+
+    cpu: torch.Tensor
+    device: torch.device | None = None
+    accelerator: torch.Tensor | None = None
+
+    @classmethod
+    def capture(cls, device: torch.device | None = None) -> Streams:
+        if device is not None and device.type == "cuda":
+            return cls(torch.get_rng_state(), device, torch.cuda.get_rng_state(device))
+        return cls(torch.get_rng_state())
+
+    def restore(self) -> None:
+        """Set the streams back to this state: what is drawn next is what was drawn next then."""
+        torch.set_rng_state(self.cpu)
+        if self.accelerator is not None:
+            torch.cuda.set_rng_state(self.accelerator, self.device)
