@@ -346,8 +346,10 @@ def split_module(
         construction_peak = None
         prune(network, [u for s in local for u in units_per_stage[s]], layout.units, placeholder=plan.placeholder)
         if meta:
-            # Parameters shared inside this rank's stages (not across stages: `ties`), to be shared again afterwards.
-            across = {name for tie in ties for name in tie.names}
+            # Parameters shared inside this rank's stages, to be shared again afterwards; those shared with another
+            # rank's stages are copies kept equal (`ties`). A tie between two stages of this rank (the first and last
+            # stage of a V) is one Parameter, as built in `__init__`.
+            across = {name for tie in ties if len({ranks[s] for s in tie.stages}) > 1 for name in tie.names}
             shared = [group for group in tied_groups(network) if not across.intersection(group)]
             with PeakMemory(device) as peak:
                 initialize(

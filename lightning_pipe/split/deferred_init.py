@@ -143,8 +143,11 @@ class InitRecording:
         skipped = {self.roots[n].key for n in loaded if n in self.roots}
         targets: dict[int, Tensor] = {}
         needed: set[int] = set()
+        others: list[tuple[Tensor, int]] = []  # a tied tensor's other names, which `to_empty` allocated apart
         for name, tensor in [*network.named_parameters(), *network.named_buffers()]:
             root = self.roots.get(prefix + name)
+            if root is not None and root.key in targets and targets[root.key] is not tensor:
+                others.append((tensor, root.key))
             if root is None or root.key in targets or root.key in skipped:
                 continue
             own = self._setting(root.key, len(self.ops), skip_empty=True)
@@ -164,6 +167,8 @@ class InitRecording:
             elif torch_compat.is_random(op.func) and not (op.writes | op.creates) <= skipped:
                 self._check_draws_by_shape(op)
                 run.discard(op)
+        for tensor, key in others:
+            tensor.copy_(targets[key])
         return len(targets)
 
     def _refuse_view(self, root: _Root, index: int) -> None:
