@@ -5,7 +5,8 @@ The model: ``LlamaForCausalLM`` with hidden 1024, 26 layers, 16 heads / 4 key-va
 vocabulary 32,000, untied head (502 M parameters, fp32), transformers' own init (its ``_init_weights`` after
 ``nn.Linear``'s defaults, as one device runs them).
 
-Measured, each once per ``--repeats``, in this process, one thread (``torch.set_num_threads(1)``), the median kept:
+Measured, each once per ``--repeats``, in this process, one thread (``torch.set_num_threads(1)``), the median kept,
+as CPU time of the process (``time.process_time``: on a shared machine wall-clock time counts the other jobs):
 
 - ``one device``: ``LlamaForCausalLM(config)`` on the CPU from the same seed: the initialisation itself;
 - for each pipeline size P and the first and last rank of it (the layers split evenly, the embedding on the first
@@ -50,9 +51,9 @@ def one_device(cfg) -> tuple[float, dict[str, torch.Tensor], int]:
     import transformers
 
     torch.manual_seed(0)
-    start = time.perf_counter()
+    start = time.process_time()
     model = transformers.LlamaForCausalLM(cfg)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     return seconds, model.state_dict(), sum(p.numel() for p in model.parameters())
 
 
@@ -73,9 +74,9 @@ def rank_share(cfg, size: int, rank: int, init_values: str) -> tuple[float, dict
         model.model.embed_tokens = None
     if rank != size - 1:
         model.model.norm = model.lm_head = None
-    start = time.perf_counter()
+    start = time.process_time()
     initialize(model, torch.device("cpu"), 0, recording=recording, init_values=init_values)
-    return time.perf_counter() - start, model.state_dict()
+    return time.process_time() - start, model.state_dict()
 
 
 def main() -> None:

@@ -28,16 +28,17 @@ def _one_device(build, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Te
     return dict(net.state_dict(keep_vars=False)), torch.rand(4)
 
 
-def _stage(build, keep, seed: int = 0, init_values: str = "one_device", loaded=frozenset()):
-    """A rank's share: built on the meta device from ``seed``, pruned to the units ``keep(net)``, initialised."""
+def _stage(build, keep, seed: int = 0, init_values: str = "one_device", loaded=frozenset(), device=CPU):
+    """A rank's share: built on the meta device from ``seed``, pruned to the units ``keep(net)``, initialised on
+    ``device``; and the next numbers ``device``'s stream draws."""
     torch.manual_seed(seed)
-    with torch.device("meta"), record_init() as recording:
+    with torch.device("meta"), record_init(device) as recording:
         net = build()
     recording = recording.finish(net)
     keep(net)
     torch.manual_seed(1234)  # what runs between configure_model and the cut draws from the stream too
-    initialize(net, CPU, seed, recording=recording, init_values=init_values, loaded=loaded)
-    return net, torch.rand(4)
+    initialize(net, device, seed, recording=recording, init_values=init_values, loaded=loaded)
+    return net, torch.rand(4, device=device)
 
 
 def _net() -> Net:
@@ -63,6 +64,19 @@ def test_each_stage_holds_one_device_s_values_and_the_stream_ends_there(counts, 
     assert state
     for name, value in state.items():
         assert torch.equal(value, whole[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_values_are_one_device_s_from_the_cuda_generator():
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    with cuda:
+        whole = _net().state_dict()
+    after = torch.rand(4, device=cuda)
+    net, drawn = _stage(_net, _keep_stage([2, 2], 1), device=cuda)
+    assert torch.equal(drawn, after)
+    for name, value in net.state_dict().items():
+        assert value.device.type == "cuda" and torch.equal(value, whole[name]), name
 
 
 def test_per_unit_values_are_not_one_device_s():
@@ -179,3 +193,40 @@ def test_init_values_is_checked_by_name():
     with pytest.raises(PipelineConfigError, match=r"`init_values='bogus'`.*'one_device'.*'per_unit'"):
         PipelineParallelStrategy(init_values="bogus")
     assert PipelineParallelStrategy().settings.init_values == "one_device"
+
+
+def test_adapters_over_a_directory_are_from_pretrained_and_get_peft_model_s(tmp_path, tuner="lora-saved"):
+    """The base weights' draws are left out (``from_pretrained`` loads them), the adapters' made in one device's
+    order: a stage holding the last layers has one device's adapters, and the stream ends where one device's ends."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from lightning_pipe.split.initialization import loaded_names
+    from tests.hf_pretrained import save_pretrained
+    from tests.peft_models import peft_config
+
+    directory = save_pretrained(tmp_path / "llama", "llama", False, layers=4)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    torch.manual_seed(0)
+    whole = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), peft_config(tuner))
+    after = torch.rand(4)
+
+    def build():
+        return peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), peft_config(tuner))
+
+    def last_layers(model: nn.Module) -> None:
+        inner = model.base_model.model.model
+        inner.embed_tokens = inner.layers[0] = inner.layers[1] = None
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        loaded = loaded_names(build(), "")
+    assert loaded and not any("lora_" in n or "hada_" in n for n in loaded)
+    from lightning_pipe.compat.transformers import init_on_meta
+
+    with init_on_meta():  # what the strategy's meta_init does with transformers 5
+        net, drawn = _stage(build, last_layers, loaded=loaded)
+    assert torch.equal(drawn, after)
+    trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    assert trainable
+    for name, value in trainable:
+        assert torch.equal(value, whole.get_parameter(name)), name

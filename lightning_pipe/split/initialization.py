@@ -279,9 +279,7 @@ def warn_whole_model(network_bytes: int, kept_bytes: int) -> None:
         f"The network was built in `__init__`, so every rank allocated all of it ({format_bytes(network_bytes)} of"
         f" parameters and buffers) before keeping its own stages ({format_bytes(kept_bytes)} on rank 0). Build it"
         " in the LightningModule's `configure_model` hook instead: there it is created on the meta device and each"
-        " rank allocates only its stages. The trade-off: a network built there draws its initial weights per module"
-        " instead of from the global random stream, so a shuffling DataLoader's order (and the initial values) then"
-        " differ from a single-device run of the script that builds it in `__init__` (docs/getting-started.md,"
-        " 'Shuffling and data order').",
+        " rank allocates only its stages, with the initial values and the shuffling DataLoader's order of a"
+        " single-device run from the same seed (`init_values='one_device'`, docs/initialization.md).",
         category=UserWarning,
     )
