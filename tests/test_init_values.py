@@ -125,6 +125,32 @@ def test_a_value_computed_from_another_stage_s_random_tensor_is_one_device_s():
         _stage(Copied, second, init_values="per_unit")
 
 
+class Reseeded(nn.Module):
+    """Draws inside a ``fork_rng`` (undone on one device) and after a ``manual_seed``, as a ``configure_model`` may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+        self.blocks.append(nn.Linear(4, 4))
+        torch.manual_seed(7)
+        self.blocks.append(nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_seed_or_fork_rng_in_configure_model_is_followed(stage):
+    whole, after = _one_device(Reseeded)
+
+    def keep(net: nn.Module) -> None:
+        for i in {0, 1, 2} - {stage}:
+            net.blocks[i] = None
+
+    net, drawn = _stage(Reseeded, keep)
+    assert torch.equal(drawn, after)
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+
+
 class Poisson(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -204,7 +230,7 @@ def test_adapters_over_a_directory_are_from_pretrained_and_get_peft_model_s(tmp_
     from tests.hf_pretrained import save_pretrained
     from tests.peft_models import peft_config
 
-    directory = save_pretrained(tmp_path / "llama", "llama", False, layers=4)
+    directory = save_pretrained(tmp_path / "llama", "llama", True, layers=4)  # tied: its head drawn, then dropped
     config = transformers.AutoConfig.from_pretrained(directory)
     torch.manual_seed(0)
     whole = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), peft_config(tuner))

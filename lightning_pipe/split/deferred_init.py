@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.split.seeding import Streams, seeded
+from lightning_pipe.split.seeding import StreamCall, Streams, seeded, stream_calls
 
 
 def _key(t: Tensor) -> int:
@@ -159,17 +159,33 @@ class InitRecording:
             targets[root.key] = tensor
             needed.update(own)
         assert self.streams is not None, "record_init captured the streams"
+        drawn = self._drawn(skipped)
         self.streams.restore()
         run = _Replay(self, targets, device, sorted(needed), keep_generator=True)
+        saved: dict[int, Tensor] = {}
         for index, op in enumerate(self.ops):
-            if index in needed:
+            if isinstance(op.func, StreamCall):  # a seed or fork_rng in configure_model, at its place
+                op.func.replay(saved)
+            elif index in needed:
                 run.step(index)
-            elif torch_compat.is_random(op.func) and not (op.writes | op.creates) <= skipped:
+            elif torch_compat.is_random(op.func) and (drawn is None or index in drawn):
                 self._check_draws_by_shape(op)
                 run.discard(op)
         for tensor, key in others:
             tensor.copy_(targets[key])
         return len(targets)
+
+    def _drawn(self, loaded: set[int]) -> set[int] | None:
+        """With tensors loaded from a Hugging Face directory, the operators one device's ``from_pretrained`` +
+        the rest of ``configure_model`` run: those that set a tensor the directory does not hold (on any rank). The
+        construction's draws for loaded tensors, and for tensors that end in none (a tied head's own weight before
+        the tie), are not made (``from_pretrained`` builds under ``no_init_weights``). ``None``: every operator."""
+        if not loaded:
+            return None
+        drawn: set[int] = set()
+        for key in {r.key for r in self.roots.values()} - loaded:
+            drawn.update(self._setting(key, len(self.ops), skip_empty=True))
+        return drawn
 
     def _refuse_view(self, root: _Root, index: int) -> None:
         raise PipelineModelError(
@@ -416,6 +432,12 @@ class _SkippedInits(TorchFunctionMode):
         return out
 
 
+def _stream_op(call: StreamCall, site: str) -> _Op:
+    """A :class:`StreamCall` in the recorded order: it sets no tensor (only :meth:`InitRecording.replay_in_order`
+    runs it)."""
+    return _Op(call, (), {}, frozenset(), frozenset(), frozenset(), [], site)
+
+
 @contextmanager
 def record_init(device: torch.device | None = None) -> Iterator[InitRecording]:
     """Record what the enclosed code does to meta tensors (``configure_model`` under the strategy's meta device), and
@@ -424,4 +446,6 @@ def record_init(device: torch.device | None = None) -> Iterator[InitRecording]:
     with ExitStack() as stack:
         stack.enter_context(torch_compat.operator_observer(functools.partial(_record, recording)))
         stack.enter_context(_SkippedInits(recording))
+        site = functools.partial(torch_compat.user_frame, __file__)
+        stack.enter_context(stream_calls(lambda call: recording.add(_stream_op(call, site()))))
         yield recording
