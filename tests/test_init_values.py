@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipelineParallelStrategy
+from lightning_pipe.compat.transformers import init_on_meta
 from lightning_pipe.errors import PipelineConfigError, PipelineModelError
 from lightning_pipe.models.units import find_layout
 from lightning_pipe.split.deferred_init import record_init
@@ -32,7 +33,7 @@ def _stage(build, keep, seed: int = 0, init_values: str = "one_device", loaded=f
     """A rank's share: built on the meta device from ``seed``, pruned to the units ``keep(net)``, initialised on
     ``device``; and the next numbers ``device``'s stream draws."""
     torch.manual_seed(seed)
-    with torch.device("meta"), record_init(device) as recording:
+    with torch.device("meta"), init_on_meta(), record_init(device) as recording:  # as the strategy's meta_init
         net = build()
     recording = recording.finish(net)
     keep(net)
@@ -247,10 +248,7 @@ def test_adapters_over_a_directory_are_from_pretrained_and_get_peft_model_s(tmp_
     with torch.device("meta"):
         loaded = loaded_names(build(), "")
     assert loaded and not any("lora_" in n or "hada_" in n for n in loaded)
-    from lightning_pipe.compat.transformers import init_on_meta
-
-    with init_on_meta():  # what the strategy's meta_init does with transformers 5
-        net, drawn = _stage(build, last_layers, loaded=loaded)
+    net, drawn = _stage(build, last_layers, loaded=loaded)
     assert torch.equal(drawn, after)
     trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     assert trainable
