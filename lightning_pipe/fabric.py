@@ -102,7 +102,7 @@ class PipelineFabricStrategy(PipelineArguments, DDPStrategy):
 
     @contextmanager
     def _meta_init(self) -> Generator[None, None, None]:
-        with self.precision.module_init_context(), self._session.meta_init():
+        with self.precision.module_init_context(), self._session.meta_init(self.root_device):
             yield
 
     @override

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -26,6 +26,7 @@ from lightning_pipe.checkpoint.whole_state import keep_own_entries
 from lightning_pipe.comm import collectives
 from lightning_pipe.comm.mesh import MeshAxes, MeshCache
 from lightning_pipe.compat import lightning as pl_compat
+from lightning_pipe.compat import transformers as hf_compat
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.parallel.grads import GradientSync, StageGradients, TieGroups, stage_gradients
@@ -38,6 +39,7 @@ from lightning_pipe.settings import (
     BalanceMode,
     DataParallelMode,
     FrontendName,
+    InitValues,
     InnerAxis,
     ModelPlan,
     NonNegativeInt,
@@ -135,10 +137,13 @@ class PipelineSession(MeshAxes):
 
     # ------------------------------------------------------------------ the model
     @contextmanager
-    def meta_init(self) -> Generator[None, None, None]:
-        """Modules created inside go on the meta device, and what is done to their tensors is recorded: :meth:`cut`
-        allocates only this rank's stages and replays the record on them."""
-        with torch.device("meta"), record_init() as recording:
+    def meta_init(self, device: torch.device) -> Generator[None, None, None]:
+        """Modules created inside go on the meta device, and what is done to their tensors is recorded, with the random
+        streams (CPU and ``device``'s) as they were: :meth:`cut` allocates only this rank's stages and replays the
+        record on them."""
+        # transformers 5 skips a model's init on the meta device; one device's values need it recorded
+        complete = hf_compat.init_on_meta() if self._settings.init_values == "one_device" else nullcontext()
+        with torch.device("meta"), complete, record_init(device) as recording:
             yield
         self.recording = recording
 
@@ -282,6 +287,7 @@ class PipelineArguments(MeshAxes):
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         init_weights: Optional[Union[str, Path]] = None,
         init_adapter: Optional[Union[str, Path]] = None,
+        init_values: InitValues = "one_device",
         eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto",
         data_parallel: DataParallelMode = "ddp",
         inner_axis: InnerAxis = "dp",
@@ -328,6 +334,10 @@ class PipelineArguments(MeshAxes):
                 directory or a Hugging Face model directory (docs/pretrained.md), each rank reading only its stages'
                 tensors. Default ``None``: the model's own init.
             init_adapter: A PEFT adapter directory loaded after ``init_weights``: continue a LoRA fine-tune.
+            init_values: The initial values of a network built in ``configure_model``. ``"one_device"`` (default):
+                what one device draws with the same seed, the global random stream left where one device leaves it
+                (each rank draws the other ranks' values too and discards them). ``"per_unit"``: each unit under its
+                own seed, no rank drawing for another (docs/initialization.md).
             eval_microbatches: Microbatches per validation/test/predict batch (any batch size works). ``"auto"``: one
                 per process of the pipeline.
             data_parallel: How replicas share the work: ``"ddp"`` (default; stages whole, gradients averaged once per
@@ -372,6 +382,7 @@ class PipelineArguments(MeshAxes):
             timeout=timeout,
             init_weights=init_weights,
             init_adapter=init_adapter,
+            init_values=init_values,
             eval_microbatches=eval_microbatches,
             data_parallel=data_parallel,
             inner_axis=inner_axis,

@@ -45,6 +45,10 @@ FrontendName = Literal["auto", "modules", "dataflow", "trace"]
 FRONTENDS: tuple[str, ...] = get_args(FrontendName)
 DataParallelMode = Literal["ddp", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
+#: Where a network built in ``configure_model`` draws its initial values: one device's global stream, in one device's
+#: order (each rank drawing and discarding the others' values), or each unit's own seed (no rank draws for another).
+InitValues = Literal["one_device", "per_unit"]
+INIT_VALUES: tuple[str, ...] = get_args(InitValues)
 DP, PP, TP = "dp", "pp", "tp"
 #: Which of the axes "dp" and "pp" holds consecutive ranks (ranks on one node when the launcher fills nodes in order);
 #: "tp" is always innermost.
@@ -225,6 +229,15 @@ def check_data_parallel(data_parallel: str) -> None:
         )
 
 
+def check_init_values(init_values: str) -> None:
+    if init_values not in INIT_VALUES:
+        raise PipelineConfigError(
+            f"`init_values={init_values!r}` is not one of {_listed(INIT_VALUES)}. Use 'one_device' for the values a"
+            " single device draws with the same seed, or 'per_unit' for draws under each unit's own seed (no rank"
+            " draws for another's units)."
+        )
+
+
 def check_inner_axis(inner_axis: str) -> None:
     if inner_axis not in (PP, DP):
         raise PipelineConfigError(
@@ -371,6 +384,8 @@ class PipelineSettings:
     init_weights: Optional[Union[str, Path]] = None
     #: a PEFT adapter directory to start the adapters from (after ``init_weights``; normalised to a ``Path``)
     init_adapter: Optional[Union[str, Path]] = None
+    #: the initial values of a network built in ``configure_model``: one device's, or per-unit seeds
+    init_values: InitValues = "one_device"
     eval_microbatches: Union[Literal["auto"], PositiveInt] = "auto"
     data_parallel: DataParallelMode = "ddp"
     inner_axis: InnerAxis = "dp"
@@ -407,6 +422,7 @@ class PipelineSettings:
         check_blocks(self.blocks, self.frontend)
         check_data_parallel(self.data_parallel)
         check_inner_axis(self.inner_axis)
+        check_init_values(self.init_values)
         check_tensor_parallel(self.tensor_parallel, self.frontend)
         if not isinstance(self.loss_parallel, bool):
             raise PipelineConfigError(f"`loss_parallel` must be True or False, got {self.loss_parallel!r}.")

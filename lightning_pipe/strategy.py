@@ -139,7 +139,7 @@ class PipelineParallelStrategy(
             self._split_network(module)
             yield
             return
-        with self._session.meta_init():
+        with self._session.meta_init(self.root_device):
             yield
         self._session.finish_recording(self.lightning_module)
 

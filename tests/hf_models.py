@@ -52,13 +52,26 @@ def padded_batches(samples: int, seed: int, side: str) -> TensorDataset:
 
 
 class LitHF(L.LightningModule):
+    """``built``: where the model is built, ``"init"`` (``__init__``) or ``"configure_model"`` (on the meta device
+    under the pipeline, its initial values one device's)."""
+
     def __init__(
-        self, family: str = "llama", tie: bool = True, side: str = "right", layers: int = 8, weighted: bool = True
+        self,
+        family: str = "llama",
+        tie: bool = True,
+        side: str = "right",
+        layers: int = 8,
+        weighted: bool = True,
+        built: str = "init",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = build(family, tie, layers)
+        self.model = build(family, tie, layers) if built == "init" else None
         self.step_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build(self.hparams.family, self.hparams.tie, self.hparams.layers)
 
     def _out(self, batch):
         ids, mask, labels = batch

@@ -50,14 +50,9 @@ class LitPeft(LitPretrained):
         if self.model is not None:
             return
         super().configure_model()
-        if not self.pretrained:
-            self.model = peft.get_peft_model(self.model, peft_config(self.tuner))
-            return
-        # On one device peft draws the adapters from the global random stream, which would shift the shuffling
-        # DataLoader's order; under the pipeline they are drawn per tensor (docs/getting-started.md, "Shuffling and
-        # data order"). The reference takes the pipeline run's adapters (``start``) and keeps its data order.
-        with torch.random.fork_rng():
-            self.model = peft.get_peft_model(self.model, peft_config(self.tuner))
+        # peft draws the adapters from the global random stream; under the pipeline (init_values="one_device") the
+        # same numbers, and the shuffling DataLoader then draws the same order
+        self.model = peft.get_peft_model(self.model, peft_config(self.tuner))
 
     def training_step(self, batch, batch_idx):
         if not self.bare:

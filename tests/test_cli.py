@@ -67,6 +67,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
         "eval_microbatches": 2,
         "init_weights": None,
         "init_adapter": "adapters/my-lora",
+        "init_values": "per_unit",
         "data_parallel": "fsdp",
         "inner_axis": "pp",
         "activation_checkpointing": 2,
@@ -93,6 +94,7 @@ def test_strategy_by_class_path_with_every_argument(tmp_path) -> None:
     assert settings.compile == {"mode": "max-autotune-no-cudagraphs"}
     assert settings.model_plan == {"model.layers": (["hidden_states"], ["hidden_states"])}
     assert settings.init_adapter == Path("adapters/my-lora")
+    assert settings.init_values == "per_unit"
 
 
 def test_timeout_accepts_null(tmp_path) -> None:

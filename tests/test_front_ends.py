@@ -66,6 +66,7 @@ def test_settings_are_built_field_by_field():
         "eval_microbatches": 3,
         "data_parallel": "fsdp",
         "inner_axis": "pp",
+        "init_values": "per_unit",
         "activation_checkpointing": 2,
         "model_plan": {"model.layers": (["h"], ["h"])},
     }

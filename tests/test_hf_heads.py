@@ -47,7 +47,12 @@ CONFIGS = [
 #: the LoRA reward-model recipe (``task_type="SEQ_CLS"``: the head trains whole, in ``modules_to_save``)
 LORA_CONFIGS = [
     _cfg("reward-lora-1f1b", "reward", "1F1B", lora=True),
-    _cfg("reward-lora-from-causal-lm", "reward", "1F1B", lora=True, directory="reward-causal-lm"),
+    # a head new to the directory: one device's from_pretrained draws it after loading, in another place of the
+    # stream than its construction (docs/initialization.md); this run keeps per-unit values and the reference's order
+    {
+        **_cfg("reward-lora-from-causal-lm", "reward", "1F1B", lora=True, directory="reward-causal-lm"),
+        "init_values": "per_unit",
+    },
 ]
 HEAD = "model.base_model.model.score"
 
@@ -163,7 +168,12 @@ def _lora_one_device(launch: Launch, name: str):
     ranks = launch.ranks(name)
     initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
     work = launch.out
-    strategy = PipelineParallelStrategy(init_weights=work / cfg["directory"]) if "directory" in cfg else None
+    values = cfg.get("init_values", "one_device")
+    strategy = (
+        PipelineParallelStrategy(init_weights=work / cfg["directory"], init_values=values)
+        if "directory" in cfg
+        else None
+    )
     start = None if strategy is not None else initial
     model, _ = fine_tune(work / "reward", "reward", strategy, lora=True, start=start)
     return ranks, model

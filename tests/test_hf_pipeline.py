@@ -1,6 +1,7 @@
 """Unmodified transformers causal LMs under the pipeline equal one device: Llama with tied and untied embeddings,
 right and left padding, ``labels=-100`` on padding and a token-weighted loss, under 1F1B and ZBVZeroBubble at 2
-processes and Interleaved1F1B at 4; Qwen2 as the second family at 2 processes. Training and validation. At 4
+processes and Interleaved1F1B at 4; Qwen2 as the second family at 2 processes; Llama built in ``configure_model``
+with one device's initial values and shuffled data order. Training and validation. At 4
 processes also 2 stages x 2 replicas, sharded (FSDP) against replicated (DDP)."""
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ CONFIGS = {
         _cfg("ZBVZeroBubble", 2, "llama", True, "left"),
         _cfg("ZBVZeroBubble", 2, "llama", False, "right"),
         _cfg("1F1B", 2, "qwen2", True, "left"),
+        # built in configure_model (meta device): one device's initial values and data order (init_values)
+        {**_cfg("1F1B", 2, "llama", False, "right"), "name": "llama-configure-model-1F1B", "built": "configure_model"},
+        {
+            **_cfg("ZBVZeroBubble", 2, "llama", True, "left"),
+            "name": "llama-configure-model-ZBV",
+            "built": "configure_model",
+        },
     ],
     4: [_cfg("Interleaved1F1B", 4, "llama", True, "right"), _cfg("Interleaved1F1B", 4, "llama", False, "left")],
 }
@@ -45,8 +53,8 @@ TOL = 1e-5
 
 
 @functools.cache
-def reference(family: str, tie: bool, side: str) -> dict:
-    return run_hf(family=family, tie=tie, side=side)
+def reference(family: str, tie: bool, side: str, built: str = "init") -> dict:
+    return run_hf(family=family, tie=tie, side=side, built=built)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +72,7 @@ def four_procs(tmp_path_factory):
 
 
 def _check(ranks: list[dict], cfg: dict) -> None:
-    ref = reference(cfg["family"], cfg["tie"], cfg["side"])
+    ref = reference(cfg["family"], cfg["tie"], cfg["side"], cfg.get("built", "init"))
     assert_parity(ranks, ref["losses"], ref["state"], rtol=TOL, atol=1e-6)
     for r in ranks:
         assert r["metrics"].keys() == ref["metrics"].keys()

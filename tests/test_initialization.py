@@ -177,7 +177,7 @@ def test_whole_model_warning_names_bytes_configure_model_and_the_data_order():
         warn_whole_model(300 * 2**20, 150 * 2**20)
     message = str(caught[0].message)
     assert "300.00 MiB" in message and "150.00 MiB" in message and "configure_model" in message
-    assert "shuffling DataLoader's order" in message  # the trade-off of moving the construction
+    assert "shuffling DataLoader's order" in message and "init_values='one_device'" in message  # no trade-off now
 
 
 def test_whole_model_warning_only_where_the_memory_matters():

@@ -122,12 +122,13 @@ def work(tmp_path_factory):
 
 
 @functools.cache
-def _reference_run(path: str, tuner: str, start: tuple, bare: bool = False):
-    return fine_tune(path, tuner, start=dict(start), bare=bare)
+def _reference_run(path: str, tuner: str, start: tuple | None, bare: bool = False):
+    return fine_tune(path, tuner, start=dict(start) if start else None, bare=bare)
 
 
-def _reference(path: str, tuner: str, start: tuple, bare: bool = False) -> tuple[list[float], float, dict, dict]:
-    model, _, val = _reference_run(path, tuner, start, bare)
+def _reference(path: str, tuner: str, start: tuple = (), bare: bool = False) -> tuple[list[float], float, dict, dict]:
+    """One device's fine-tune; with ``start``, from those trainable values (else peft's own draws)."""
+    model, _, val = _reference_run(path, tuner, start or None, bare)
     return model.step_losses, val, model.initial, model.frozen
 
 
@@ -151,9 +152,10 @@ def _check(launch: Launch, schedule: str, run: str) -> None:
     name, tuner = run.split(":")[:2]
     ranks = _ranks(launch, schedule, run)
     initial = {k: v for rank in ranks for k, v in rank["initial"].items()}
-    start, bare = tuple(sorted(initial.items())), run.endswith(":bare")
-    losses, val, trainable, frozen = _reference(str(launch.out / name), tuner, start, bare)
+    # one device: from_pretrained + get_peft_model drawing the adapters from the same seed (init_values="one_device")
+    losses, val, trainable, frozen = _reference(str(launch.out / name), tuner, bare=run.endswith(":bare"))
     assert sorted(initial) == sorted(trainable), run  # every adapter on exactly the ranks' stages
+    assert all(torch.equal(value, trainable[key]) for key, value in initial.items()), run
     for key, value in initial.items():  # peft's initialisation: the second factor starts at zero
         if ".lora_B." in key or ".hada_w2_b." in key:
             assert not value.any(), key
@@ -287,13 +289,13 @@ def test_lora_loha_modules_to_save_1f1b_2_procs(one_f_one_b, run):
 
 
 @pytest.mark.slow
-def test_adapters_start_as_on_one_process_for_the_same_seed(one_f_one_b, work):
-    # per-tensor seeds: whatever the layout
-    model, _, _ = fine_tune(
-        work / "llama-tied", "lora", PipelineParallelStrategy(init_weights=work / "llama-tied"), devices=1
-    )
-    initial = {k: v for rank in _ranks(one_f_one_b, "1F1B", "llama-tied:lora") for k, v in rank["initial"].items()}
-    assert all(torch.equal(initial[k], v) for k, v in model.initial.items())
+def test_per_unit_adapters_are_drawn_under_their_own_seeds(work):
+    # init_values="per_unit": per-tensor seeds, the same whatever the layout, not the numbers peft draws on one device
+    strategy = PipelineParallelStrategy(init_weights=work / "llama-tied", init_values="per_unit")
+    model, _, _ = fine_tune(work / "llama-tied", "lora", strategy, devices=1)
+    one_device = _reference(str(work / "llama-tied"), "lora")[2]
+    lora_a = [k for k in model.initial if ".lora_A." in k]
+    assert lora_a and not any(torch.equal(model.initial[k], one_device[k]) for k in lora_a)
 
 
 @pytest.mark.slow

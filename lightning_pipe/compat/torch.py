@@ -172,6 +172,23 @@ def is_random(func: Any) -> bool:
     return func is not init.dirac_
 
 
+#: random operators that draw as many numbers whatever their inputs' values: the output's shape, dtype and strides
+#: decide (``poisson``, ``multinomial``, ``_standard_gamma`` draw until values are accepted)
+_DRAWS_BY_SHAPE = frozenset(
+    {
+        *("normal_", "uniform_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_"),
+        *("normal", "bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like"),
+    }
+)
+
+
+def draws_by_shape(func: Any) -> bool:
+    """Whether a random ``func`` draws as many numbers whatever its inputs' values, so that a replay can draw them
+    into a scratch tensor of the same layout: the operators above, and the ``nn.init`` functions recorded whole
+    (``trunc_normal_``, ``orthogonal_``, ``sparse_`` draw ``uniform_``, ``normal_`` and ``randperm`` by shape)."""
+    return not is_operator(func) or op_name(func) in _DRAWS_BY_SHAPE
+
+
 def returns_view(func: Any) -> bool:
     """Whether the operator returns a view of an input (``view``, ``t``, ``slice``, ...), not new values."""
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)

@@ -5,6 +5,8 @@ transformers is optional: nothing here imports it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 #: The per-module initialisation hook of ``PreTrainedModel`` (``_init_weights(module)``), which nanoGPT / GPT-2 style
@@ -159,3 +161,30 @@ def replace_loss_function(model: Any, fn: Callable[..., Any]) -> Callable[[], No
             model.__dict__.pop(_LOSS_FUNCTION, None)
 
     return restore
+
+
+@contextmanager
+def init_on_meta() -> Iterator[None]:
+    """Inside: a transformers (>= 5) model built on the meta device runs its init (``initialize_weights``), as it does
+    on a real device, so that the strategy records it and replays it in one device's order; transformers skips it
+    when ``modeling_utils.get_torch_context_manager_or_global_device()`` is the meta device. A no-op for transformers
+    4.x (which runs it there) and when transformers is not imported yet. Public replacement: none."""
+    import importlib
+    import sys
+
+    # transformers imports its modules lazily: a model class first named inside `configure_model` loads it there
+    utils = importlib.import_module("transformers.modeling_utils") if "transformers" in sys.modules else None
+    found = getattr(utils, "get_torch_context_manager_or_global_device", None)
+    if found is None:
+        yield
+        return
+
+    def not_meta() -> Any:
+        device = found()
+        return None if getattr(device, "type", None) == "meta" else device
+
+    utils.get_torch_context_manager_or_global_device = not_meta  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        utils.get_torch_context_manager_or_global_device = found  # type: ignore[union-attr]

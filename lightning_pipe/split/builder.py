@@ -20,6 +20,7 @@ from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.models import kind_of, use_plan
 from lightning_pipe.models.base import Placeholder, StageCall
+from lightning_pipe.models.huggingface.directory import is_hf_directory
 from lightning_pipe.models.units import ONE_UNIT, Layout, find_block_stack, find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
@@ -27,7 +28,7 @@ from lightning_pipe.split.calls import call_traced
 from lightning_pipe.split.dataflow import DataflowCall, dataflow_frontend, dataflow_layout
 from lightning_pipe.split.deferred_init import InitRecording
 from lightning_pipe.split.frontend import choose_frontend
-from lightning_pipe.split.initialization import initialize, warn_whole_model
+from lightning_pipe.split.initialization import initialize, loaded_names, warn_whole_model
 from lightning_pipe.split.partition import (
     counts_from_split_points,
     keep_together,
@@ -334,6 +335,7 @@ def split_module(
     ranks = stage_to_rank(num_stages, int(settings.pipeline_size), settings.placement)
     local = [s for s in range(num_stages) if ranks[s] == pipeline_rank]
     seed = torch.initial_seed()
+    init = {"init_values": settings.init_values, "loaded": _loaded(network, prefix, settings)}
     absent = {s: tuple(u for u in layout.units if u not in units_per_stage[s]) for s in local}
     ties = plan_ties(network, layout.units, units_per_stage)
     common = {
@@ -352,7 +354,7 @@ def split_module(
         "state_shapes": state_shapes,
     }
     if settings.frontend == "trace":
-        split = _trace(lightning_module, network, counts, local, settings, device, common, recording)
+        split = _trace(lightning_module, network, counts, local, settings, device, common, recording, init)
     else:
         check_ownership(network, layout.units)
         full_bytes = _tensor_bytes(network)
@@ -360,8 +362,10 @@ def split_module(
         construction_peak = None
         prune(network, [u for s in local for u in units_per_stage[s]], layout.units, placeholder=plan.placeholder)
         if meta:
-            # Parameters shared inside this rank's stages (not across stages: `ties`), to be shared again afterwards.
-            across = {name for tie in ties for name in tie.names}
+            # Parameters shared inside this rank's stages, to be shared again afterwards; those shared with another
+            # rank's stages are copies kept equal (`ties`). A tie between two stages of this rank (the first and last
+            # stage of a V) is one Parameter, as built in `__init__`.
+            across = {name for tie in ties if len({ranks[s] for s in tie.stages}) > 1 for name in tie.names}
             shared = [group for group in tied_groups(network) if not across.intersection(group)]
             with PeakMemory(device) as peak:
                 initialize(
@@ -372,6 +376,7 @@ def split_module(
                     owner=lightning_module,
                     recording=recording,
                     prefix=prefix,
+                    **init,
                 )
             retie(network, shared)
             construction_peak = peak.bytes
@@ -392,6 +397,14 @@ def _state_shapes(network: nn.Module) -> dict[str, tuple[int, ...] | None]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in network.state_dict().items()}
 
 
+def _loaded(network: nn.Module, prefix: str, settings: PipelineSettings) -> frozenset[str]:
+    """What ``init_weights`` sets when it is a Hugging Face directory: one device's ``from_pretrained`` draws nothing
+    for those tensors. (A one-device script loading a ``.ckpt`` or state dict builds its model first, drawing.)"""
+    if settings.init_weights is None or not is_hf_directory(settings.init_weights) or not has_meta_tensors(network):
+        return frozenset()
+    return loaded_names(network, prefix)
+
+
 def _tensor_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
@@ -405,6 +418,7 @@ def _trace(
     device: torch.device,
     common: dict[str, Any],
     recording: InitRecording | None,
+    init: dict[str, Any],
 ) -> Split:
     attr, layout = common["network_attr"], common["layout"]
     if not attr:
@@ -429,7 +443,7 @@ def _trace(
     setattr(lightning_module, attr, holder)
     if has_meta_tensors(holder):
         prefix = f"{attr}."
-        initialize(holder, device, seed, units=(), owner=lightning_module, recording=recording, prefix=prefix)
+        initialize(holder, device, seed, units=(), owner=lightning_module, recording=recording, prefix=prefix, **init)
     return Split(bodies=bodies, network=holder, static_microbatch_size=static, **common)
 
 

@@ -7,9 +7,14 @@ meta tensor (the deferred-init idea of torchdistx); after the split, :meth:`Init
 rank's own allocated parameters and buffers, the recorded operators that set them (and the temporaries they read, as
 ``nn.init.orthogonal_``'s QR factors), in their recorded order.
 
-Each parameter's operators run under their own seed, ``seed + crc32(name)`` with the parameter's first name in the
-full model (:func:`lightning_pipe.split.seeding.unit_seed`), so its values do not depend on the layout or on
-which rank holds it. A recorded random operator with its own ``generator=`` draws from that seed too.
+Two orders (the strategy's ``init_values``). ``"one_device"`` (:meth:`InitRecording.replay_in_order`): every
+recorded operator in recorded order, from the global random streams as they were when ``configure_model`` began; the
+operators that set this rank's tensors run on them, the random ones that set other ranks' tensors draw into a
+scratch tensor and are discarded, so the values are one device's and the streams end where one device's end.
+``"per_unit"`` (:meth:`InitRecording.replay`): each parameter's operators under their own seed, ``seed + crc32(name)``
+with the parameter's first name in the full model (:func:`lightning_pipe.split.seeding.unit_seed`), so its values
+do not depend on the layout or on which rank holds it, and no rank draws for another; a recorded random operator with
+its own ``generator=`` draws from that seed too. What follows is about ``"per_unit"``.
 
 A parameter that is a plain copy of another one drawn at random (``b = a.clone()``, ``copy.deepcopy(module)``, as
 PEFT's ``modules_to_save`` copies the head it trains) is not replayed under its own seed: once the rank's tensors are
@@ -35,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.split.seeding import seeded
+from lightning_pipe.split.seeding import StreamCall, Streams, seeded, stream_calls
 
 
 def _key(t: Tensor) -> int:
@@ -85,6 +90,8 @@ class InitRecording:
     defaults: bool = True
     #: storage of a plain copy of another root drawn at random -> that root (set after initialisation)
     copies: dict[int, _Root] = field(default_factory=dict)
+    #: the global random streams when recording began: where one device's initialisation starts drawing
+    streams: Streams | None = None
 
     def add(self, op: _Op) -> None:
         for key in op.writes | op.creates:
@@ -120,17 +127,99 @@ class InitRecording:
             if not needed or root.key in self.copies:
                 continue
             if not root.whole:
-                raise PipelineModelError(
-                    f"`{root.name}` is a view into a larger tensor created in `configure_model`, so its recorded"
-                    f" initialisation ({self.ops[needed[0]].describe()}) cannot be replayed on its own. Create it as"
-                    " a tensor of its own (`nn.Parameter(torch.empty(...))`)."
-                )
-            replay = _Replay(self, root, tensor, device, needed)
+                self._refuse_view(root, needed[0])
+            replay = _Replay(self, {root.key: tensor}, device, needed)
             if not replay.replayable():
                 continue  # left unset: the model's init hook sets it, or it is reported as missing
             seeded(seed, root.name, replay.run)
             replayed += 1
         return replayed
+
+    def replay_in_order(self, network: nn.Module, prefix: str, device: torch.device, loaded: frozenset[str]) -> int:
+        """One device's initialisation of ``network``'s allocated tensors: every recorded operator in recorded order,
+        from the random streams as they were when recording began, which then stay where one device's end. The
+        operators that set this rank's tensors (and what they read) run on them; the other random ones draw into a
+        scratch tensor and are discarded. ``loaded``: names of tensors ``init_weights`` will load from a Hugging Face
+        directory, whose draws are left out as ``from_pretrained`` leaves them out. Returns how many tensors had
+        operators."""
+        self.defaults = True  # one device runs torch.nn's reset_parameters() too
+        skipped = {self.roots[n].key for n in loaded if n in self.roots}
+        targets: dict[int, Tensor] = {}
+        needed: set[int] = set()
+        others: list[tuple[Tensor, int]] = []  # a tied tensor's other names, which `to_empty` allocated apart
+        for name, tensor in [*network.named_parameters(), *network.named_buffers()]:
+            root = self.roots.get(prefix + name)
+            if root is not None and root.key in targets and targets[root.key] is not tensor:
+                others.append((tensor, root.key))
+            if root is None or root.key in targets or root.key in skipped:
+                continue
+            own = self._setting(root.key, len(self.ops), skip_empty=True)
+            if not own:
+                continue
+            if not root.whole:
+                self._refuse_view(root, own[0])
+            self._refuse_loaded_reads(root, own, skipped)
+            if not _Replay(self, {root.key: tensor}, device, own).replayable():
+                continue  # left unset: the model's init hook sets it, or it is reported as missing
+            targets[root.key] = tensor
+            needed.update(own)
+        assert self.streams is not None, "record_init captured the streams"
+        drawn = self._drawn(skipped)
+        self.streams.restore()
+        run = _Replay(self, targets, device, sorted(needed), keep_generator=True)
+        saved: dict[int, Tensor] = {}
+        for index, op in enumerate(self.ops):
+            if isinstance(op.func, StreamCall):  # a seed or fork_rng in configure_model, at its place
+                op.func.replay(saved)
+            elif index in needed:
+                run.step(index)
+            elif torch_compat.is_random(op.func) and (drawn is None or index in drawn):
+                self._check_draws_by_shape(op)
+                run.discard(op)
+        for tensor, key in others:
+            tensor.copy_(targets[key])
+        return len(targets)
+
+    def _drawn(self, loaded: set[int]) -> set[int] | None:
+        """With tensors loaded from a Hugging Face directory, the operators one device's ``from_pretrained`` +
+        the rest of ``configure_model`` run: those that set a tensor the directory does not hold (on any rank). The
+        construction's draws for loaded tensors, and for tensors that end in none (a tied head's own weight before
+        the tie), are not made (``from_pretrained`` builds under ``no_init_weights``). ``None``: every operator."""
+        if not loaded:
+            return None
+        drawn: set[int] = set()
+        for key in {r.key for r in self.roots.values()} - loaded:
+            drawn.update(self._setting(key, len(self.ops), skip_empty=True))
+        return drawn
+
+    def _refuse_view(self, root: _Root, index: int) -> None:
+        raise PipelineModelError(
+            f"`{root.name}` is a view into a larger tensor created in `configure_model`, so its recorded"
+            f" initialisation ({self.ops[index].describe()}) cannot be replayed on its own. Create it as"
+            " a tensor of its own (`nn.Parameter(torch.empty(...))`)."
+        )
+
+    def _refuse_loaded_reads(self, root: _Root, needed: list[int], loaded: set[int]) -> None:
+        """A tensor computed from one that ``init_weights`` loads would be computed from a value the load replaces."""
+        names = {r.key: r.name for r in self.roots.values()}
+        for index in needed:
+            read = (self.ops[index].reads - self.ops[index].writes) & loaded
+            if read:
+                raise PipelineModelError(
+                    f"The initialisation of `{root.name}` in `configure_model` reads `{names[min(read)]}`"
+                    f" ({self.ops[index].describe()}), which `init_weights` loads afterwards, so it would be computed"
+                    " from the value the load replaces. Compute it after the weights are loaded (in `on_fit_start`),"
+                    " or load it too (`init_adapter`)."
+                )
+
+    def _check_draws_by_shape(self, op: _Op) -> None:
+        if not torch_compat.draws_by_shape(op.func):
+            raise PipelineModelError(
+                f"`init_values='one_device'` replays every random draw of `configure_model` on every rank, drawing"
+                f" other ranks' values into a scratch tensor, but {op.describe()} draws as many numbers as its"
+                " inputs' values decide, which a rank that does not hold those tensors cannot know. Pass"
+                " `init_values='per_unit'` to the strategy, or draw these values with `normal_`/`uniform_`."
+            )
 
     def _closure(self, root: _Root) -> list[int]:
         """Indices of the operators that set ``root``'s values: its writers and, before each, the writers of what
@@ -226,20 +315,36 @@ def _fills_nothing(op: _Op) -> bool:
 
 
 class _Replay:
-    """Re-runs recorded operators with each meta tensor replaced by its real counterpart on ``device``."""
+    """Re-runs recorded operators with each meta tensor replaced by its real counterpart on ``device``: ``targets``
+    (storage -> an allocated tensor laid out as the meta storage), or what an earlier operator created."""
 
     def __init__(
-        self, recording: InitRecording, root: _Root, target: Tensor, device: torch.device, indices: list[int]
+        self,
+        recording: InitRecording,
+        targets: dict[int, Tensor],
+        device: torch.device,
+        indices: list[int],
+        *,
+        keep_generator: bool = False,
     ) -> None:
-        self.recording, self.root, self.device, self.indices = recording, root, device, indices
-        self.bases: dict[int, Tensor] = {root.key: target}  # storage -> a real tensor laid out as the meta storage
+        self.recording, self.targets, self.device, self.indices = recording, targets, device, indices
+        self.keep_generator = keep_generator
+        self.bases: dict[int, Tensor] = dict(targets)  # storage -> a real tensor laid out as the meta storage
         self.real: dict[int, Tensor] = {}  # id of a recorded output -> its real value
+        self.outputs: dict[int, list[int]] = {}  # storage -> ids of its recorded outputs in `real`
+        self.last: dict[int, int] = {}  # storage -> the last of `indices` that touches it
+        for index in indices:
+            op = recording.ops[index]
+            metas = [t for t in torch_compat.tensors_of((op.args, op.kwargs, op.outputs)) if t.is_meta]
+            for key in op.reads | op.writes | op.creates | {_key(t) for t in metas}:
+                self.last[key] = index
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=device)
 
     def replayable(self) -> bool:
         """Whether every meta tensor the operators read has recorded values: one made on the meta device by a call
         that no operator records (``torch.tensor(2.0)``, read by Gemma 3n's ``torch.rsqrt(torch.tensor(2.0))``)
         never had any."""
-        known = {self.root.key}
+        known = set(self.targets)
         for index in self.indices:
             op = self.recording.ops[index]
             if any(t.is_meta and _key(t) not in known for t in torch_compat.tensors_of((op.args, op.kwargs))):
@@ -249,17 +354,48 @@ class _Replay:
 
     def run(self) -> None:
         for index in self.indices:
-            op = self.recording.ops[index]
-            args, kwargs = self._real(op.args), self._real(op.kwargs)
+            self.step(index)
+
+    def step(self, index: int) -> None:
+        """Run operator ``index``; then let go of the temporaries no later one of ``indices`` needs."""
+        op = self.recording.ops[index]
+        args, kwargs = self._real(op.args), self._real(op.kwargs)
+        if not self.keep_generator:
             kwargs.pop("generator", None)  # the parameter's own seed draws, whatever generator was recorded
-            out = op.func(*args, **kwargs)
-            outputs = torch_compat.tensors_of(out)
-            for meta, real in zip(op.outputs, outputs):
-                if _key(meta) == self.root.key:  # the root created by a value-setting operator (zeros, arange)
-                    self._view(meta).copy_(real)
-                elif _key(meta) in op.creates:
-                    self.bases.setdefault(_key(meta), real)
-                    self.real[id(meta)] = real
+        out = op.func(*args, **kwargs)
+        outputs = torch_compat.tensors_of(out)
+        for meta, real in zip(op.outputs, outputs):
+            key = _key(meta)
+            if key in self.targets:  # a target created by a value-setting operator (zeros, arange)
+                self._view(meta).copy_(real)
+            elif key in op.creates:
+                self.bases.setdefault(key, real)
+                self.real[id(meta)] = real
+                self.outputs.setdefault(key, []).append(id(meta))
+        for key in [k for k, last in self.last.items() if last == index and k not in self.targets]:
+            self.bases.pop(key, None)
+            for output in self.outputs.pop(key, ()):
+                self.real.pop(output, None)
+
+    def discard(self, op: _Op) -> None:
+        """Draw what random operator ``op`` draws, into scratch tensors laid out as its meta tensors, and drop it:
+        the random stream advances as on one device."""
+        op.func(*self._scratch(op.args), **self._scratch(op.kwargs))
+
+    def _scratch(self, value: Any) -> Any:
+        if isinstance(value, Tensor) and value.is_meta:
+            nbytes = value.untyped_storage().nbytes()
+            if self.scratch.numel() < nbytes:
+                self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            view = torch.empty(0, dtype=value.dtype, device=self.device)
+            return view.set_(self.scratch.untyped_storage(), value.storage_offset(), value.size(), value.stride())
+        if isinstance(value, torch.device) and value.type == "meta":
+            return self.device
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._scratch(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._scratch(v) for k, v in value.items()}
+        return value
 
     def _real(self, value: Any) -> Any:
         if isinstance(value, Tensor):
@@ -313,11 +449,20 @@ class _SkippedInits(TorchFunctionMode):
         return out
 
 
+def _stream_op(call: StreamCall, site: str) -> _Op:
+    """A :class:`StreamCall` in the recorded order: it sets no tensor (only :meth:`InitRecording.replay_in_order`
+    runs it)."""
+    return _Op(call, (), {}, frozenset(), frozenset(), frozenset(), [], site)
+
+
 @contextmanager
-def record_init() -> Iterator[InitRecording]:
-    """Record what the enclosed code does to meta tensors (``configure_model`` under the strategy's meta device)."""
-    recording = InitRecording()
+def record_init(device: torch.device | None = None) -> Iterator[InitRecording]:
+    """Record what the enclosed code does to meta tensors (``configure_model`` under the strategy's meta device), and
+    the random streams (CPU, and ``device``'s when it is a CUDA device) as they were when it began."""
+    recording = InitRecording(streams=Streams.capture(device))
     with ExitStack() as stack:
         stack.enter_context(torch_compat.operator_observer(functools.partial(_record, recording)))
         stack.enter_context(_SkippedInits(recording))
+        site = functools.partial(torch_compat.user_frame, __file__)
+        stack.enter_context(stream_calls(lambda call: recording.add(_stream_op(call, site()))))
         yield recording

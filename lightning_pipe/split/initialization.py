@@ -17,7 +17,10 @@ without a recording: :func:`initialize` called by hand) get the first of these t
 3. ``reset_parameters()`` of each module (PyTorch's defaults), also for any tensor the hooks above left unset.
 
 Every call runs under its own seed, ``seed + crc32(name)`` of the module or unit it initialises, so the weights
-are the same whatever the pipeline layout and whichever rank holds them.
+are the same whatever the pipeline layout and whichever rank holds them. With a recording and
+``init_values="one_device"`` the recording is replayed first in one device's order from one device's random streams
+(:meth:`~lightning_pipe.split.deferred_init.InitRecording.replay_in_order`), and a tensor it leaves unset for these
+hooks is named in a warning: its values are per-unit draws, not one device's.
 
 They equal a single-device run's bitwise when that run builds the same network on the meta device and calls
 :func:`initialize` with the same seed on the same device type, which is what ``Trainer(strategy="pipeline")`` does
@@ -33,6 +36,8 @@ marker first (NaN, or the smallest integer) and raises :class:`PipelineModelErro
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,14 +46,22 @@ from torch import nn
 
 from lightning_pipe.compat.transformers import INIT_WEIGHTS, init_weights_hook
 from lightning_pipe.errors import PipelineModelError
-from lightning_pipe.models import restore_buffers
+from lightning_pipe.models import kind_of, restore_buffers
 from lightning_pipe.split.seeding import seeded, unit_seed
 from lightning_pipe.split.surgery import find_block, stage_view
 
 if TYPE_CHECKING:
     from lightning_pipe.split.deferred_init import InitRecording
 
-__all__ = ["WHOLE_MODEL_WARN_BYTES", "init_hook", "initialize", "seeded", "unit_seed", "warn_whole_model"]
+__all__ = [
+    "WHOLE_MODEL_WARN_BYTES",
+    "init_hook",
+    "initialize",
+    "loaded_names",
+    "seeded",
+    "unit_seed",
+    "warn_whole_model",
+]
 
 #: Below this many bytes of parameters and buffers, building the network whole on every rank (in ``__init__``) costs
 #: too little memory to warn about; above it, building in ``configure_model`` saves real memory.
@@ -182,14 +195,18 @@ def initialize(
     owner: nn.Module | None = None,
     recording: InitRecording | None = None,
     prefix: str = "",
+    init_values: str = "per_unit",
+    loaded: frozenset[str] = frozenset(),
 ) -> str:
     """Allocate a (pruned) meta-device ``network`` on ``device`` and initialise it with the model's own init.
 
     ``units``: the layout's units (``Layout.units``), used by the ``init_weights()`` hook; ``owner``: the
     LightningModule, whose ``_init_weights(module)`` is used if the network has none; ``recording``: what
     ``configure_model`` did to the meta tensors (:mod:`lightning_pipe.split.deferred_init`), replayed first, the
-    hooks then setting only what it left unset; ``prefix``: the network's attribute in the full model (``"model."``).
-    Returns the hook used (``"recorded"`` when the recording set every tensor).
+    hooks then setting only what it left unset; ``prefix``: the network's attribute in the full model (``"model."``);
+    ``init_values``: the recording's order (``"one_device"`` or ``"per_unit"``); ``loaded``: the full model's names of
+    tensors ``init_weights`` loads from a Hugging Face directory (:func:`loaded_names`), not drawn in one device's
+    order. Returns the hook used (``"recorded"`` when the recording set every tensor).
     """
     network.to_empty(device=device)
     hook = init_hook(network, owner)
@@ -197,8 +214,13 @@ def initialize(
         for module in network.modules():
             for _, t in _own_tensors(module):
                 _mark(t)
-        defaults = hook == "reset_parameters"
-        replayed = recording.replay(network, prefix, seed, device, defaults=defaults) if recording is not None else 0
+        if recording is not None and init_values == "one_device":
+            replayed = recording.replay_in_order(network, prefix, device, loaded)
+            _warn_unset(network, prefix, loaded, hook)
+        elif recording is not None:
+            replayed = recording.replay(network, prefix, seed, device, defaults=hook == "reset_parameters")
+        else:
+            replayed = 0
         if replayed and not any(_unset(t) for m in network.modules() for _, t in _own_tensors(m)):
             return "recorded"
         if hook == INIT_WEIGHTS:
@@ -219,6 +241,31 @@ def initialize(
     return hook
 
 
+def loaded_names(network: nn.Module, prefix: str) -> frozenset[str]:
+    """The names (``prefix`` + the network's) of the tensors a Hugging Face directory given as ``init_weights`` sets:
+    the network's state dict but what its model kind says a directory may lack (PEFT adapters, ...)."""
+    ignored = kind_of(network).ignored_on_load(network)[0]
+    names = network.state_dict(keep_vars=True)
+    return frozenset(prefix + n for n in names if not any(re.search(pattern, n) for pattern in ignored))
+
+
+def _warn_unset(network: nn.Module, prefix: str, loaded: frozenset[str], hook: str) -> None:
+    """After one device's replay: name the tensors still unset (an init that skips the meta device, as transformers
+    5.x does) that the model's hooks will draw per unit, so not as one device."""
+    unset = [
+        n for n, t in [*network.named_parameters(), *network.named_buffers()] if prefix + n not in loaded and _unset(t)
+    ]
+    if unset:
+        warnings.warn(
+            f"`init_values='one_device'`: {len(unset)} tensors ({unset[:3]}) were not set by what `configure_model`"
+            f" did on the meta device (an init that skips the meta device), so the model's `{hook}` sets them under"
+            " per-unit seeds: their values are not one device's. Initialise them in `configure_model` (call the"
+            " model's init there), or pass `init_values='per_unit'` to say that per-unit values are intended.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def warn_whole_model(network_bytes: int, kept_bytes: int) -> None:
     """Warn that every rank allocated the whole network (built in ``__init__``) before keeping its stages, when that
     is more than :data:`WHOLE_MODEL_WARN_BYTES` (a small model costs nothing worth a warning)."""
@@ -232,9 +279,7 @@ def warn_whole_model(network_bytes: int, kept_bytes: int) -> None:
         f"The network was built in `__init__`, so every rank allocated all of it ({format_bytes(network_bytes)} of"
         f" parameters and buffers) before keeping its own stages ({format_bytes(kept_bytes)} on rank 0). Build it"
         " in the LightningModule's `configure_model` hook instead: there it is created on the meta device and each"
-        " rank allocates only its stages. The trade-off: a network built there draws its initial weights per module"
-        " instead of from the global random stream, so a shuffling DataLoader's order (and the initial values) then"
-        " differ from a single-device run of the script that builds it in `__init__` (docs/getting-started.md,"
-        " 'Shuffling and data order').",
+        " rank allocates only its stages, with the initial values and the shuffling DataLoader's order of a"
+        " single-device run from the same seed (`init_values='one_device'`, docs/initialization.md).",
         category=UserWarning,
     )

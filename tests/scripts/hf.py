@@ -1,8 +1,8 @@
 """Train an unmodified Hugging Face causal LM (tests/hf_models.py) under pipeline configurations.
 Usage: hf.py OUT_DIR CONFIGS_JSON  (a list of {"name", "schedule", "devices", "family", "tie", "side"}, optionally
-"layers", "max_steps", "weighted", "pipeline_size", "data_parallel" and "balance"); one launch runs them all, so the
-family matrix pays the process start-up once. Parameters sharded over data-parallel replicas (``data_parallel="fsdp"``)
-are saved whole."""
+"layers", "max_steps", "weighted", "pipeline_size", "data_parallel", "balance" and "built"); one launch runs them
+all, so the family matrix pays the process start-up once. Parameters sharded over data-parallel replicas
+(``data_parallel="fsdp"``) are saved whole."""
 
 import json
 import sys
@@ -33,6 +33,7 @@ def main() -> None:
                 side=cfg["side"],
                 layers=cfg.get("layers", 8),
                 weighted=cfg.get("weighted", True),
+                built=cfg.get("built", "init"),
             )
         except lightning_pipe.PipelineConfigError as err:  # an expected refusal ends the launch: its last config
             torch.save({"error": str(err)}, out / f"{cfg['name']}.rank{torch.distributed.get_rank()}.pt")

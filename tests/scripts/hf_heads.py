@@ -29,7 +29,12 @@ def main() -> None:
 def run(work: Path, cfg: dict) -> None:
     directory = work / cfg.get("directory", cfg["task"])
     plan = USER_PLAN if cfg.get("model_plan") else None
-    strategy = PipelineParallelStrategy(schedule=cfg["schedule"], init_weights=directory, model_plan=plan)
+    strategy = PipelineParallelStrategy(
+        schedule=cfg["schedule"],
+        init_weights=directory,
+        model_plan=plan,
+        init_values=cfg.get("init_values", "one_device"),
+    )
     with without_plan() if plan else contextlib.nullcontext(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, trainer = fine_tune(
