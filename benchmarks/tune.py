@@ -67,19 +67,21 @@ SHAPES = {
     "gpt": ((16, 4), (8, 4)),
     "gpt-vocab": ((16, 4), (8, 4)),
     "small": ((64, 4), (32, 8)),
+    "wide": ((16, 6), (32, 8)),
+    "deep": ((32, 16), (32, 8)),
 }
 COMPILED = ("mlp", "gpt")
 #: the schedules of the layout run (the single-stage, interleaved and V-shaped families, one zero-bubble)
 LAYOUT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
-def space(quick: bool, layouts: bool = False) -> Any:
+def space(quick: bool, layouts: bool = False, schedules: Any = None, microbatches: Any = None) -> Any:
     from lightning_pipe import SearchSpace
 
     if layouts:
         return SearchSpace(
-            schedules=("1F1B",) if quick else LAYOUT_SCHEDULES,
-            microbatches=(1, 2) if quick else "auto",
+            schedules=tuple(schedules or (("1F1B",) if quick else LAYOUT_SCHEDULES)),
+            microbatches=tuple(microbatches or ((1, 2) if quick else ())) or "auto",
             activation_checkpointing=(0,),
             pipeline_sizes="auto",
             data_parallel=("ddp", "fsdp"),
@@ -95,7 +97,7 @@ def sweep_candidates(args: argparse.Namespace, batch: int, blocks: int) -> list[
     from lightning_pipe.tune.layout import ProcessLayout, layouts
     from lightning_pipe.tune.space import candidates
 
-    found = space(args.quick, args.layouts)
+    found = space(args.quick, args.layouts, args.schedules, args.microbatches)
     if not args.layouts:
         return [(c.settings(), None) for c in candidates(found, 2, batch, blocks)]
     out = []
@@ -114,6 +116,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             batch, blocks = SHAPES[workload][1 if args.quick else 0]
             found = sweep_candidates(args, batch, blocks)
             order.shuffle(found)
+            found = [] if args.only_tune else found
             cases += [
                 {"kind": "sweep", "workload": workload, "run": run, "settings": s, "batch_size": b} for s, b in found
             ]
@@ -127,9 +130,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------ the worker
-def work(
-    cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int, pin: bool, layouts: bool = False
-) -> None:
+def work(cases_file: Path, results_file: Path, args: argparse.Namespace, steps: int, warmup: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -140,7 +141,8 @@ def work(
     from lightning_pipe.tune.layout import find_batch_knob
 
     # Before the process group starts its threads, which inherit the core.
-    core = pin_to_core(int(os.environ["LOCAL_RANK"])) if pin else None
+    quick, layouts = args.quick, args.layouts
+    core = pin_to_core(int(os.environ["LOCAL_RANK"])) if not args.no_pin else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -164,7 +166,8 @@ def work(
         else:
             path = results_file.parent / f"tune-{case['workload']}-{case['run']}"
             result = lightning_pipe.tune(
-                trainer("pipeline", 2, 1, []), model, space=space(quick, layouts), steps=steps, warmup_steps=warmup,
+                trainer("pipeline", 2, 1, []), model, space=space(quick, layouts, args.schedules, args.microbatches),
+                steps=steps, warmup_steps=warmup,
                 path=path, retune=True, **fit_kwargs,
             )  # fmt: skip
             record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
@@ -447,6 +450,9 @@ def main() -> None:
         type=Path,
         help="report these complete earlier outputs (results.json, records.jsonl) as one set of runs: OUT/results.json",
     )
+    parser.add_argument("--schedules", nargs="+", default=None, help="--layouts: the schedules (default: four)")
+    parser.add_argument("--microbatches", nargs="+", type=int, default=None, help="--layouts: the counts")
+    parser.add_argument("--only-tune", action="store_true", help="no sweep: the tuner alone")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
@@ -454,7 +460,7 @@ def main() -> None:
     args.out = args.out or ROOT / "benchmarks" / "results" / ("tune-layouts" if args.layouts else "tune")
     steps, warmup = (1, 1) if args.quick else (6, 2)
     if args.worker:
-        return work(args.worker[0], args.worker[1], args.quick, steps, warmup, not args.no_pin, args.layouts)
+        return work(args.worker[0], args.worker[1], args, steps, warmup)
     if args.docs is None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -504,6 +510,8 @@ def _run_worker(args: argparse.Namespace, cases_file: Path, records_file: Path, 
     cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
     cmd += ["--no-pin"] if args.no_pin else []
     cmd += ["--layouts"] if args.layouts else []
+    cmd += ["--schedules", *args.schedules] if args.schedules else []
+    cmd += ["--microbatches", *map(str, args.microbatches)] if args.microbatches else []
     with (args.out / "worker.log").open("a") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
     if proc.returncode != 0:
