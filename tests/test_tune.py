@@ -264,7 +264,7 @@ def test_predictions_are_corrected_by_what_their_group_measured():
     assert prune.corrected(predictions, measured)[b2].step == pytest.approx(2.0 * 1.2)
 
 
-def test_next_trial_takes_an_unmeasured_group_first_and_finalists_are_the_close_ones():
+def test_next_trial_takes_an_unmeasured_group_first():
     a2, b2, a4 = Candidate("1F1B", 2, 1), Candidate("GPipe", 2, 1), Candidate("1F1B", 4, 1)
     predictions = {
         a2: _prediction(1.0),
@@ -284,13 +284,6 @@ def test_next_trial_takes_an_unmeasured_group_first_and_finalists_are_the_close_
     assert prune.next_trial(wide, measured, None, 0.1) == Candidate("GPipe", 16, 1)  # 1.25 <= 1.05 (a4's) * 1.2
     wide[Candidate("GPipe", 16, 1)] = _prediction(1.3)
     assert prune.next_trial(wide, measured, None, 0.1) is None
-    assert prune.finalists(measured, None, 0.1, 3) == [a4, a2]  # b2 is 12% above a4
-    assert prune.finalists(measured, None, 0.2, 3) == [a4, a2, b2]
-    assert prune.finalists(measured, None, 0.2, 2) == [a4, a2]
-    assert prune.finalists(measured, None, 0.05, 3) == []  # one alone: a second trial would not change the choice
-    assert prune.finalists(measured, None, 0.2, 0) == []
-    limited = {a2: prune.Measured(1.0, 1.0, 50.0), a4: prune.Measured(0.95, 1.0, 50.0), b2: measured[b2]}
-    assert prune.finalists(limited, 10, 0.2, 3) == []  # only b2 fits the memory limit
 
 
 def test_rows_tell_budget_from_prediction():
