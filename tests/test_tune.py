@@ -596,15 +596,19 @@ def test_tune_at_two_processes(tmp_path):
     ranks = [torch.load(tmp_path / f"tune.rank{r}.pt", weights_only=False) for r in range(2)]
     first, second = ranks
     # Every rank took the same decisions from the same (agreed) measurements.
-    for key in ("choice", "settings", "rows", "cost", "again", "limited", "own"):
+    for key in ("choice", "settings", "rows", "cost", "again", "limited", "own", "sureness"):
         assert first[key] == second[key], key
     choice = first["choice"]
     statuses = [status for _, status, _ in first["rows"]]
     assert statuses.count(prune.CHOSEN) == 1
     measured = [trials for _, _, trials in first["rows"] if trials]
     assert 2 <= len(measured) <= 3 and first["cost"]["measured"] == len(measured)  # max_trials
-    # Finalists (within the margin of the fastest, at most `confirm` = 3) are measured twice.
+    # Candidates within the measured noise of the fastest are measured again with it: one round of `confirm` = 2.
     assert set(measured) <= {1, 2} and first["cost"]["trials"] == sum(measured)
+    assert first["cost"]["repeated"] in (0, 2) and first["cost"]["trials"] == len(measured) + first["cost"]["repeated"]
+    sure = first["sureness"]
+    assert 0 <= sure["probability"] <= 1 and sure["interval"][0] <= sure["ratio"] <= sure["interval"][1]
+    assert json.loads(Path(first["files"][0]).read_text())["sureness"] == sure
     assert first["cost"]["steps"] == first["cost"]["trials"] * 3
     assert first["cost"]["wall_s"] > first["cost"]["launch_s"] > 0 and first["cost"]["in_steps"] > 0
     # The table on rank 0's output, once.

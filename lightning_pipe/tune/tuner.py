@@ -81,6 +81,10 @@ class TuneResult:
     #: the per-replica batch size set on the LightningModule or DataModule when the chosen layout has another
     #: data-parallel size than the strategy had (the global batch stays the same); ``None``: unchanged
     batch_size: Optional[int] = None
+    #: how sure the choice is against the closest other measured candidate (:meth:`.noise.Sureness.as_dict`: its
+    #: ``rival``, the ``ratio`` of their steps and its 95% ``interval``, the ``probability`` that the choice is the
+    #: faster, the trial ``noise``, and whether the rival is still ``within_noise``; empty in older records)
+    sureness: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def tune(
