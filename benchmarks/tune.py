@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -71,6 +73,8 @@ SHAPES = {
     "deep": ((32, 16), (32, 8)),
 }
 COMPILED = ("mlp", "gpt")
+#: the workloads of a run without ``--workloads`` (without and with ``--layouts``)
+DEFAULT_WORKLOADS = {False: ("mlp", "gpt", "gpt-vocab"), True: ("small", "gpt", "gpt-vocab")}
 #: the schedules of the layout run (the single-stage, interleaved and V-shaped families, one zero-bubble)
 LAYOUT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
@@ -165,12 +169,14 @@ def work(cases_file: Path, results_file: Path, args: argparse.Namespace, steps: 
             record["cpu_ms"] = [sum(step) for step in zip(*cpus)]
         else:
             path = results_file.parent / f"tune-{case['workload']}-{case['run']}"
-            result = lightning_pipe.tune(
-                trainer("pipeline", 2, 1, []), model, space=space(quick, layouts, args.schedules, args.microbatches),
-                steps=steps, warmup_steps=warmup,
-                path=path, retune=True, **fit_kwargs,
-            )  # fmt: skip
+            searched = space(quick, layouts, args.schedules, args.microbatches)
+            with _model_inputs(path.with_suffix(".model.pkl") if rank == 0 else None):
+                result = lightning_pipe.tune(
+                    trainer("pipeline", 2, 1, []), model, space=searched, steps=steps, warmup_steps=warmup,
+                    path=path, retune=True, **fit_kwargs,
+                )  # fmt: skip
             record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
+            record["sureness"] = result.sureness
             record["table"] = result.table
         del model, fit_kwargs
         # A finished Trainer and its model are reference cycles: collected now, not when the collector's thresholds
@@ -181,6 +187,34 @@ def work(cases_file: Path, results_file: Path, args: argparse.Namespace, steps: 
             with results_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _model_inputs(target: Path | None) -> Any:
+    """Keep what the tuner's cost model was last calibrated on (the profile, the balance rule, the trials, the
+    message and collective times) in ``target``, to compare the model's predictions with the sweep afterwards
+    (:func:`model_errors`). Wrapped at the benchmark level, never in the library."""
+    import pickle
+
+    from lightning_pipe.tune import tuner
+
+    if target is None:
+        yield
+        return
+    calibrate = tuner.calibrate
+    seen: list[tuple] = []
+
+    def keeping(*args: Any) -> Any:
+        seen[:] = [args]
+        return calibrate(*args)
+
+    tuner.calibrate = keeping
+    try:
+        yield
+    finally:
+        tuner.calibrate = calibrate
+        if seen:
+            target.write_bytes(pickle.dumps(seen[0]))
 
 
 def _gather(stamps: list[int]) -> list[list[int]]:
@@ -196,7 +230,7 @@ def _median_run(ms: list[float], warmup: int) -> float:
     return statistics.median(ms[warmup:] or ms)
 
 
-def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+def collect(records: list[dict[str, Any]], warmup: int, files: Path | None = None) -> dict[str, Any]:
     """Per workload: every candidate's median step over runs, the best, each tuner run's choice and cost."""
     machine = next((r["machine"] for r in records if "machine" in r), {})
     out: dict[str, Any] = {"machine": machine, "workloads": {}}
@@ -237,6 +271,7 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
                     "trials": r["cost"]["trials"],
                     "sweeps": spent / one_sweep if one_sweep else None,
                     "table": r["table"],
+                    "sureness": r.get("sureness", {}),
                 }
             )
         compiled = {}
@@ -258,8 +293,33 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "sweep_picks": sweep_picks,
             "run_spread": statistics.median(spreads) if spreads else None,
             "compile": compiled,
+            "model": model_errors(files, workload, per_run) if files is not None else [],
         }
     return out
+
+
+def model_errors(out: Path, workload: str, per_run: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
+    """The cost model against the sweep: for each tuner run whose inputs were kept (:func:`_model_inputs`), every
+    swept candidate predicted from the tuner's first trial alone (calibrated on it, not corrected by any other) over
+    its median step in the same run's sweep."""
+    import pickle
+
+    from lightning_pipe.tune.cost import calibrate, predict
+    from lightning_pipe.tune.space import Candidate
+
+    found = []
+    for run, measured in sorted(per_run.items()):
+        kept = out / f"tune-{workload}-{run}.model.pkl"
+        if not kept.exists():
+            continue
+        profile, rule, pipeline_size, trials, transfer, collective = pickle.loads(kept.read_bytes())
+        calibration = calibrate(profile, rule, pipeline_size, trials[:1], transfer, collective)
+        for key, ms in measured.items():
+            settings = {k: v for k, v in json.loads(key).items() if k != "microbatch_size"}
+            candidate = Candidate(**{**settings, "compile": bool(settings["compile"])})
+            predicted = predict(candidate, profile, rule, pipeline_size, calibration).step * 1e3
+            found.append({"run": run, "label": _label(json.loads(key)), "ratio": predicted / ms})
+    return found
 
 
 def stopped_run(out: Path, warmup: int) -> dict[str, Any]:
@@ -269,7 +329,7 @@ def stopped_run(out: Path, warmup: int) -> dict[str, Any]:
     planned = collections.Counter(case["run"] for case in cases)
     recorded = collections.Counter(r["case"]["run"] for r in records if "case" in r)
     done = [n for n in sorted(planned) if recorded[n] == planned[n]]
-    results = collect([r for r in records if "machine" in r or r["case"]["run"] in done], warmup)
+    results = collect([r for r in records if "machine" in r or r["case"]["run"] in done], warmup, out)
     started = time.localtime((out / "cases.json").stat().st_mtime)
     results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S", started), elapsed_s=None, runs=(len(done), len(planned)))
     return results
@@ -331,8 +391,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         total = sum(b["runs"] for b in results["batches"])
         runs = f"{total} runs in {len(results['batches'])} batches ({dates}), interleaved within each batch"
     layouts = bool(getattr(args, "layouts", False))
-    begin, end = MARKERS[layouts]
-    flags = " --quick" * bool(args.quick) + " --layouts" * layouts
+    begin, end = markers(args)
+    flags = " --quick" * bool(args.quick) + " --layouts" * layouts + _space_flags(args)
     lines = [
         begin,
         "",
@@ -392,6 +452,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
                     f"| {name} | {c['False']['ms']:.1f} | {c['True']['ms']:.1f} | {ratio:.3f} |"
                     f" {c['True']['first_ms']:.0f} |"
                 )
+    lines += _sureness_lines(results) + _model_lines(results)
     first = next((w["tunes"][0] for w in results["workloads"].values() if w["tunes"]), None)
     if first:
         lines += [
@@ -404,6 +465,66 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         ]
     lines += ["", end]
     return "\n".join(lines)
+
+
+def _sureness_lines(results: dict[str, Any]) -> list[str]:
+    sure = [(n, t) for n, w in results["workloads"].items() for t in w["tunes"] if t.get("sureness")]
+    if not sure:
+        return []
+    lines = ["", "How sure each tuner run said its choice was, against the closest other candidate it measured:", ""]
+    lines += ["| workload | run | closest other | its step / the choice's [95% interval] | P(choice faster) |"]
+    lines += ["|---|---|---|---|---|"]
+    for name, t in sure:
+        s = t["sureness"]
+        interval = f"{s['ratio']:.3f} [{s['interval'][0]:.3f}, {s['interval'][1]:.3f}]" if s["rival"] else "-"
+        noisy = " (still within the noise)" if s.get("within_noise") else ""
+        lines.append(
+            f"| {name} | {t['run']} | {_cell(s['rival'] or '-')} | {interval}{noisy} | {s['probability']:.2f} |"
+        )
+    return lines
+
+
+def _model_lines(results: dict[str, Any]) -> list[str]:
+    errors = {n: w["model"] for n, w in results["workloads"].items() if w.get("model")}
+    if not errors:
+        return []
+    lines = [
+        "",
+        "The cost model against the sweep: every swept candidate predicted from the tuner's first trial alone"
+        " (calibrated on it, no correction by other trials), over its median step in the same run's sweep:",
+        "",
+        "| workload | predicted / measured: median (range) | worst |",
+        "|---|---|---|",
+    ]
+    for name, found in errors.items():
+        ratios = sorted(e["ratio"] for e in found)
+        worst = max(found, key=lambda e: abs(math.log(e["ratio"])))
+        lines.append(
+            f"| {name} | {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
+            f" {_cell(worst['label'])}: {worst['ratio']:.2f} |"
+        )
+    return lines
+
+
+def _space_flags(args: argparse.Namespace) -> str:
+    out = f" --schedules {' '.join(args.schedules)}" if getattr(args, "schedules", None) else ""
+    return out + (
+        f" --microbatches {' '.join(map(str, args.microbatches))}" if getattr(args, "microbatches", None) else ""
+    )
+
+
+def markers(args: argparse.Namespace) -> tuple[str, str]:
+    """The generated section's markers: one per kind of run; a layout run of other workloads or another space has
+    its own section."""
+    layouts = bool(getattr(args, "layouts", False))
+    default = list(DEFAULT_WORKLOADS[layouts])
+    if not layouts or (list(args.workloads) == default and not _space_flags(args)):
+        return MARKERS[layouts]
+    flags = f"--layouts --workloads {' '.join(args.workloads)}{_space_flags(args)}"
+    return (
+        f"<!-- benchmarks/tune.py {flags}: begin (generated, do not edit by hand) -->",
+        f"<!-- benchmarks/tune.py {flags}: end -->",
+    )
 
 
 def _busy(results: dict[str, Any]) -> list[str]:
@@ -456,7 +577,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
-    args.workloads = args.workloads or (["small", "gpt", "gpt-vocab"] if args.layouts else ["mlp", "gpt", "gpt-vocab"])
+    args.workloads = args.workloads or list(DEFAULT_WORKLOADS[bool(args.layouts)])
     args.out = args.out or ROOT / "benchmarks" / "results" / ("tune-layouts" if args.layouts else "tune")
     steps, warmup = (1, 1) if args.quick else (6, 2)
     if args.worker:
@@ -491,7 +612,7 @@ def main() -> None:
             _run_worker(args, chunk_file, records_file, deadline - time.monotonic())
             chunk_file.unlink()
         records = [json.loads(line) for line in records_file.read_text().splitlines()]
-        results = collect(records, warmup)
+        results = collect(records, warmup, args.out)
         results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=time.perf_counter() - start)
         results["load_end"] = list(os.getloadavg())
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
@@ -499,7 +620,7 @@ def main() -> None:
     if str(args.docs) != "-":
         from benchmarks.report import write_section
 
-        write_section(args.docs, text, *MARKERS[bool(args.layouts)])
+        write_section(args.docs, text, *markers(args))
     print(text)
 
 
