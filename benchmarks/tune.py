@@ -101,7 +101,7 @@ def sweep_candidates(args: argparse.Namespace, batch: int, blocks: int) -> list[
     from lightning_pipe.tune.layout import ProcessLayout, layouts
     from lightning_pipe.tune.space import candidates
 
-    found = space(args.quick, args.layouts, args.schedules, args.microbatches)
+    found = space(args.quick, args.layouts, getattr(args, "schedules", None), getattr(args, "microbatches", None))
     if not args.layouts:
         return [(c.settings(), None) for c in candidates(found, 2, batch, blocks)]
     out = []
@@ -518,9 +518,10 @@ def markers(args: argparse.Namespace) -> tuple[str, str]:
     its own section."""
     layouts = bool(getattr(args, "layouts", False))
     default = list(DEFAULT_WORKLOADS[layouts])
-    if not layouts or (list(args.workloads) == default and not _space_flags(args)):
+    workloads = list(getattr(args, "workloads", None) or default)
+    if not layouts or (workloads == default and not _space_flags(args)):
         return MARKERS[layouts]
-    flags = f"--layouts --workloads {' '.join(args.workloads)}{_space_flags(args)}"
+    flags = f"--layouts --workloads {' '.join(workloads)}{_space_flags(args)}"
     return (
         f"<!-- benchmarks/tune.py {flags}: begin (generated, do not edit by hand) -->",
         f"<!-- benchmarks/tune.py {flags}: end -->",
