@@ -427,8 +427,7 @@ def test_a_trial_frees_its_trainer_and_model_copy_before_the_next_one(tmp_path):
 
 
 def test_ranks_that_share_cores_on_one_host():
-    from lightning_pipe.tune.trial import placement, shared_cores
-    from lightning_pipe.tune.tuner import _shared_cores_note
+    from lightning_pipe.tune.trial import placement, shared_cores, shared_cores_note
 
     a, b = frozenset({0}), frozenset({1})
     assert shared_cores([("h", a), ("h", b)]) == []  # pinned apart
@@ -437,7 +436,7 @@ def test_ranks_that_share_cores_on_one_host():
     assert shared_cores([("h", frozenset()), ("h", frozenset()), None]) == []  # the OS did not say
     everywhere = [("h", a | b)] * 5
     assert len(shared_cores(everywhere)) == 10
-    note = _shared_cores_note(shared_cores(everywhere))
+    note = shared_cores_note(shared_cores(everywhere))
     assert "ranks 0 and 1, 0 and 2, 0 and 3 (and 7 more pairs) may run on the same CPU cores" in note
     assert "os.sched_setaffinity" in note and "retune=True" in note
     host, cores = placement()

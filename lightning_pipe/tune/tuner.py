@@ -48,10 +48,10 @@ from lightning_pipe.split.builder import is_split
 from lightning_pipe.tune import prune, record
 from lightning_pipe.tune.cost import BalanceRule, Profile, Trial, calibrate, predict
 from lightning_pipe.tune.layout import BATCH_ATTRIBUTE, BatchKnob, ProcessLayout, find_batch_knob, layouts
-from lightning_pipe.tune.noise import Sureness, step_jitter
+from lightning_pipe.tune.noise import Sureness
 from lightning_pipe.tune.profile import profile_network
 from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
-from lightning_pipe.tune.trial import TrialResult, TrialSetup, run_trial
+from lightning_pipe.tune.trial import TrialResult, TrialSetup, measured_of, run_trial, shared_cores_note
 
 log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
@@ -244,7 +244,7 @@ def _search(
         return found
 
     runs = {baseline: [first]}
-    measured = {baseline: _measured(runs[baseline])}
+    measured = {baseline: measured_of(runs[baseline])}
     peaks, actions, state = first.peaks(pipeline_size), first.action_medians(), first.first.state_factor
     trials = [Trial(baseline, measured[baseline].step, peaks, actions, state)]
     while True:
@@ -258,7 +258,7 @@ def _search(
             break
         trial = trial_of(chosen)
         runs[chosen] = [trial]
-        measured[chosen] = _measured(runs[chosen])
+        measured[chosen] = measured_of(runs[chosen])
         trials.append(Trial(chosen, measured[chosen].step, trial.peaks(chosen.pipeline_size or pipeline_size)))
     repeated = _repeat(runs, measured, limit, confirm, trial_of)
     choice = prune.choose(measured, limit)
@@ -288,7 +288,7 @@ def _search(
     # Global rank 0's clock, on every rank.
     cost = collectives.broadcast_object(cost, 0, collectives.world_group(), device)
     shared = first.shared_cores() if device.type == "cpu" else []
-    notes = ((_shared_cores_note(shared),) if shared else ()) + (search.notes if search is not None else ())
+    notes = ((shared_cores_note(shared),) if shared else ()) + (search.notes if search is not None else ())
     size = search.changed_batch(choice) if search is not None else None
     if search is not None and choice.pipeline_size == 1:
         replicas = search.world_size // choice.tensor_parallel
@@ -436,18 +436,6 @@ def _per_replica_batch(knob: Optional[BatchKnob], size: Optional[int]) -> Iterat
         knob.restore()
 
 
-def _shared_cores_note(pairs: list[tuple[int, int]]) -> str:
-    shown = ", ".join(f"{a} and {b}" for a, b in pairs[:3]) + (
-        f" (and {len(pairs) - 3} more pairs)" if len(pairs) > 3 else ""
-    )
-    return (
-        f"Processes of ranks {shown} may run on the same CPU cores. The OS moves their threads between the cores"
-        " they share, and a trial's speed then depends on where it put them as much as on the setting: on a 2-core"
-        " machine, the same setting measured up to 1.45x apart from one trial to the next. Pin each process to cores"
-        " of its own (`os.sched_setaffinity`, `taskset`, `numactl`; docs/tuning.md) and tune again (`retune=True`)."
-    )
-
-
 def _profile(
     model: Any,
     settings: Any,
@@ -510,30 +498,9 @@ def _repeat(
     while found := prune.repeat_round(measured, limit, confirm - repeated):
         for again in found if rounds % 2 == 0 else reversed(found):
             runs[again].append(trial_of(again))
-            measured[again] = _measured(runs[again])
+            measured[again] = measured_of(runs[again])
         repeated, rounds = repeated + len(found), rounds + 1
     return repeated
-
-
-def _measured(trials: list[TrialResult]) -> prune.Measured:
-    """One candidate's trials: the geometric mean of their median steps, the median CPU time of all their steps,
-    the highest peak, each trial's median and spread."""
-    import math
-    import statistics
-
-    medians = tuple(statistics.median(trial.step_seconds()) for trial in trials)
-    jitter = tuple(step_jitter(trial.step_seconds()) for trial in trials)
-    cpu = [s for trial in trials for s in trial.cpu_seconds()]
-    peaks = [m.peak for trial in trials for m in trial.everyone if m.peak is not None]
-    return prune.Measured(
-        math.exp(statistics.fmean(math.log(m) for m in medians)),
-        statistics.median(cpu) if cpu else 0.0,
-        float(max(peaks, default=0)),
-        sum(len(trial.step_seconds()) for trial in trials),
-        len(trials),
-        medians,
-        jitter,
-    )
 
 
 def _facts(
