@@ -29,6 +29,7 @@ from lightning_pipe.tune.cost import (
     UnitTimes,
     calibrate,
     predict,
+    stage_times,
 )
 from lightning_pipe.tune.profile import network_call, profile_network
 from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
@@ -201,7 +202,8 @@ def test_calibration_reproduces_the_measured_trials():
     first = Candidate("1F1B", 4, 1)
     raw = predict(first, profile, rule, 2, Calibration())
     actions = {(0, "F"): 0.0043, (1, "F"): 0.0091, (0, "B"): 0.0083, (1, "B"): 0.0161, (1, "L"): 0.004}
-    trials = [Trial(first, raw.span + 0.01, (raw.memory[0] + 5e6, raw.memory[1] + 5e6), actions, 1.0)]
+    # (the step beyond the loss's 4 x 4 ms that the raw span leaves out)
+    trials = [Trial(first, raw.span + 0.03, (raw.memory[0] + 5e6, raw.memory[1] + 5e6), actions, 1.0)]
     calibration = calibrate(profile, rule, 2, trials, transfer=(1e-4, 1e-9))
     assert calibration.action_overhead == pytest.approx(1e-4, abs=2e-5)
     assert calibration.loss_per_sample == pytest.approx(0.002)
@@ -212,6 +214,26 @@ def test_calibration_reproduces_the_measured_trials():
     # More microbatches cost more actions: with an overhead per action, M=8 gains less over M=4 than without it
     more = predict(Candidate("1F1B", 8, 1), profile, rule, 2, calibration)
     assert more.step - again.step > predict(Candidate("1F1B", 8, 1), profile, rule, 2, Calibration()).step - raw.step
+
+
+def test_a_compute_sized_gap_is_a_factor_not_a_per_action_cost_and_the_step_overhead_is_never_negative():
+    profile = _profile()
+    rule = BalanceRule("blocks")
+    first = Candidate("1F1B", 4, 1)
+    modelled = {(0, "F"): 4.2e-3, (1, "F"): 8e-3, (0, "B"): 8.1e-3, (1, "B"): 16e-3}
+    # Every backward 1.5 times the profile's and every action 1e-4 s more: the gap grows with the compute.
+    actions = {k: (v * 1.5 if kind == "B" else v) + 1e-4 for (k, v), kind in zip(modelled.items(), "FFBB")}
+    actions = {**actions, (1, "L"): 4e-3}
+    calibration = calibrate(profile, rule, 2, [Trial(first, 1.0, (), actions)])
+    assert calibration.action_overhead == pytest.approx(1e-4, rel=0.05)
+    assert calibration.compute_scale == (pytest.approx(1.0, abs=0.02), pytest.approx(1.5, abs=0.02))
+    # The trial's own actions are reproduced: the factor times the profile, plus the overhead.
+    times, _, _ = stage_times(first, profile, [2, 2], calibration)
+    assert times.backward[1] + calibration.action_overhead == pytest.approx(actions[(1, "B")], rel=0.02)
+    assert times.forward[0] + calibration.action_overhead == pytest.approx(actions[(0, "F")], rel=0.02)
+    # A trial measured faster than its modelled schedule: no negative overhead, no negative prediction.
+    fast = calibrate(profile, rule, 2, [Trial(first, 1e-4)])
+    assert fast.step_overhead == 0.0 and predict(first, profile, rule, 2, fast).step > 0
 
 
 def test_compile_factor_is_learned_from_a_compiled_trial_and_its_eager_twin():

@@ -264,7 +264,10 @@ def calibrate(
     if eager:
         modelled = [predict(t.candidate, profile, rule, pipeline_size, calibration) for t in eager]
         residual = [t.step - p.span - p.sync for t, p in zip(eager, modelled)]
-        calibration = dataclasses.replace(calibration, step_overhead=statistics.median(residual))
+        # Never below zero: what a step costs beyond its schedule is a cost. A negative median came from trials of
+        # other layouts whose schedule the model overestimated (their groups' corrections take that up); taken as
+        # is, it made every pipeline candidate's prediction negative on a wide MLP.
+        calibration = dataclasses.replace(calibration, step_overhead=max(statistics.median(residual), 0.0))
     sized = [t for t in trials if t.memory]
     if sized:
         gaps = [max(t.memory) - predict(t.candidate, profile, rule, pipeline_size, calibration).peak for t in sized]
