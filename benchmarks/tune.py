@@ -327,7 +327,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         runs = f"{total} runs in {len(results['batches'])} batches ({dates}), interleaved within each batch"
     layouts = bool(getattr(args, "layouts", False))
     begin, end = markers(args)
-    flags = " --quick" * bool(args.quick) + " --layouts" * layouts + _space_flags(args)
+    workloads = list(getattr(args, "workloads", None) or DEFAULT_WORKLOADS[layouts])
+    named = f" --workloads {' '.join(workloads)}" if workloads != list(DEFAULT_WORKLOADS[layouts]) else ""
+    flags = " --quick" * bool(args.quick) + " --layouts" * layouts + named + _space_flags(args)
     lines = [
         begin,
         "",
