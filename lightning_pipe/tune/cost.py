@@ -299,7 +299,7 @@ def _action_costs(
     ]
     # What every action pays whatever its size (the smallest gap), and beyond it a factor on the compute of each
     # direction: a gap that grows with the compute is a slower compute, not an overhead that more (and smaller)
-    # actions would pay again each (it made the model predict one microbatch of a V schedule at 2.4-2.9 times its
+    # actions would pay again each (it made the model predict one microbatch of a V schedule at 1.6-2.4 times its
     # measured step).
     overhead = max(min((seconds - model for _, seconds, model in pairs), default=0.0), 0.0)
 
