@@ -42,6 +42,10 @@ class ModelSpec:
 MODELS = {
     "compute": ModelSpec("compute", width=1024, depth=8, batch=512),
     "small": ModelSpec("small", width=256, depth=4, batch=64),
+    # the layout tuning's workloads (benchmarks/tune.py --layouts): few wide layers on few samples, whose gradients
+    # are large against their compute; many narrow layers
+    "wide": ModelSpec("wide", width=2048, depth=6, batch=16),
+    "deep": ModelSpec("deep", width=64, depth=16, batch=32),
     # --quick: the same code paths in a fraction of a second
     "tiny": ModelSpec("tiny", width=32, depth=8, batch=32),
 }

@@ -53,6 +53,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tune_errors import _cell, _label, model_errors, model_inputs, model_lines, sureness_lines  # noqa: E402
+
 MARKERS = {
     False: ("<!-- benchmarks/tune.py: begin (generated, do not edit by hand) -->", "<!-- benchmarks/tune.py: end -->"),
     True: (
@@ -67,19 +69,23 @@ SHAPES = {
     "gpt": ((16, 4), (8, 4)),
     "gpt-vocab": ((16, 4), (8, 4)),
     "small": ((64, 4), (32, 8)),
+    "wide": ((16, 6), (32, 8)),
+    "deep": ((32, 16), (32, 8)),
 }
 COMPILED = ("mlp", "gpt")
+#: the workloads of a run without ``--workloads`` (without and with ``--layouts``)
+DEFAULT_WORKLOADS = {False: ("mlp", "gpt", "gpt-vocab"), True: ("small", "gpt", "gpt-vocab")}
 #: the schedules of the layout run (the single-stage, interleaved and V-shaped families, one zero-bubble)
 LAYOUT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
-def space(quick: bool, layouts: bool = False) -> Any:
+def space(quick: bool, layouts: bool = False, schedules: Any = None, microbatches: Any = None) -> Any:
     from lightning_pipe import SearchSpace
 
     if layouts:
         return SearchSpace(
-            schedules=("1F1B",) if quick else LAYOUT_SCHEDULES,
-            microbatches=(1, 2) if quick else "auto",
+            schedules=tuple(schedules or (("1F1B",) if quick else LAYOUT_SCHEDULES)),
+            microbatches=tuple(microbatches or ((1, 2) if quick else ())) or "auto",
             activation_checkpointing=(0,),
             pipeline_sizes="auto",
             data_parallel=("ddp", "fsdp"),
@@ -95,7 +101,7 @@ def sweep_candidates(args: argparse.Namespace, batch: int, blocks: int) -> list[
     from lightning_pipe.tune.layout import ProcessLayout, layouts
     from lightning_pipe.tune.space import candidates
 
-    found = space(args.quick, args.layouts)
+    found = space(args.quick, args.layouts, getattr(args, "schedules", None), getattr(args, "microbatches", None))
     if not args.layouts:
         return [(c.settings(), None) for c in candidates(found, 2, batch, blocks)]
     out = []
@@ -114,6 +120,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             batch, blocks = SHAPES[workload][1 if args.quick else 0]
             found = sweep_candidates(args, batch, blocks)
             order.shuffle(found)
+            found = [] if args.only_tune else found
             cases += [
                 {"kind": "sweep", "workload": workload, "run": run, "settings": s, "batch_size": b} for s, b in found
             ]
@@ -127,9 +134,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------ the worker
-def work(
-    cases_file: Path, results_file: Path, quick: bool, steps: int, warmup: int, pin: bool, layouts: bool = False
-) -> None:
+def work(cases_file: Path, results_file: Path, args: argparse.Namespace, steps: int, warmup: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -140,7 +145,8 @@ def work(
     from lightning_pipe.tune.layout import find_batch_knob
 
     # Before the process group starts its threads, which inherit the core.
-    core = pin_to_core(int(os.environ["LOCAL_RANK"])) if pin else None
+    quick, layouts = args.quick, args.layouts
+    core = pin_to_core(int(os.environ["LOCAL_RANK"])) if not args.no_pin else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -163,11 +169,14 @@ def work(
             record["cpu_ms"] = [sum(step) for step in zip(*cpus)]
         else:
             path = results_file.parent / f"tune-{case['workload']}-{case['run']}"
-            result = lightning_pipe.tune(
-                trainer("pipeline", 2, 1, []), model, space=space(quick, layouts), steps=steps, warmup_steps=warmup,
-                path=path, retune=True, **fit_kwargs,
-            )  # fmt: skip
+            searched = space(quick, layouts, args.schedules, args.microbatches)
+            with model_inputs(path.with_suffix(".model.pkl") if rank == 0 else None):
+                result = lightning_pipe.tune(
+                    trainer("pipeline", 2, 1, []), model, space=searched, steps=steps, warmup_steps=warmup,
+                    path=path, retune=True, **fit_kwargs,
+                )  # fmt: skip
             record.update(choice=result.choice.settings(), label=result.choice.label, cost=result.cost)
+            record["sureness"] = result.sureness
             record["table"] = result.table
         del model, fit_kwargs
         # A finished Trainer and its model are reference cycles: collected now, not when the collector's thresholds
@@ -193,7 +202,7 @@ def _median_run(ms: list[float], warmup: int) -> float:
     return statistics.median(ms[warmup:] or ms)
 
 
-def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+def collect(records: list[dict[str, Any]], warmup: int, files: Path | None = None) -> dict[str, Any]:
     """Per workload: every candidate's median step over runs, the best, each tuner run's choice and cost."""
     machine = next((r["machine"] for r in records if "machine" in r), {})
     out: dict[str, Any] = {"machine": machine, "workloads": {}}
@@ -234,6 +243,7 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
                     "trials": r["cost"]["trials"],
                     "sweeps": spent / one_sweep if one_sweep else None,
                     "table": r["table"],
+                    "sureness": r.get("sureness", {}),
                 }
             )
         compiled = {}
@@ -255,6 +265,7 @@ def collect(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "sweep_picks": sweep_picks,
             "run_spread": statistics.median(spreads) if spreads else None,
             "compile": compiled,
+            "model": model_errors(files, workload, per_run) if files is not None else [],
         }
     return out
 
@@ -266,7 +277,7 @@ def stopped_run(out: Path, warmup: int) -> dict[str, Any]:
     planned = collections.Counter(case["run"] for case in cases)
     recorded = collections.Counter(r["case"]["run"] for r in records if "case" in r)
     done = [n for n in sorted(planned) if recorded[n] == planned[n]]
-    results = collect([r for r in records if "machine" in r or r["case"]["run"] in done], warmup)
+    results = collect([r for r in records if "machine" in r or r["case"]["run"] in done], warmup, out)
     started = time.localtime((out / "cases.json").stat().st_mtime)
     results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S", started), elapsed_s=None, runs=(len(done), len(planned)))
     return results
@@ -300,19 +311,6 @@ def merged(outputs: list[Path], warmup: int) -> dict[str, Any]:
     return results
 
 
-def _label(settings: dict[str, Any]) -> str:
-    from lightning_pipe.tune.space import Candidate
-
-    keys = ("schedule", "microbatches", "stages_per_rank", "activation_checkpointing")
-    layout = {k: settings[k] for k in ("pipeline_size", "data_parallel", "tensor_parallel") if k in settings}
-    return Candidate(*(settings[k] for k in keys), bool(settings.get("compile")), **layout).label
-
-
-def _cell(text: str) -> str:
-    """``text`` inside a markdown table's cell: a layout's label (``pp=2 ddp tp=1 | 1F1B ...``) has a bar."""
-    return text.replace("|", "\\|")
-
-
 def _duration(results: dict[str, Any]) -> str:
     if results.get("elapsed_s") is None:
         return "duration not recorded"
@@ -328,8 +326,10 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         total = sum(b["runs"] for b in results["batches"])
         runs = f"{total} runs in {len(results['batches'])} batches ({dates}), interleaved within each batch"
     layouts = bool(getattr(args, "layouts", False))
-    begin, end = MARKERS[layouts]
-    flags = " --quick" * bool(args.quick) + " --layouts" * layouts
+    begin, end = markers(args)
+    workloads = list(getattr(args, "workloads", None) or DEFAULT_WORKLOADS[layouts])
+    named = f" --workloads {' '.join(workloads)}" if workloads != list(DEFAULT_WORKLOADS[layouts]) else ""
+    flags = " --quick" * bool(args.quick) + " --layouts" * layouts + named + _space_flags(args)
     lines = [
         begin,
         "",
@@ -389,6 +389,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
                     f"| {name} | {c['False']['ms']:.1f} | {c['True']['ms']:.1f} | {ratio:.3f} |"
                     f" {c['True']['first_ms']:.0f} |"
                 )
+    lines += sureness_lines(results) + model_lines(results)
     first = next((w["tunes"][0] for w in results["workloads"].values() if w["tunes"]), None)
     if first:
         lines += [
@@ -401,6 +402,28 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         ]
     lines += ["", end]
     return "\n".join(lines)
+
+
+def _space_flags(args: argparse.Namespace) -> str:
+    out = f" --schedules {' '.join(args.schedules)}" if getattr(args, "schedules", None) else ""
+    return out + (
+        f" --microbatches {' '.join(map(str, args.microbatches))}" if getattr(args, "microbatches", None) else ""
+    )
+
+
+def markers(args: argparse.Namespace) -> tuple[str, str]:
+    """The generated section's markers: one per kind of run; a layout run of other workloads or another space has
+    its own section."""
+    layouts = bool(getattr(args, "layouts", False))
+    default = list(DEFAULT_WORKLOADS[layouts])
+    workloads = list(getattr(args, "workloads", None) or default)
+    if not layouts or (workloads == default and not _space_flags(args)):
+        return MARKERS[layouts]
+    flags = f"--layouts --workloads {' '.join(workloads)}{_space_flags(args)}"
+    return (
+        f"<!-- benchmarks/tune.py {flags}: begin (generated, do not edit by hand) -->",
+        f"<!-- benchmarks/tune.py {flags}: end -->",
+    )
 
 
 def _busy(results: dict[str, Any]) -> list[str]:
@@ -447,14 +470,17 @@ def main() -> None:
         type=Path,
         help="report these complete earlier outputs (results.json, records.jsonl) as one set of runs: OUT/results.json",
     )
+    parser.add_argument("--schedules", nargs="+", default=None, help="--layouts: the schedules (default: four)")
+    parser.add_argument("--microbatches", nargs="+", type=int, default=None, help="--layouts: the counts")
+    parser.add_argument("--only-tune", action="store_true", help="no sweep: the tuner alone")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.runs = args.runs or (1 if args.quick else 3)
-    args.workloads = args.workloads or (["small", "gpt", "gpt-vocab"] if args.layouts else ["mlp", "gpt", "gpt-vocab"])
+    args.workloads = args.workloads or list(DEFAULT_WORKLOADS[bool(args.layouts)])
     args.out = args.out or ROOT / "benchmarks" / "results" / ("tune-layouts" if args.layouts else "tune")
     steps, warmup = (1, 1) if args.quick else (6, 2)
     if args.worker:
-        return work(args.worker[0], args.worker[1], args.quick, steps, warmup, not args.no_pin, args.layouts)
+        return work(args.worker[0], args.worker[1], args, steps, warmup)
     if args.docs is None:
         args.docs = Path("-") if args.quick else ROOT / "docs" / "benchmarks.md"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -485,7 +511,7 @@ def main() -> None:
             _run_worker(args, chunk_file, records_file, deadline - time.monotonic())
             chunk_file.unlink()
         records = [json.loads(line) for line in records_file.read_text().splitlines()]
-        results = collect(records, warmup)
+        results = collect(records, warmup, args.out)
         results.update(date=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=time.perf_counter() - start)
         results["load_end"] = list(os.getloadavg())
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
@@ -493,7 +519,7 @@ def main() -> None:
     if str(args.docs) != "-":
         from benchmarks.report import write_section
 
-        write_section(args.docs, text, *MARKERS[bool(args.layouts)])
+        write_section(args.docs, text, *markers(args))
     print(text)
 
 
@@ -504,6 +530,8 @@ def _run_worker(args: argparse.Namespace, cases_file: Path, records_file: Path, 
     cmd += [__file__, "--worker", str(cases_file), str(records_file)] + (["--quick"] if args.quick else [])
     cmd += ["--no-pin"] if args.no_pin else []
     cmd += ["--layouts"] if args.layouts else []
+    cmd += ["--schedules", *args.schedules] if args.schedules else []
+    cmd += ["--microbatches", *map(str, args.microbatches)] if args.microbatches else []
     with (args.out / "worker.log").open("a") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
     if proc.returncode != 0:

@@ -112,6 +112,8 @@ SIZES = {
         "quick": dict(vocab=512, block_size=16, n_layer=4, n_embd=32, batch_size=8),
     },
     "small": {"full": "small", "quick": "tiny"},
+    "wide": {"full": "wide", "quick": "tiny"},
+    "deep": {"full": "deep", "quick": "tiny"},
 }
 WORKLOADS = tuple(SIZES)
 
@@ -120,7 +122,7 @@ def build(workload: str, quick: bool, batches: int) -> tuple[L.LightningModule, 
     """A fresh LightningModule of ``workload`` (seeded) and the ``fit`` keyword arguments for its data."""
     size = SIZES[workload]["quick" if quick else "full"]
     torch.manual_seed(0)
-    if workload in ("mlp", "small"):
+    if workload in ("mlp", "small", "wide", "deep"):
         spec = MODELS[size]
         return MLPModule(spec, spec.batch, batches), {}
     if workload == "gpt":

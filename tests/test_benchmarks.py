@@ -570,3 +570,63 @@ def test_the_floor_needs_the_alternating_loops(capsys):
     assert "--floor measures Lightning's share by alternating the loops step by step: add --alternate" in (
         capsys.readouterr().err
     )
+
+
+def test_the_tune_report_reads_the_cost_models_first_trial_error_and_the_tuners_sureness(tmp_path):
+    import pickle
+
+    from benchmarks import tune as tune_bench
+    from lightning_pipe.tune.cost import BalanceRule, Trial, calibrate, predict
+    from lightning_pipe.tune.space import Candidate
+    from tests.test_tune import _profile
+
+    profile, rule = _profile(), BalanceRule("blocks")
+    first, other = Candidate("1F1B", 4, 1), Candidate("GPipe", 2, 1)
+    trials = [Trial(first, 0.05), Trial(other, 0.5)]  # the second trial must not move the first-trial model
+    (tmp_path / "tune-mlp-0.model.pkl").write_bytes(pickle.dumps((profile, rule, 2, trials, (0.0, 0.0), (0.0, 0.0))))
+    sure = {"rival": first.label, "ratio": 1.2, "interval": [1.1, 1.3], "probability": 0.99, "within_noise": False}
+    records = [{"machine": {"cpu": "x"}}, _sweep(0, other.settings(), [99.0, 40.0])]
+    records.append(
+        {"case": {"kind": "tune", "workload": "mlp", "run": 0}, "choice": other.settings(), "label": other.label}
+        | {"cost": {"wall_s": 1.0, "launch_s": 0.1, "cpu_s": 1.0, "trials": 2.0}, "table": "t", "sureness": sure}
+    )
+    results = tune_bench.collect(records, warmup=1, files=tmp_path) | {"date": "d", "elapsed_s": 1.0}
+    expected = predict(other, profile, rule, 2, calibrate(profile, rule, 2, trials[:1])).step * 1e3 / 40.0
+    assert results["workloads"]["mlp"]["model"] == [{"run": 0, "label": other.label, "ratio": expected}]
+    text = tune_bench.markdown(results, Namespace(quick=False, runs=1))
+    assert f"| mlp | {expected:.2f} ({expected:.2f}-{expected:.2f}) | {other.label}: {expected:.2f} |" in text
+    assert f"| mlp | 0 | {first.label} | 1.200 [1.100, 1.300] | 0.99 |" in text
+
+
+def test_a_layout_run_of_other_workloads_has_a_section_of_its_own():
+    from benchmarks import tune as tune_bench
+
+    default = Namespace(quick=False, layouts=True, workloads=["small", "gpt", "gpt-vocab"])
+    assert tune_bench.markers(default) == tune_bench.MARKERS[True]
+    assert tune_bench.markers(Namespace(quick=False, layouts=False, workloads=["wide"])) == tune_bench.MARKERS[False]
+    other = Namespace(quick=False, layouts=True, workloads=["wide", "deep"], schedules=["1F1B"], microbatches=[1, 2])
+    begin, end = tune_bench.markers(other)
+    assert "--layouts --workloads wide deep --schedules 1F1B --microbatches 1 2: begin" in begin
+    assert end.endswith("--microbatches 1 2: end -->") and begin not in tune_bench.MARKERS[True]
+
+
+def test_the_per_microbatch_slopes_are_paired_round_by_round():
+    from benchmarks import microbatches
+
+    def record(run: int, m: int, hand: float, strategy: float) -> dict:
+        steps = {"hand": [hand, hand], "strategy": [strategy, strategy]}
+        return {"case": {"suite": "microbatches", "run": run, "microbatches": m}, "steps_ms": steps, "load": 1.0}
+
+    # hand: 2 + 1 ms per microbatch; strategy: 3 + 1.5 (round 0) and 3 + 1.25 (round 1) ms per microbatch
+    records = [{"machine": {"cpu": "x"}}]
+    for run, per in ((0, 1.5), (1, 1.25)):
+        records += [record(run, m, 2 + m, 3 + per * m) for m in microbatches.COUNTS]
+    records.append(record(2, 1, 1.0, 1.0))  # an incomplete round: left out
+    summary = microbatches.summarize(records)
+    assert summary["rounds"] == 2
+    assert summary["slope"]["hand"]["mean"] == pytest.approx(1.0)
+    assert summary["slope"]["diff"]["mean"] == pytest.approx(0.375)
+    assert summary["per_count"]["16"]["diff"]["mean"] == pytest.approx((27.0 + 23.0) / 2 - 18)
+    text = microbatches.markdown(summary, 80, 10)
+    assert text.startswith(microbatches.BEGIN) and text.endswith(microbatches.END)
+    assert "**strategy - hand 0.375 [" in text

@@ -153,6 +153,10 @@ def test_the_tuner_keeps_a_custom_schedule_runs_its_trials_and_names_its_csv(tmp
     result = tune(trainer, LitLM(), space=space, steps=1, warmup_steps=1, max_trials=2, margin=10.0, confirm=0)
     assert {(r.candidate.schedule, r.candidate.microbatches) for r in result.rows} == {(strategy.settings.schedule, 2)}
     assert sorted(r.candidate.activation_checkpointing for r in result.rows if r.measured) == [0, 1]  # both ran
+    # How sure the choice is, against the other candidate (`confirm=0`: nothing measured again)
+    rival = next(r.candidate.label for r in result.rows if r.measured and r.candidate != result.choice)
+    assert result.sureness["rival"] == rival and 0 <= result.sureness["probability"] <= 1
+    assert result.cost["repeated"] == 0 and json.loads(result.files[0].read_text())["sureness"] == result.sureness
     assert result.settings["schedule"] == path and "one_rank.csv M=2 v=1" in result.table
     init_args = yaml.safe_load(result.files[1].read_text())["trainer"]["strategy"]["init_args"]
     assert init_args["schedule"] == path and init_args["microbatches"] == 2

@@ -29,6 +29,7 @@ from lightning_pipe.tune.cost import (
     UnitTimes,
     calibrate,
     predict,
+    stage_times,
 )
 from lightning_pipe.tune.profile import network_call, profile_network
 from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
@@ -201,7 +202,8 @@ def test_calibration_reproduces_the_measured_trials():
     first = Candidate("1F1B", 4, 1)
     raw = predict(first, profile, rule, 2, Calibration())
     actions = {(0, "F"): 0.0043, (1, "F"): 0.0091, (0, "B"): 0.0083, (1, "B"): 0.0161, (1, "L"): 0.004}
-    trials = [Trial(first, raw.span + 0.01, (raw.memory[0] + 5e6, raw.memory[1] + 5e6), actions, 1.0)]
+    # (the step beyond the loss's 4 x 4 ms that the raw span leaves out)
+    trials = [Trial(first, raw.span + 0.03, (raw.memory[0] + 5e6, raw.memory[1] + 5e6), actions, 1.0)]
     calibration = calibrate(profile, rule, 2, trials, transfer=(1e-4, 1e-9))
     assert calibration.action_overhead == pytest.approx(1e-4, abs=2e-5)
     assert calibration.loss_per_sample == pytest.approx(0.002)
@@ -212,6 +214,26 @@ def test_calibration_reproduces_the_measured_trials():
     # More microbatches cost more actions: with an overhead per action, M=8 gains less over M=4 than without it
     more = predict(Candidate("1F1B", 8, 1), profile, rule, 2, calibration)
     assert more.step - again.step > predict(Candidate("1F1B", 8, 1), profile, rule, 2, Calibration()).step - raw.step
+
+
+def test_a_compute_sized_gap_is_a_factor_not_a_per_action_cost_and_the_step_overhead_is_never_negative():
+    profile = _profile()
+    rule = BalanceRule("blocks")
+    first = Candidate("1F1B", 4, 1)
+    modelled = {(0, "F"): 4.2e-3, (1, "F"): 8e-3, (0, "B"): 8.1e-3, (1, "B"): 16e-3}
+    # Every backward 1.5 times the profile's and every action 1e-4 s more: the gap grows with the compute.
+    actions = {k: (v * 1.5 if kind == "B" else v) + 1e-4 for (k, v), kind in zip(modelled.items(), "FFBB")}
+    actions = {**actions, (1, "L"): 4e-3}
+    calibration = calibrate(profile, rule, 2, [Trial(first, 1.0, (), actions)])
+    assert calibration.action_overhead == pytest.approx(1e-4, rel=0.05)
+    assert calibration.compute_scale == (pytest.approx(1.0, abs=0.02), pytest.approx(1.5, abs=0.02))
+    # The trial's own actions are reproduced: the factor times the profile, plus the overhead.
+    times, _, _ = stage_times(first, profile, [2, 2], calibration)
+    assert times.backward[1] + calibration.action_overhead == pytest.approx(actions[(1, "B")], rel=0.02)
+    assert times.forward[0] + calibration.action_overhead == pytest.approx(actions[(0, "F")], rel=0.02)
+    # A trial measured faster than its modelled schedule: no negative overhead, no negative prediction.
+    fast = calibrate(profile, rule, 2, [Trial(first, 1e-4)])
+    assert fast.step_overhead == 0.0 and predict(first, profile, rule, 2, fast).step > 0
 
 
 def test_compile_factor_is_learned_from_a_compiled_trial_and_its_eager_twin():
@@ -264,7 +286,7 @@ def test_predictions_are_corrected_by_what_their_group_measured():
     assert prune.corrected(predictions, measured)[b2].step == pytest.approx(2.0 * 1.2)
 
 
-def test_next_trial_takes_an_unmeasured_group_first_and_finalists_are_the_close_ones():
+def test_next_trial_takes_an_unmeasured_group_first():
     a2, b2, a4 = Candidate("1F1B", 2, 1), Candidate("GPipe", 2, 1), Candidate("1F1B", 4, 1)
     predictions = {
         a2: _prediction(1.0),
@@ -284,13 +306,6 @@ def test_next_trial_takes_an_unmeasured_group_first_and_finalists_are_the_close_
     assert prune.next_trial(wide, measured, None, 0.1) == Candidate("GPipe", 16, 1)  # 1.25 <= 1.05 (a4's) * 1.2
     wide[Candidate("GPipe", 16, 1)] = _prediction(1.3)
     assert prune.next_trial(wide, measured, None, 0.1) is None
-    assert prune.finalists(measured, None, 0.1, 3) == [a4, a2]  # b2 is 12% above a4
-    assert prune.finalists(measured, None, 0.2, 3) == [a4, a2, b2]
-    assert prune.finalists(measured, None, 0.2, 2) == [a4, a2]
-    assert prune.finalists(measured, None, 0.05, 3) == []  # one alone: a second trial would not change the choice
-    assert prune.finalists(measured, None, 0.2, 0) == []
-    limited = {a2: prune.Measured(1.0, 1.0, 50.0), a4: prune.Measured(0.95, 1.0, 50.0), b2: measured[b2]}
-    assert prune.finalists(limited, 10, 0.2, 3) == []  # only b2 fits the memory limit
 
 
 def test_rows_tell_budget_from_prediction():
@@ -434,8 +449,7 @@ def test_a_trial_frees_its_trainer_and_model_copy_before_the_next_one(tmp_path):
 
 
 def test_ranks_that_share_cores_on_one_host():
-    from lightning_pipe.tune.trial import placement, shared_cores
-    from lightning_pipe.tune.tuner import _shared_cores_note
+    from lightning_pipe.tune.trial import placement, shared_cores, shared_cores_note
 
     a, b = frozenset({0}), frozenset({1})
     assert shared_cores([("h", a), ("h", b)]) == []  # pinned apart
@@ -444,7 +458,7 @@ def test_ranks_that_share_cores_on_one_host():
     assert shared_cores([("h", frozenset()), ("h", frozenset()), None]) == []  # the OS did not say
     everywhere = [("h", a | b)] * 5
     assert len(shared_cores(everywhere)) == 10
-    note = _shared_cores_note(shared_cores(everywhere))
+    note = shared_cores_note(shared_cores(everywhere))
     assert "ranks 0 and 1, 0 and 2, 0 and 3 (and 7 more pairs) may run on the same CPU cores" in note
     assert "os.sched_setaffinity" in note and "retune=True" in note
     host, cores = placement()
@@ -603,15 +617,19 @@ def test_tune_at_two_processes(tmp_path):
     ranks = [torch.load(tmp_path / f"tune.rank{r}.pt", weights_only=False) for r in range(2)]
     first, second = ranks
     # Every rank took the same decisions from the same (agreed) measurements.
-    for key in ("choice", "settings", "rows", "cost", "again", "limited", "own"):
+    for key in ("choice", "settings", "rows", "cost", "again", "limited", "own", "sureness"):
         assert first[key] == second[key], key
     choice = first["choice"]
     statuses = [status for _, status, _ in first["rows"]]
     assert statuses.count(prune.CHOSEN) == 1
     measured = [trials for _, _, trials in first["rows"] if trials]
     assert 2 <= len(measured) <= 3 and first["cost"]["measured"] == len(measured)  # max_trials
-    # Finalists (within the margin of the fastest, at most `confirm` = 3) are measured twice.
+    # Candidates within the measured noise of the fastest are measured again with it: one round of `confirm` = 2.
     assert set(measured) <= {1, 2} and first["cost"]["trials"] == sum(measured)
+    assert first["cost"]["repeated"] in (0, 2) and first["cost"]["trials"] == len(measured) + first["cost"]["repeated"]
+    sure = first["sureness"]
+    assert 0 <= sure["probability"] <= 1 and sure["interval"][0] <= sure["ratio"] <= sure["interval"][1]
+    assert json.loads(Path(first["files"][0]).read_text())["sureness"] == sure
     assert first["cost"]["steps"] == first["cost"]["trials"] * 3
     assert first["cost"]["wall_s"] > first["cost"]["launch_s"] > 0 and first["cost"]["in_steps"] > 0
     # The table on rank 0's output, once.

@@ -129,6 +129,9 @@ class Calibration:
     compile_factor: float | None = None
     #: ``(latency, seconds per byte)`` of one step of a ring all-gather or reduce-scatter over all processes
     collective: tuple[float, float] = (0.0, 0.0)
+    #: the trials' forward and backward compute over the profile's (processes that share a machine compute slower
+    #: than the profile's one process alone, and a backward that accumulates into existing gradients does more)
+    compute_scale: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -180,11 +183,12 @@ def stage_times(
         out = times[units[-1]].output_bytes if units else 0
         transfer.append(calibration.latency + calibration.seconds_per_byte * out)
     weight = [max(b - i, 0.0) for b, i in zip(backward, backward_input)]
+    ahead, behind = calibration.compute_scale
     stage = StageTimes(
-        tuple(forward),
-        tuple(backward),
-        tuple(backward_input),
-        tuple(weight),
+        tuple(f * ahead for f in forward),
+        tuple(b * behind for b in backward),
+        tuple(i * behind for i in backward_input),
+        tuple(w * behind for w in weight),
         loss=calibration.loss_per_sample * size,
         transfer=tuple(transfer[:-1]),
         overhead=calibration.action_overhead,
@@ -260,7 +264,10 @@ def calibrate(
     if eager:
         modelled = [predict(t.candidate, profile, rule, pipeline_size, calibration) for t in eager]
         residual = [t.step - p.span - p.sync for t, p in zip(eager, modelled)]
-        calibration = dataclasses.replace(calibration, step_overhead=statistics.median(residual))
+        # Never below zero: what a step costs beyond its schedule is a cost. A negative median came from trials of
+        # other layouts whose schedule the model overestimated (their groups' corrections take that up); taken as
+        # is, it made every pipeline candidate's prediction negative on a wide MLP.
+        calibration = dataclasses.replace(calibration, step_overhead=max(statistics.median(residual), 0.0))
     sized = [t for t in trials if t.memory]
     if sized:
         gaps = [max(t.memory) - predict(t.candidate, profile, rule, pipeline_size, calibration).peak for t in sized]
@@ -282,17 +289,28 @@ def _action_costs(
     num_stages = (candidate.pipeline_size or pipeline_size) * candidate.stages_per_rank
     size = profile.microbatch_size(candidate)
     counts = stage_blocks(profile, rule, num_stages, candidate.microbatches, size)
-    times, _, _ = stage_times(candidate, profile, counts, Calibration())
+    times, _, _ = stage_times(candidate, profile, counts, Calibration(collective=calibration.collective))
     split = any(kind == "W" for _, kind in trial.actions)
     modelled = {"F": times.forward, "B": times.backward_input if split else times.backward, "W": times.backward_weight}
-    gaps = [
-        seconds - modelled[kind][stage]
+    pairs = [
+        (kind, seconds, modelled[kind][stage])
         for (stage, kind), seconds in trial.actions.items()
-        if kind in modelled and stage < num_stages
+        if kind in modelled and stage < num_stages and modelled[kind][stage] > 0
     ]
+    # What every action pays whatever its size (the smallest gap), and beyond it a factor on the compute of each
+    # direction: a gap that grows with the compute is a slower compute, not an overhead that more (and smaller)
+    # actions would pay again each (it made the model predict one microbatch of a V schedule at 1.6-2.4 times its
+    # measured step).
+    overhead = max(min((seconds - model for _, seconds, model in pairs), default=0.0), 0.0)
+
+    def scale(kinds: str) -> float:
+        found = [(seconds - overhead) / model for kind, seconds, model in pairs if kind in kinds]
+        return max(statistics.median(found), 0.0) if found else 1.0
+
     loss = [seconds for (_, kind), seconds in trial.actions.items() if kind == "L"]
     return dataclasses.replace(
         calibration,
-        action_overhead=max(statistics.median(gaps), 0.0) if gaps else 0.0,
+        action_overhead=overhead,
         loss_per_sample=statistics.median(loss) / size if loss else 0.0,
+        compute_scale=(scale("F"), scale("BW")),
     )

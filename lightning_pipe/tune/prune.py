@@ -11,9 +11,10 @@ limit and are predicted within ``margin`` of the prediction for the fastest cand
 ``margin`` in a group not measured yet; predictions are compared with predictions, and a measured step carries the
 machine's noise of its moment), the fastest of an unmeasured group, else the fastest. Compiled candidates are
 predicted as their eager twins until a compiled trial measured the difference, and come right after their twin. The
-fastest measured candidates within ``margin`` of each other are measured once more (:func:`finalists`), and the
-winner is the fastest measured candidate within the memory limit (:func:`choose`), on all its measured steps. Every
-other candidate gets the reason it was not measured or not chosen (:func:`rows`).
+measured candidates within the measured noise of the fastest are measured again with it, in rounds
+(:func:`repeat_round`, :mod:`.noise`), and the winner is the fastest measured candidate within the memory limit
+(:func:`choose`), on all its trials, with how sure it is (:func:`how_sure`). Every other candidate gets the reason it
+was not measured or not chosen (:func:`rows`).
 
 Pure: no process group.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from lightning_pipe.measure.memory import format_bytes
 from lightning_pipe.tune.cost import Prediction
+from lightning_pipe.tune.noise import Runs, Sureness, contenders, sureness
 from lightning_pipe.tune.space import Candidate
 
 MEASURED, CHOSEN = "measured", "chosen"
@@ -37,13 +39,17 @@ SLOWER, UNTRIED = "predicted slower", "not measured (trial budget spent)"
 
 @dataclass(frozen=True)
 class Measured:
-    """What a candidate's trials measured: median wall and CPU seconds per step, peak bytes of the worst rank."""
+    """What a candidate's trials measured: wall seconds per step (the geometric mean of the trials' medians), median
+    CPU seconds per step, peak bytes of the worst rank."""
 
     step: float
     cpu: float
     peak: float
     steps: int = 0
     trials: int = 1
+    #: each trial's median wall seconds per step, and its steps' spread (:func:`.noise.step_jitter`)
+    runs: tuple[float, ...] = ()
+    jitter: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,12 +155,29 @@ def next_trial(
     return (layouts or fresh or worth or [None])[0]
 
 
-def finalists(measured: Mapping[Candidate, Measured], memory_limit: float | None, margin: float, count: int) -> list:
-    """The fastest measured candidates within the memory limit and within ``margin`` of the fastest, at most
-    ``count``; none when fewer than two (one trial more would not change the choice)."""
-    ok = sorted((c for c, m in measured.items() if fits(m.peak, memory_limit)), key=lambda c: (measured[c].step, c))
-    close = [c for c in ok if measured[c].step <= measured[ok[0]].step * (1 + margin)][:count] if ok else []
-    return close if len(close) >= 2 else []
+def noise_runs(measured: Mapping[Candidate, Measured], memory_limit: float | None) -> dict[Candidate, Runs]:
+    """The measured candidates within the memory limit, as :mod:`.noise` reads them."""
+    return {
+        c: Runs(m.runs or (m.step,), m.jitter, max(m.steps // max(m.trials, 1), 1))
+        for c, m in measured.items()
+        if fits(m.peak, memory_limit)
+    }
+
+
+def repeat_round(measured: Mapping[Candidate, Measured], memory_limit: float | None, count: int) -> list[Candidate]:
+    """The next round of repeated trials: the leader (:func:`choose`) and the candidates within the measured noise
+    of it (:func:`.noise.contenders`), at most ``count`` trials in all; none when fewer than two (a trial of the
+    leader alone would not change the choice)."""
+    leader = choose(measured, memory_limit)
+    if leader is None or count < 2:
+        return []
+    close = contenders(noise_runs(measured, memory_limit), leader, count - 1)
+    return [leader, *close] if close else []
+
+
+def how_sure(measured: Mapping[Candidate, Measured], memory_limit: float | None, choice: Candidate) -> Sureness:
+    """How sure ``choice`` is against the closest other measured candidate within the memory limit."""
+    return sureness(noise_runs(measured, memory_limit), choice)
 
 
 def choose(measured: Mapping[Candidate, Measured], memory_limit: float | None) -> Candidate | None:

@@ -2,10 +2,10 @@
 
 ``tune()`` writes two files (default ``<default_root_dir>/pipeline_tune.json`` and ``.yaml``):
 
-- the **record** (JSON): the choice, the table, the tuning's own cost, and the fingerprint of what it was tuned for.
-  A later ``tune()`` with the same fingerprint returns the recorded choice without running a trial (a resumed run,
-  a second script); a different fingerprint (another model size, batch size, world size, device, precision, torch
-  version or search space) tunes again.
+- the **record** (JSON): the choice, how sure it is, the table, the tuning's own cost, and the fingerprint of what it
+  was tuned for. A later ``tune()`` with the same fingerprint returns the recorded choice without running a trial (a
+  resumed run, a second script); a different fingerprint (another model size, batch size, world size, device,
+  precision, torch version or search space) tunes again.
 - a **LightningCLI config** (YAML) holding only the tuned strategy arguments:
   ``python train.py fit --config config.yaml --config pipeline_tune.yaml``; jsonargparse merges its ``init_args``
   into the strategy's, so every other argument keeps its value from the first config. When a chosen layout changed
@@ -56,6 +56,8 @@ class TuneRecord:
     settings: dict[str, Any] = field(default_factory=dict)
     #: the per-replica batch a chosen layout set: ``{"section": "model"|"data", "batch_size": n}``, or empty
     batch: dict[str, Any] = field(default_factory=dict)
+    #: how sure the choice is (:meth:`lightning_pipe.tune.noise.Sureness.as_dict`; empty in older records)
+    sureness: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = asdict(dataclasses.replace(self, choice=dataclasses.replace(self.choice, schedule="")))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import math
 import os
 import socket
 import statistics
@@ -33,6 +34,8 @@ from lightning_pipe.measure.memory import ProcessPeak, state_bytes
 from lightning_pipe.measure.timeline import COMPUTE, Event, TimelineRecorder, action_durations
 from lightning_pipe.microbatch import batch_size
 from lightning_pipe.structures import map_tensors
+from lightning_pipe.tune.noise import step_jitter
+from lightning_pipe.tune.prune import Measured
 
 
 @dataclass
@@ -334,3 +337,33 @@ def run_trial(
     del trainer, probe
     gc.collect()
     return TrialResult(everyone, warmup)
+
+
+def measured_of(trials: list[TrialResult]) -> Measured:
+    """One candidate's trials: the geometric mean of their median steps, the median CPU time of all their steps,
+    the highest peak, each trial's median and spread."""
+    medians = tuple(statistics.median(trial.step_seconds()) for trial in trials)
+    jitter = tuple(step_jitter(trial.step_seconds()) for trial in trials)
+    cpu = [s for trial in trials for s in trial.cpu_seconds()]
+    peaks = [m.peak for trial in trials for m in trial.everyone if m.peak is not None]
+    return Measured(
+        math.exp(statistics.fmean(math.log(m) for m in medians)),
+        statistics.median(cpu) if cpu else 0.0,
+        float(max(peaks, default=0)),
+        sum(len(trial.step_seconds()) for trial in trials),
+        len(trials),
+        medians,
+        jitter,
+    )
+
+
+def shared_cores_note(pairs: list[tuple[int, int]]) -> str:
+    shown = ", ".join(f"{a} and {b}" for a, b in pairs[:3]) + (
+        f" (and {len(pairs) - 3} more pairs)" if len(pairs) > 3 else ""
+    )
+    return (
+        f"Processes of ranks {shown} may run on the same CPU cores. The OS moves their threads between the cores"
+        " they share, and a trial's speed then depends on where it put them as much as on the setting: on a 2-core"
+        " machine, the same setting measured up to 1.45x apart from one trial to the next. Pin each process to cores"
+        " of its own (`os.sched_setaffinity`, `taskset`, `numactl`; docs/tuning.md) and tune again (`retune=True`)."
+    )

@@ -14,12 +14,12 @@ set up with its choice. The steps (docs/tuning.md):
    (:func:`.cost.predict`) and the predictions corrected by what similar candidates measured
    (:func:`.prune.corrected`); the fastest predicted within the memory limit is measured, a candidate unlike all
    measured ones first (:func:`.prune.next_trial`).
-5. The fastest measured candidates within ``margin`` of each other (at most ``confirm``) are measured once more,
-   one after the other, so that the choice between close ones rests on twice the steps taken at different moments
-   (:func:`.prune.finalists`).
-6. The fastest measured candidate within the memory limit wins (the median of all its measured steps); the table is
-   printed on rank 0, the record and a LightningCLI config are written, and the choice is applied to
-   ``trainer.strategy``.
+5. The measured candidates whose step lies within the measured noise of the fastest one's are measured again with
+   it, in rounds of one trial each, until none is left within the noise or ``confirm`` more trials ran
+   (:func:`.prune.repeat_round`, :mod:`.noise`).
+6. The fastest measured candidate within the memory limit wins (the geometric mean of its trials' median steps),
+   with how sure it is against the closest other (:func:`.prune.how_sure`); the table is printed on rank 0, the
+   record and a LightningCLI config are written, and the choice is applied to ``trainer.strategy``.
 
 The random number generators of every process are restored afterwards, so tuning changes nothing the run draws.
 """
@@ -48,9 +48,10 @@ from lightning_pipe.split.builder import is_split
 from lightning_pipe.tune import prune, record
 from lightning_pipe.tune.cost import BalanceRule, Profile, Trial, calibrate, predict
 from lightning_pipe.tune.layout import BATCH_ATTRIBUTE, BatchKnob, ProcessLayout, find_batch_knob, layouts
+from lightning_pipe.tune.noise import Sureness
 from lightning_pipe.tune.profile import profile_network
 from lightning_pipe.tune.space import Candidate, SearchSpace, candidates, from_settings
-from lightning_pipe.tune.trial import TrialResult, TrialSetup, run_trial
+from lightning_pipe.tune.trial import TrialResult, TrialSetup, measured_of, run_trial, shared_cores_note
 
 log = logging.getLogger("lightning.pytorch.lightning_pipe")
 
@@ -67,7 +68,7 @@ class TuneResult:
     rows: tuple[prune.Row, ...]
     #: the tuning's own cost (global rank 0's clock): ``wall_s``; ``launch_s`` (of it, until the first trial's first
     #: step: starting the processes, which ``fit`` does anyway when nothing is tuned, and the first split);
-    #: ``cpu_s`` (all processes); ``trials`` (finalists' second trials included); ``measured`` (candidates);
+    #: ``cpu_s`` (all processes); ``trials`` (repeated trials included); ``repeated``; ``measured`` (candidates);
     #: ``steps``; ``profile_s``; ``step_s`` (the choice's step time); ``in_steps`` (``wall_s - launch_s`` in steps of
     #: the choice); ``candidates``
     cost: dict[str, float]
@@ -80,6 +81,10 @@ class TuneResult:
     #: the per-replica batch size set on the LightningModule or DataModule when the chosen layout has another
     #: data-parallel size than the strategy had (the global batch stays the same); ``None``: unchanged
     batch_size: Optional[int] = None
+    #: how sure the choice is against the closest other measured candidate (:meth:`.noise.Sureness.as_dict`: its
+    #: ``rival``, the ``ratio`` of their steps and its 95% ``interval``, the ``probability`` that the choice is the
+    #: faster, the trial ``noise``, and whether the rival is still ``within_noise``; empty in older records)
+    sureness: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def tune(
@@ -93,7 +98,7 @@ def tune(
     warmup_steps: int = 2,
     max_trials: int = 8,
     margin: float = 0.1,
-    confirm: int = 3,
+    confirm: int = 6,
     memory_limit: Optional[Union[int, float]] = None,
     path: Optional[Union[str, Path]] = None,
     retune: bool = False,
@@ -119,7 +124,8 @@ def tune(
         margin: A candidate is measured only if predicted within this fraction of the prediction for the fastest
             candidate measured so far (twice this fraction when nothing like it was measured yet); measured
             candidates within this fraction of the fastest are finalists.
-        confirm: Most finalists measured a second time before the choice (0: none).
+        confirm: Most trials that measure again the candidates within the measured noise of the fastest (0:
+            none; docs/tuning.md).
         memory_limit: Bytes per process that no choice may exceed. Default: the GPU's memory, or on the CPU the
             machine's divided among its processes. On the CPU the peak resident set is measured.
         path: Where the record (``.json``) and the LightningCLI config (``.yaml``) go. Default:
@@ -157,25 +163,28 @@ def tune(
                 knob.set(size)
             _announce(f"Pipeline tuning: reusing the choice in {record.paths(target)[0]}: {found.choice.label}.")
             return TuneResult(
-                found.choice, found.settings, found.table, (), found.cost, record.paths(target), True, (), size
-            )
+                found.choice, found.settings, found.table, (), found.cost, record.paths(target), True, (), size,
+                found.sureness,
+            )  # fmt: skip
     fit_kwargs = {"datamodule": datamodule} if datamodule is not None else {"train_dataloaders": train_dataloaders}
     with _kept_random_state():
         result = _search(
             trainer, model, fit_kwargs, space, (steps, warmup_steps, max_trials, confirm), margin, memory_limit, knob
         )
-    choice, rows, cost, notes, size = result
+    choice, rows, cost, notes, size, sure = result
     applied = _applied(choice, settings)
     table = prune.table(rows)
     files = record.paths(target)
     batch = {"section": knob.section, "batch_size": size} if knob is not None and size is not None else {}
     if collectives.world_rank() == 0:
-        files = record.save(record.TuneRecord(expected, choice, facts, table, cost, applied, batch), target)
-    _announce(_summary(choice, table, cost, files[1], notes))
+        files = record.save(
+            record.TuneRecord(expected, choice, facts, table, cost, applied, batch, sure.as_dict()), target
+        )
+    _announce(_summary(choice, table, cost, files[1], notes, sure))
     strategy.apply_tuned(**applied)
     if knob is not None and size is not None:
         knob.set(size)
-    return TuneResult(choice, applied, table, tuple(rows), cost, files, False, notes, size)
+    return TuneResult(choice, applied, table, tuple(rows), cost, files, False, notes, size, sure.as_dict())
 
 
 def _search(
@@ -187,7 +196,7 @@ def _search(
     margin: float,
     memory_limit: Optional[float],
     knob: Optional[BatchKnob],
-) -> tuple[Candidate, list[prune.Row], dict[str, float], tuple[str, ...], Optional[int]]:
+) -> tuple[Candidate, list[prune.Row], dict[str, float], tuple[str, ...], Optional[int], Sureness]:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     steps, warmup, max_trials, confirm = budget
     strategy = trainer.strategy
@@ -235,7 +244,7 @@ def _search(
         return found
 
     runs = {baseline: [first]}
-    measured = {baseline: _measured(runs[baseline])}
+    measured = {baseline: measured_of(runs[baseline])}
     peaks, actions, state = first.peaks(pipeline_size), first.action_medians(), first.first.state_factor
     trials = [Trial(baseline, measured[baseline].step, peaks, actions, state)]
     while True:
@@ -249,12 +258,9 @@ def _search(
             break
         trial = trial_of(chosen)
         runs[chosen] = [trial]
-        measured[chosen] = _measured(runs[chosen])
+        measured[chosen] = measured_of(runs[chosen])
         trials.append(Trial(chosen, measured[chosen].step, trial.peaks(chosen.pipeline_size or pipeline_size)))
-    for again in prune.finalists(measured, limit, margin, confirm):
-        trial = trial_of(again)
-        runs[again].append(trial)
-        measured[again] = _measured(runs[again])
+    repeated = _repeat(runs, measured, limit, confirm, trial_of)
     choice = prune.choose(measured, limit)
     if choice is None:
         raise PipelineConfigError(
@@ -277,11 +283,12 @@ def _search(
         "step_s": measured[choice].step,
         "in_steps": (wall - launch) / measured[choice].step,
         "candidates": float(len(found)),
+        "repeated": float(repeated),
     }
     # Global rank 0's clock, on every rank.
     cost = collectives.broadcast_object(cost, 0, collectives.world_group(), device)
     shared = first.shared_cores() if device.type == "cpu" else []
-    notes = ((_shared_cores_note(shared),) if shared else ()) + (search.notes if search is not None else ())
+    notes = ((shared_cores_note(shared),) if shared else ()) + (search.notes if search is not None else ())
     size = search.changed_batch(choice) if search is not None else None
     if search is not None and choice.pipeline_size == 1:
         replicas = search.world_size // choice.tensor_parallel
@@ -289,7 +296,8 @@ def _search(
             f"No pipeline is fastest within the memory limit: one stage per process, {choice.data_parallel} over"
             f" {replicas} replicas (pipeline_size=1) is set.",
         )
-    return choice, prune.rows(predictions, measured, choice, limit, margin), cost, notes, size
+    sure = prune.how_sure(measured, limit, choice)
+    return choice, prune.rows(predictions, measured, choice, limit, margin), cost, notes, size, sure
 
 
 @dataclass(frozen=True)
@@ -428,18 +436,6 @@ def _per_replica_batch(knob: Optional[BatchKnob], size: Optional[int]) -> Iterat
         knob.restore()
 
 
-def _shared_cores_note(pairs: list[tuple[int, int]]) -> str:
-    shown = ", ".join(f"{a} and {b}" for a, b in pairs[:3]) + (
-        f" (and {len(pairs) - 3} more pairs)" if len(pairs) > 3 else ""
-    )
-    return (
-        f"Processes of ranks {shown} may run on the same CPU cores. The OS moves their threads between the cores"
-        " they share, and a trial's speed then depends on where it put them as much as on the setting: on a 2-core"
-        " machine, the same setting measured up to 1.45x apart from one trial to the next. Pin each process to cores"
-        " of its own (`os.sched_setaffinity`, `taskset`, `numactl`; docs/tuning.md) and tune again (`retune=True`)."
-    )
-
-
 def _profile(
     model: Any,
     settings: Any,
@@ -488,20 +484,23 @@ def _applied(choice: Candidate, settings: Any) -> dict[str, Any]:
     return out
 
 
-def _measured(trials: list[TrialResult]) -> prune.Measured:
-    """One candidate's trials: the medians of all their steps, the highest peak."""
-    import statistics
-
-    wall = [s for trial in trials for s in trial.step_seconds()]
-    cpu = [s for trial in trials for s in trial.cpu_seconds()]
-    peaks = [m.peak for trial in trials for m in trial.everyone if m.peak is not None]
-    return prune.Measured(
-        statistics.median(wall),
-        statistics.median(cpu) if cpu else 0.0,
-        float(max(peaks, default=0)),
-        len(wall),
-        len(trials),
-    )
+def _repeat(
+    runs: dict[Candidate, list[TrialResult]],
+    measured: dict[Candidate, prune.Measured],
+    limit: Optional[float],
+    confirm: int,
+    trial_of: Any,
+) -> int:
+    """Rounds of the leader and the candidates within the measured noise of it, one trial each, until none is left
+    or ``confirm`` trials ran; the order reversed every round, so that a slower stretch of the machine hits both ends
+    alike. Returns the trials run."""
+    repeated, rounds = 0, 0
+    while found := prune.repeat_round(measured, limit, confirm - repeated):
+        for again in found if rounds % 2 == 0 else reversed(found):
+            runs[again].append(trial_of(again))
+            measured[again] = measured_of(runs[again])
+        repeated, rounds = repeated + len(found), rounds + 1
+    return repeated
 
 
 def _facts(
@@ -574,14 +573,16 @@ def _kept_random_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _summary(choice: Candidate, table: str, cost: dict[str, float], config: Path, notes: tuple[str, ...]) -> str:
+def _summary(
+    choice: Candidate, table: str, cost: dict[str, float], config: Path, notes: tuple[str, ...], sure: Sureness
+) -> str:
     return "".join(f"Note: {note}\n" for note in notes) + (
         f"Pipeline tuning: {int(cost['trials'])} trials of {int(cost.get('measured', cost['trials']))} of"
         f" {int(cost['candidates'])} candidates,"
         f" {cost['wall_s']:.1f} s ({cost['launch_s']:.1f} s to start the processes and the first trial; after it"
         f" {cost['in_steps']:.0f} steps of the choice; profiling {cost['profile_s']:.1f} s; {cost['cpu_s']:.1f} CPU s"
         f" in all processes). Chosen: {choice.label},"
-        f" {cost['step_s'] * 1e3:.1f} ms per step.\n{table}\nLightningCLI: --config {config}"
+        f" {cost['step_s'] * 1e3:.1f} ms per step; {sure.describe()}.\n{table}\nLightningCLI: --config {config}"
     )
 
 

@@ -31,7 +31,7 @@ def main() -> None:
     )
     trainer = quiet_trainer(strategy="pipeline", devices=2, max_steps=2, default_root_dir=str(out))
     rng = torch.get_rng_state()
-    first = lightning_pipe.tune(trainer, model, space=space, steps=2, warmup_steps=1, max_trials=3)
+    first = lightning_pipe.tune(trainer, model, space=space, steps=2, warmup_steps=1, max_trials=3, confirm=2)
     rng_kept = torch.equal(rng, torch.get_rng_state())
     untouched = all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     trainer.fit(model)
@@ -73,6 +73,7 @@ def main() -> None:
             "choice": first.choice,
             "settings": first.settings,
             "cost": first.cost,
+            "sureness": first.sureness,
             "rows": [(r.candidate, r.status, r.measured.trials if r.measured else 0) for r in first.rows],
             "table": first.table,
             "files": [str(f) for f in first.files],
