@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.phases import ALTERNATE_ENV, _machine_line  # noqa: E402
-from benchmarks.stats import mean_ci  # noqa: E402
+from benchmarks.stats import ci, mean_ci  # noqa: E402
 
 BEGIN = "<!-- benchmarks/microbatches.py: begin (generated, do not edit by hand) -->"
 END = "<!-- benchmarks/microbatches.py: end -->"
@@ -96,12 +96,6 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _ci(value: dict[str, float], digits: int = 3) -> str:
-    if value["n"] < 2:
-        return f"{value['mean']:.{digits}f}"
-    return f"{value['mean']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]"
-
-
 def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
     lines = [
         BEGIN,
@@ -116,13 +110,13 @@ def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
         "|---|---|---|---|",
     ]
     for m, row in summary.get("per_count", {}).items():
-        lines.append(f"| {m} | {_ci(row['hand'], 2)} | {_ci(row['strategy'], 2)} | {_ci(row['diff'], 2)} |")
+        lines.append(f"| {m} | {ci(row['hand'])} | {ci(row['strategy'])} | {ci(row['diff'])} |")
     s = summary.get("slope")
     if s:
         lines += [
             "",
-            f"Slope, ms per extra microbatch: hand loop {_ci(s['hand'])}, strategy {_ci(s['strategy'])};"
-            f" **strategy - hand {_ci(s['diff'])}** (paired round by round).",
+            f"Slope, ms per extra microbatch: hand loop {ci(s['hand'], 3)}, strategy {ci(s['strategy'], 3)};"
+            f" **strategy - hand {ci(s['diff'], 3)}** (paired round by round).",
         ]
     return "\n".join([*lines, "", END])
 

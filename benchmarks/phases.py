@@ -56,7 +56,7 @@ from benchmarks.phase_timing import (  # noqa: E402, F401
     run_case,
     timed_phases,
 )
-from benchmarks.stats import FIXED_COST_TARGET_MS, RATIO_TARGET, mean_ci, verdict  # noqa: E402
+from benchmarks.stats import FIXED_COST_TARGET_MS, RATIO_TARGET, ci, mean_ci, verdict  # noqa: E402
 
 BEGIN = "<!-- benchmarks/phases.py: begin (generated, do not edit by hand) -->"
 END = "<!-- benchmarks/phases.py: end -->"
@@ -258,14 +258,6 @@ def _machine_line(summary: dict[str, Any]) -> str:
     )
 
 
-def _ci(s: dict[str, float] | None, digits: int = 2) -> str:
-    if s is None:
-        return "-"
-    if math.isnan(s["low"]):
-        return f"{s['mean']:.{digits}f}"
-    return f"{s['mean']:.{digits}f} [{s['low']:.{digits}f}, {s['high']:.{digits}f}]"
-
-
 def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
     lines = [
         BEGIN,
@@ -279,9 +271,8 @@ def markdown(summary: dict[str, Any], steps: int, warmup: int) -> str:
         "",
         "| per step | hand-written loop | strategy | strategy - hand |",
         "|---|---|---|---|",
-        f"| CPU time, ms | {_ci(summary['hand_cpu'])} | {_ci(summary['strategy_cpu'])} | {_ci(summary['diff_cpu'])} |",
-        f"| wall time, ms | {_ci(summary['hand_wall'])} | {_ci(summary['strategy_wall'])}"
-        f" | {_ci(summary['diff_wall'])} |",
+        f"| CPU time, ms | {ci(summary['hand_cpu'])} | {ci(summary['strategy_cpu'])} | {ci(summary['diff_cpu'])} |",
+        f"| wall time, ms | {ci(summary['hand_wall'])} | {ci(summary['strategy_wall'])} | {ci(summary['diff_wall'])} |",
         "",
         *_phase_table(summary),
         "",
@@ -298,10 +289,10 @@ def _phase_table(summary: dict[str, Any], other: str = "strategy") -> list[str]:
         "|---|---|---|---|",
     ]
     for row in summary["table"]:
-        lines.append(f"| {row['phase']} | {_ci(row['hand'])} | {_ci(row['strategy'])} | {_ci(row['diff'])} |")
+        lines.append(f"| {row['phase']} | {ci(row['hand'])} | {ci(row['strategy'])} | {ci(row['diff'])} |")
     outside = summary["outside"]
-    lines.append(f"| {OUTSIDE} | {_ci(outside['hand'])} | {_ci(outside['strategy'])} | {_ci(outside['diff'])} |")
-    hand, strategy = _ci(summary["hand_timed_cpu"]), _ci(summary["strategy_timed_cpu"])
+    lines.append(f"| {OUTSIDE} | {ci(outside['hand'])} | {ci(outside['strategy'])} | {ci(outside['diff'])} |")
+    hand, strategy = ci(summary["hand_timed_cpu"]), ci(summary["strategy_timed_cpu"])
     lines.append(f"| all phases timed (timers included) | {hand} | {strategy} | |")
     return lines
 
@@ -320,9 +311,9 @@ def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatche
         "",
         "| per step | hand-written loop | strategy | strategy / hand |",
         "|---|---|---|---|",
-        f"| wall time, ms | {_ci(summary['hand_wall'], 1)} | {_ci(summary['strategy_wall'], 1)} | {_ci(ratio, 3)} |",
-        f"| CPU time, ms (both processes) | {_ci(summary['hand_cpu'], 1)} | {_ci(summary['strategy_cpu'], 1)}"
-        f" | {_ci(summary['ratio_cpu'], 3)} |",
+        f"| wall time, ms | {ci(summary['hand_wall'], 1)} | {ci(summary['strategy_wall'], 1)} | {ci(ratio, 3)} |",
+        f"| CPU time, ms (both processes) | {ci(summary['hand_cpu'], 1)} | {ci(summary['strategy_cpu'], 1)}"
+        f" | {ci(summary['ratio_cpu'], 3)} |",
         "",
         f"Target (compute-bound ratio at most {RATIO_TARGET}): {verdict(ratio)}",
         "",
@@ -331,8 +322,8 @@ def ratio_markdown(summary: dict[str, Any], steps: int, warmup: int, microbatche
     if share is not None:
         lines += [*_phase_table(summary), ""]
         lines.append(
-            f"Outside the stages' forward and backward the strategy adds {_ci(summary['outside']['diff'])} ms of CPU"
-            f" per step, {_ci({k: 100 * v if k != 'n' else v for k, v in share.items()}, 2)}% of the hand loop's"
+            f"Outside the stages' forward and backward the strategy adds {ci(summary['outside']['diff'])} ms of CPU"
+            f" per step, {ci({k: 100 * v if k != 'n' else v for k, v in share.items()}, 2)}% of the hand loop's"
             " timed step."
         )
         lines.append("")
@@ -348,18 +339,18 @@ def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microba
     other = "Lightning + hand" if floor else "strategy"
 
     def row(name: str, field: str, digits: int) -> str:
-        cells = [_ci(alt[f"{k}_{field}"], digits) for k in ("hand", "strategy", "diff")]
-        return f"| {name} | {' | '.join(cells)} | {_ci(alt[f'ratio_{field}'], 3)} |"
+        cells = [ci(alt[f"{k}_{field}"], digits) for k in ("hand", "strategy", "diff")]
+        return f"| {name} | {' | '.join(cells)} | {ci(alt[f'ratio_{field}'], 3)} |"
 
     if floor and model == "compute":
         target = (
-            f"Lightning's share of the compute-bound ratio: {_ci(alt['ratio_wall'], 3)} of wall clock"
-            f" ({_ci(alt['diff_wall'])} ms per step); the rest of the strategy's ratio is its own."
+            f"Lightning's share of the compute-bound ratio: {ci(alt['ratio_wall'], 3)} of wall clock"
+            f" ({ci(alt['diff_wall'])} ms per step); the rest of the strategy's ratio is its own."
         )
     elif floor:
         target = (
-            f"Lightning's share of the strategy's fixed cost: {_ci(alt['diff_wall'])} ms of wall clock and"
-            f" {_ci(alt['diff_cpu'])} ms of CPU per step; the rest is the strategy's own."
+            f"Lightning's share of the strategy's fixed cost: {ci(alt['diff_wall'])} ms of wall clock and"
+            f" {ci(alt['diff_cpu'])} ms of CPU per step; the rest is the strategy's own."
         )
     elif model == "small":
         fixed = verdict(alt["diff_wall"], FIXED_COST_TARGET_MS, " ms")
@@ -398,9 +389,9 @@ def alternate_markdown(summary: dict[str, Any], model: str, warmup: int, microba
         lines += [*_phase_table(alt, other), ""]
         lines.append(
             f"Phase by phase: {alt['phased_rounds']} more rounds, every phase timed. Outside the stages' forward and"
-            f" backward {'Lightning' if floor else 'the strategy'} adds {_ci(alt['outside']['diff'])} ms of CPU per"
+            f" backward {'Lightning' if floor else 'the strategy'} adds {ci(alt['outside']['diff'])} ms of CPU per"
             " step,"
-            f" {_ci({k: 100 * v if k != 'n' else v for k, v in alt['outside']['share'].items()}, 2)}% of the hand"
+            f" {ci({k: 100 * v if k != 'n' else v for k, v in alt['outside']['share'].items()}, 2)}% of the hand"
             " loop's timed step."
         )
         lines.append("")

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stats import FIXED_COST_TARGET_MS, RATIO_TARGET, mean_ci, verdict
+from benchmarks.stats import FIXED_COST_TARGET_MS, RATIO_TARGET, ci, mean_ci, verdict
 from lightning_pipe.measure.timeline import ideal_speedup, theoretical_bubble
 
 BEGIN = "<!-- benchmarks/run.py: begin (generated, do not edit by hand) -->"
@@ -332,7 +332,7 @@ def markdown(results: dict[str, Any], images: list[Path], docs: Path) -> str:
         cpu = row.get("cpu")
         lines.append(
             f"| {row['schedule']} | {_ms(row['a'])} | {_ms(row['b'])} | {_x(row['ratio'])} |"
-            f" {_ci(row.get('ratio_ci'), 3)} | {_x(cpu['ratio']) if cpu else '-'} |"
+            f" {ci(row.get('ratio_ci'), 3, alone=False)} | {_x(cpu['ratio']) if cpu else '-'} |"
         )
     if "overhead.png" in rel:
         lines += ["", f"![strategy against the hand-written loop]({rel['overhead.png']})"]
@@ -452,13 +452,6 @@ def _timeline_md(results: dict[str, Any], rel: dict[str, str]) -> list[str]:
             f"{_x(c['ratio'])}, {_ms(c['diff'], 2)} ms per step.",
         ]
     return lines
-
-
-def _ci(s: dict[str, float] | None, digits: int) -> str:
-    """``mean [low, high]``: a paired mean and its 95% confidence interval over the runs (``-`` without one)."""
-    if not s or s["n"] < 2:
-        return "-"
-    return f"{s['mean']:.{digits}f} [{s['low']:.{digits}f}, {s['high']:.{digits}f}]"
 
 
 def _num(value: float | None, digits: int) -> str:

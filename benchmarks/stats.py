@@ -29,6 +29,15 @@ def mean_ci(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
 
 
+def ci(value: dict[str, float] | None, digits: int = 2, *, alone: bool = True) -> str:
+    """``mean [low, high]`` of a :func:`mean_ci`; with one value the mean alone (``alone``) or ``-``; ``-`` for none."""
+    if value is None:
+        return "-"
+    if value["n"] < 2 or math.isnan(value["low"]):
+        return f"{value['mean']:.{digits}f}" if alone else "-"
+    return f"{value['mean']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]"
+
+
 def verdict(value: dict[str, float] | None, target: float = RATIO_TARGET, unit: str = "") -> str:
     """What the interval of ``value`` (a ratio, or a difference in ``unit``) says of its target."""
     if value is None or math.isnan(value["low"]):
