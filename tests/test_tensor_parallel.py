@@ -20,7 +20,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from packaging.version import Version
 from torch import nn
 
@@ -36,6 +35,7 @@ from lightning_pipe.parallel.tensor_parallel import _differ, retie
 from lightning_pipe.settings import PipelineSettings, resolve_pipeline_size
 from lightning_pipe.split.builder import check_whole_before_split
 from lightning_pipe.step.executors.schedule import step_options
+from tests.groups import one_rank_group
 from tests.launch import Launch, run_scenarios
 
 TOL = 1e-5
@@ -102,12 +102,8 @@ def _transformers_5() -> bool:
 @pytest.fixture(scope="module")
 def one_rank():
     """A one-process gloo group (made here if none exists, and removed after): DTensors on one-rank meshes."""
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 def _mesh(*names: str):

@@ -14,6 +14,7 @@ from lightning_pipe.checkpoint.whole_state import keep_own_entries
 from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import split_module
+from tests.groups import one_rank_group
 from tests.models import LitLM, LitTiedLM
 
 CPU = torch.device("cpu")
@@ -113,14 +114,8 @@ def test_a_tie_given_two_values_is_refused():
 @pytest.fixture
 def one_rank():
     """A one-process gloo group (made here if none exists, and removed after): DTensors on a one-rank mesh."""
-    import torch.distributed as dist
-
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if made:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 def test_a_dtensor_parameter_gets_its_slice_of_the_whole_tensor(one_rank):
