@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import pytest
 import torch
@@ -105,6 +106,20 @@ def test_directory_of_the_same_class_has_no_new_head(tmp_path):
         set(),
         set(),
     )
+
+
+def test_one_device_values_under_a_head_new_to_the_directory_are_said_to_differ(tmp_path):
+    # init_values='one_device' cannot follow from_pretrained's draw of a head new to the directory: said, with the fix
+    path = save_pretrained(tmp_path / "lm", "classifier", causal_lm=True)
+    network = transformers.LlamaForSequenceClassification(config("classifier"))
+    notice = hf.new_head_notice(path, network)
+    assert re.search(r"init_values='one_device'.*LlamaForCausalLM.*LlamaForSequenceClassification.*per_unit", notice)
+    assert "(PEFT)" not in notice
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(transformers.LlamaForSequenceClassification(config("reward")), lora_config())
+    assert "(PEFT)" in hf.new_head_notice(path, wrapped)
+    same = save_pretrained(tmp_path / "cls", "classifier")
+    assert hf.new_head_notice(same, network) is None
 
 
 @pytest.fixture(scope="module")

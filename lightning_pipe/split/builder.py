@@ -20,7 +20,7 @@ from lightning_pipe.measure.memory import PeakMemory
 from lightning_pipe.microbatch import batch_size, resolve_microbatches, split_batch
 from lightning_pipe.models import kind_of, use_plan
 from lightning_pipe.models.base import Placeholder, StageCall
-from lightning_pipe.models.huggingface.directory import is_hf_directory
+from lightning_pipe.models.huggingface.directory import is_hf_directory, new_head_notice
 from lightning_pipe.models.units import ONE_UNIT, Layout, find_block_stack, find_layout
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.balance import CostModel, measure_update_time, resolve_balance, split_table
@@ -402,6 +402,11 @@ def _loaded(network: nn.Module, prefix: str, settings: PipelineSettings) -> froz
     for those tensors. (A one-device script loading a ``.ckpt`` or state dict builds its model first, drawing.)"""
     if settings.init_weights is None or not is_hf_directory(settings.init_weights) or not has_meta_tensors(network):
         return frozenset()
+    notice = new_head_notice(settings.init_weights, network) if settings.init_values == "one_device" else None
+    if notice is not None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(notice)
     return loaded_names(network, prefix)
 
 

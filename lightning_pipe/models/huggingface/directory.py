@@ -76,6 +76,26 @@ class Directory:
     architectures: tuple[str, ...] = ()
 
 
+def new_head_notice(path: Path, network: nn.Module) -> str | None:
+    """With ``init_values='one_device'``: what to say when the directory ``path`` holds another model class than
+    ``network`` (a causal LM's weights under a classifier), whose head is new to it. One device's ``from_pretrained``
+    initialises such a head after loading, where the replay of ``configure_model``'s draws does not; ``None`` when the
+    classes agree or the directory names none."""
+    architectures = _config(Path(path) / CONFIG).get("architectures")
+    base = network.get_base_model() if callable(getattr(network, "get_base_model", None)) else network
+    ours = type(base).__name__
+    if not isinstance(architectures, list) or not architectures or ours in architectures:
+        return None
+    peft = base is not network
+    return (
+        f"`init_values='one_device'` with `init_weights={str(path)!r}`, which holds a {architectures[0]}, not a"
+        f" {ours}: the weights new to it (a task head) are drawn where one device's `from_pretrained` does not draw"
+        " them, so their values and the random stream after them are not one device's"
+        + (", nor the same in every layout (PEFT)" if peft else "")
+        + ". Pass `init_values='per_unit'` for values that are the same in every layout."
+    )
+
+
 def read_directory(path: Path) -> Directory:
     """Index the weights of the Hugging Face model directory ``path`` from its index file or its single file."""
     path = Path(path)
