@@ -108,6 +108,8 @@ def tiny_config(model_type: str, tie: bool = False, layers: int = 4, **overrides
     if hasattr(default, "kv_lora_rank"):  # latent attention: as many key/value heads as query heads, head_dim derived
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         kwargs.pop("head_dim", None)
+    if isinstance(getattr(default, "activation_sparsity_pattern", None), (list, tuple)):  # Gemma 3n: a value a layer
+        kwargs["activation_sparsity_pattern"] = [0.0] * layers
     config = config_class(**{**kwargs, **overrides}, tie_word_embeddings=tie)
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
