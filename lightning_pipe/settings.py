@@ -73,6 +73,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_count(name: str, value: object, meaning: str) -> None:
+    """Refuse ``value`` of argument ``name`` unless it is an int >= 0 (``meaning``: what the number counts)."""
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise PipelineConfigError(f"`{name}={value!r}` must be an int >= 0: {meaning}")
+
+
 def check_pipeline_size(pipeline_size: Union[int, str]) -> None:
     """Validate ``pipeline_size`` on its own (the world size is checked in :func:`resolve_pipeline_size`)."""
     if pipeline_size != "auto" and (not _is_int(pipeline_size) or pipeline_size < 1):  # type: ignore[operator]
@@ -292,21 +298,23 @@ def check_compile_schedule(compile: Optional[dict[str, Any]], schedule: Union[st
 
 
 def check_max_restarts(max_restarts: object) -> None:
-    if not _is_int(max_restarts) or max_restarts < 0:  # type: ignore[operator]
-        raise PipelineConfigError(
-            f"`max_restarts={max_restarts!r}` must be an int >= 0: how many times Lightning's launcher starts every"
-            " rank again after a failure (0: never). Under torchrun, pass `--max-restarts` to torchrun instead."
-        )
+    _check_count(
+        "max_restarts",
+        max_restarts,
+        "how many times Lightning's launcher starts every rank again after a failure (0: never). Under torchrun, pass"
+        " `--max-restarts` to torchrun instead.",
+    )
 
 
 def check_snapshot_every(
     snapshot_every: object, max_restarts: object, data_parallel: object, tensor_parallel: object
 ) -> None:
-    if not _is_int(snapshot_every) or snapshot_every < 0:  # type: ignore[operator]
-        raise PipelineConfigError(
-            f"`snapshot_every={snapshot_every!r}` must be an int >= 0: every how many training steps each rank keeps a"
-            " copy of its state in its own and a buddy rank's memory (0: never)."
-        )
+    _check_count(
+        "snapshot_every",
+        snapshot_every,
+        "every how many training steps each rank keeps a copy of its state in its own and a buddy rank's memory"
+        " (0: never).",
+    )
     if snapshot_every and not max_restarts:
         raise PipelineConfigError(
             f"`snapshot_every={snapshot_every}` recovers a lost rank in place, which the supervisor of `max_restarts`"
@@ -322,11 +330,12 @@ def check_snapshot_every(
 
 
 def check_spares(spares: object, snapshot_every: object) -> None:
-    if not _is_int(spares) or spares < 0:  # type: ignore[operator]
-        raise PipelineConfigError(
-            f"`spares={spares!r}` must be an int >= 0: how many processes the supervisor of `max_restarts` starts"
-            " with the run to take a lost rank's place (0: a new process is started then)."
-        )
+    _check_count(
+        "spares",
+        spares,
+        "how many processes the supervisor of `max_restarts` starts with the run to take a lost rank's place (0: a"
+        " new process is started then).",
+    )
     if spares and not snapshot_every:
         raise PipelineConfigError(
             f"`spares={spares}` takes a lost rank's place in a recovery in place, which needs `snapshot_every`, but"
