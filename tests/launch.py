@@ -16,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# First on a launched process's PYTHONPATH: its exit skips the final garbage collection (tests/site/sitecustomize.py).
+SITE = Path(__file__).resolve().parent / "site"
 
 
 def free_port() -> int:
@@ -45,7 +47,7 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without distributed settings, with the repository on PYTHONPATH and one thread."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("TORCHELASTIC_")}
-    return {**env, **THREADS, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+    return {**env, **THREADS, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1", **extra}
 
 
 _PORT_CLASH = (
