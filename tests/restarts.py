@@ -47,6 +47,12 @@ def losses(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
 
 
+def validations(out: Path, rank: int) -> list[dict[str, Any]]:
+    """The validation losses a run logged (``{"generation", "step", "val_loss"}``), in order."""
+    file = out / f"val.rank{rank}.jsonl"
+    return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+
+
 @dataclass
 class Outcome:
     """How a faulted run compares with the uninterrupted one, and what it cost."""
@@ -87,6 +93,10 @@ def compare(out: Path, reference: Path, devices: int, faulted: bool = True) -> O
                     f"rank {rank} step {record['step']} (attempt {record['attempt']}): loss"
                     f" {float.fromhex(record['loss'])!r} != {_loss(expected.get(record['step']))!r}"
                 )
+        expected_val = {r["step"]: r["val_loss"] for r in validations(reference, rank)}
+        for record in validations(out, rank):
+            if expected_val.get(record["step"]) != record["val_loss"]:
+                problems.append(f"rank {rank} validation after step {record['step']}: val_loss differs")
         if max((r["step"] for r in seen), default=0) != max(expected, default=0):
             problems.append(f"rank {rank} did not train to the end")
         final, ref = out / f"final.rank{rank}.pt", reference / f"final.rank{rank}.pt"

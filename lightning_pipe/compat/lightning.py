@@ -196,9 +196,22 @@ def end_failed_entry(trainer: Any, error: BaseException) -> None:
     again in the same process (recovery in place): the strategy is told, the entry torn down; then the Trainer's
     state is set back as ``Trainer.fit`` sets it before its entry. The callbacks' ``on_exception`` hooks are not
     called (an ``OnExceptionCheckpoint`` would save); loggers are not finalized (the run goes on).
-    ``Trainer._teardown`` is private; there is no public way to end an entry but its exception."""
+    ``Trainer._teardown`` is private; there is no public way to end an entry but its exception.
+
+    A failure inside validation leaves the modules in eval mode (the evaluation loop sets their captured modes back
+    only when it ends): they are set back here, from that capture (``_EvaluationLoop._module_mode``, private; the
+    public ``on_validation_model_train`` hook is the user's), so that the ``fit`` run again trains with dropout. The
+    values logged since the last reset (the loops' ``_results``, private; a new process has none) are dropped, as
+    are the logger connector's metrics: the ``fit`` run again logs them from the snapshot's step as a resumed
+    process would, not on top of the failed entry's partial validation."""
     from lightning.pytorch.trainer.states import TrainerStatus
 
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if trainer.validating or trainer.sanity_checking:
+        epoch_loop.val_loop._module_mode.restore(trainer.lightning_module)
+    for results in (epoch_loop._results, epoch_loop.val_loop._results):
+        results.reset()
+    trainer._logger_connector.reset_metrics()
     trainer.strategy.on_exception(error)
     trainer._teardown()
     trainer.state.status = TrainerStatus.RUNNING
