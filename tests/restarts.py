@@ -31,8 +31,8 @@ def command(launcher: str, devices: int, port: str, out: Path, cfg: dict) -> lis
 def run(out: Path, cfg: dict, launcher: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run one scenario in ``out`` (Lightning's launcher restarts through ``max_restarts``)."""
     out.mkdir(parents=True, exist_ok=True)
-    if launcher == "lightning" and cfg.get("kill"):
-        cfg = {**cfg, "max_restarts": MAX_RESTARTS}
+    if launcher == "lightning" and (cfg.get("kill") or cfg.get("kills")):
+        cfg = {"max_restarts": MAX_RESTARTS, **cfg}
     port = str(free_port())
     env = clean_env(MASTER_PORT=port)
     start = time.time()

@@ -10,7 +10,8 @@ checkpoint dict to host memory, or when it starts exchanging copies with its bud
 writing of its shard of the first checkpoint saved at or after step ``step``: for an asynchronous save, in the writing
 thread while training goes on); ``kills``: several such faults, each with the ``generation`` (of a run recovered in
 place) it applies in; ``snapshot_every`` (recovery in place: the supervisor replaces the killed rank, the others keep
-their processes), ``spares``, ``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
+their processes), ``spares``, ``await_spare`` (a ``step`` kill in generation ``g`` waits until spare ``g`` reached ``fit``, before the
+previous step's end is recorded), ``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
 
 The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes,
 so checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are
@@ -116,6 +117,8 @@ class Record(L.Callback):
             f.write(json.dumps(line) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.cfg.get("await_spare") and kill_here(self.cfg, "step", trainer.global_step + 1):
+            await_spare(self.out, generation())  # before this step's end is recorded: the wait is not measured
         loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
         line = {"attempt": attempt(), "generation": generation(), "step": trainer.global_step, "loss": loss.hex()}
         line["time"] = time.time()
@@ -132,6 +135,13 @@ class Record(L.Callback):
             with open(self.out / f"resumed.rank{trainer.global_rank}.jsonl", "a") as f:
                 f.write(json.dumps(resumed) + "\n")
         self.first = False
+
+
+def await_spare(out: Path, index: int) -> None:
+    """Wait until spare ``index`` reached ``fit`` (the kill it takes then measures recovery, not the spare's start)."""
+    deadline = time.monotonic() + 300
+    while not (out / f"spare.ready.{index}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def die(out: Path, completed: int) -> None:
@@ -223,6 +233,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if os.environ.get("LIGHTNING_PIPE_SPARE"):
+        (out / f"spare.ready.{os.environ['LIGHTNING_PIPE_SPARE']}").touch()
     arm_write_kill(out, cfg, lambda: trainer.global_step)
     arm_snapshot_kills(out, cfg, lambda: trainer.global_step)
     record_reads(out)

@@ -1,0 +1,171 @@
+"""The fault matrix of recovery in place (docs/reliability.md, "Kill points"): a rank SIGKILLed at each kill point
+(inside a training step, during validation, while a snapshot serialises, as it starts the exchange with its buddy,
+while a disk checkpoint is written), on each rank, for each layout; and a second kill in one run taken by the spare
+the supervisor started after the first.
+
+The cases are named ``<layout>-<kill point>-rank<R>`` in the test report. Several cases share one launch (two kills
+in one run, in generations 0 and 1; ``max_restarts=3``), and every launch of a layout is compared with one reference
+run of that layout, made once: each case checks its own kill (the replacement, the survivor's process, the snapshot
+step resumed from) and its launch's exactness (every training and validation loss and the final weights bit for bit
+equal to the reference's), that no checkpoint file was read, and that the checkpoint a kill interrupted was written
+again, complete. A launch is bounded by its timeout (``LAUNCH_TIMEOUT``); a hang fails its cases.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_pipe.checkpoint.latest import inspect_complete
+from lightning_pipe.checkpoint.format import is_transient
+from tests.restarts import Outcome, compare, run
+
+#: Seconds one launch of the matrix may take (two kills and recoveries; ~60 s on the loaded 2-core machine).
+LAUNCH_TIMEOUT = 420
+#: The snapshot interval of every launch.
+EVERY = 4
+
+#: The layouts of the matrix: the processes of a run. (2 stages x 2 replicas: ``"2x2": {"devices": 4}``, with its
+#: launches below, once recovery of replicated pipelines is verified.)
+LAYOUTS: dict[str, dict[str, Any]] = {"2stages": {"devices": 2}}
+
+
+@dataclass(frozen=True)
+class Kill:
+    """One case: ``rank`` SIGKILLed at ``where`` of training step ``step`` (for ``validation``: in the validation
+    after it), in ``generation``; the run resumes from the snapshot of ``resumes_from``."""
+
+    where: str
+    rank: int
+    step: int
+    generation: int
+    resumes_from: int
+
+    def config(self) -> dict[str, Any]:
+        return {"where": self.where, "rank": self.rank, "step": self.step, "generation": self.generation}
+
+
+#: Launches of the 2-stage layout: two kills each, the second after the first recovery, some with a spare.
+#: serialise/exchange at step 8: the snapshot of step 8 is incomplete on some rank, so every rank agrees on step 4;
+#: write at step 5 and 15: the disk save of that step is interrupted (the run has ``ModelCheckpoint`` every 5 steps).
+LAUNCHES: dict[str, dict[str, Any]] = {
+    "2stages-a": {
+        "spares": 1,
+        "kills": [Kill("step", 0, 6, 0, 4), Kill("validation", 1, 15, 1, 12)],
+    },
+    "2stages-b": {
+        "spares": 0,
+        "kills": [Kill("validation", 0, 10, 0, 8), Kill("step", 1, 19, 1, 16)],
+    },
+    "2stages-c": {
+        "spares": 1,
+        "kills": [Kill("serialise", 1, 8, 0, 4), Kill("exchange", 0, 16, 1, 12)],
+    },
+    "2stages-d": {
+        "spares": 0,
+        "kills": [Kill("exchange", 1, 8, 0, 4), Kill("serialise", 0, 16, 1, 12)],
+    },
+    "2stages-e": {
+        "spares": 0,
+        "kills": [Kill("write", 0, 5, 0, 4), Kill("write", 1, 15, 1, 12)],
+    },
+}
+
+CASES = [
+    pytest.param(name, i, id=f"{name.split('-')[0]}-{kill.where}-rank{kill.rank}")
+    for name, launch in LAUNCHES.items()
+    for i, kill in enumerate(launch["kills"])
+]
+
+
+@dataclass
+class Launched:
+    out: Path
+    output: str
+    returncode: int
+    outcome: Outcome
+
+
+class Launches:
+    """Each layout's reference and each launch, run once for all the cases that read them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.references: dict[str, Path] = {}
+        self.launched: dict[str, Launched] = {}
+
+    def reference(self, layout: str) -> Path:
+        if layout not in self.references:
+            out = self.root / f"reference-{layout}"
+            proc = run(out, {**LAYOUTS[layout], "disk": False}, "lightning", timeout=LAUNCH_TIMEOUT)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+            self.references[layout] = out
+        return self.references[layout]
+
+    def launch(self, name: str) -> Launched:
+        if name not in self.launched:
+            layout, launch = name.split("-")[0], LAUNCHES[name]
+            reference = self.reference(layout)
+            cfg = {
+                **LAYOUTS[layout],
+                "snapshot_every": EVERY,
+                "spares": launch["spares"],
+                "kills": [k.config() for k in launch["kills"]],
+            }
+            out = self.root / name
+            proc = run(out, cfg, "lightning", timeout=LAUNCH_TIMEOUT)
+            outcome = compare(out, reference, LAYOUTS[layout]["devices"])
+            self.launched[name] = Launched(out, proc.stdout + proc.stderr, proc.returncode, outcome)
+        return self.launched[name]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("recovery-faults"))
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _pid_around(out: Path, rank: int, moment: float) -> tuple[str, str]:
+    """The process of ``rank`` whose ``fit`` started last before ``moment``, and the one that started first after."""
+    starts = sorted((float(p.name.split(".", 2)[2]), p.read_text()) for p in out.glob(f"fit_start.rank{rank}.*"))
+    before = [pid for t, pid in starts if t < moment]
+    after = [pid for t, pid in starts if t > moment]
+    return (before[-1] if before else ""), (after[0] if after else "")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("launch_name,case", CASES)
+def test_a_kill_is_recovered_in_place_exactly(launches, launch_name, case):
+    """The killed rank is replaced (by a spare where the launch has one), the other rank keeps its process, the ranks
+    resume from the snapshot every rank holds, no checkpoint file is read, and the run equals the reference."""
+    launched, launch = launches.launch(launch_name), LAUNCHES[launch_name]
+    kill: Kill = launch["kills"][case]
+    out, output = launched.out, launched.output
+    assert launched.returncode == 0, output[-6000:]
+    assert launched.outcome.problems == [], output[-4000:]
+    injected = [k for k in _jsonl(out / "injected.jsonl") if k["generation"] == kill.generation]
+    completed = kill.step - 1 if kill.where == "step" else kill.step  # a step kill comes inside the step
+    assert [(k["rank"], k["completed"]) for k in injected] == [(kill.rank, completed)], injected
+    by = f"spare {case}" if launch["spares"] else "a new process"  # spare 1 was started after spare 0 took a place
+    assert f"rank {kill.rank} failed (SIGKILL); replacing it in place by {by} (generation {kill.generation + 1}" in (
+        output
+    )
+    resumed = {r["generation"]: r["from_step"] for r in _jsonl(out / "resumed.rank0.jsonl")}
+    assert resumed.get(kill.generation + 1) == kill.resumes_from, resumed
+    survivor = 1 - kill.rank
+    before, after = _pid_around(out, survivor, injected[0]["time"])
+    assert before and before == after, (before, after)  # the survivor's `fit` ran again in its own process
+    assert not list(out.glob("reads.rank*.txt")) and "resuming `fit` from '" not in output  # no checkpoint file read
+    if kill.where == "write":
+        interrupted = sorted(p for p in (out / "ckpt").iterdir() if f"step={kill.step}" in p.name)
+        assert interrupted and all(not is_transient(p) and inspect_complete(p) for p in interrupted), interrupted
+        saved = [p for p in (out / "ckpt").iterdir() if not is_transient(p)]
+        assert all(inspect_complete(p) is not None for p in saved), saved
