@@ -93,10 +93,7 @@ def compare(out: Path, reference: Path, devices: int, faulted: bool = True) -> O
                     f"rank {rank} step {record['step']} (attempt {record['attempt']}): loss"
                     f" {float.fromhex(record['loss'])!r} != {_loss(expected.get(record['step']))!r}"
                 )
-        expected_val = {r["step"]: r["val_loss"] for r in validations(reference, rank)}
-        for record in validations(out, rank):
-            if expected_val.get(record["step"]) != record["val_loss"]:
-                problems.append(f"rank {rank} validation after step {record['step']}: val_loss differs")
+        problems += _validation_problems(out, reference, rank)
         if max((r["step"] for r in seen), default=0) != max(expected, default=0):
             problems.append(f"rank {rank} did not train to the end")
         final, ref = out / f"final.rank{rank}.pt", reference / f"final.rank{rank}.pt"
@@ -119,6 +116,16 @@ def compare(out: Path, reference: Path, devices: int, faulted: bool = True) -> O
         failure_to_first_step=first_step,
         problems=problems,
     )
+
+
+def _validation_problems(out: Path, reference: Path, rank: int) -> list[str]:
+    expected = {r["step"]: r["val_loss"] for r in validations(reference, rank)}
+    return [
+        f"rank {rank} validation after step {r['step']}: val_loss {_loss(r['val_loss'])!r} !="
+        f" {_loss(expected.get(r['step']))!r}"
+        for r in validations(out, rank)
+        if expected.get(r["step"]) != r["val_loss"]
+    ]
 
 
 def _loss(text: Optional[str]) -> Optional[float]:

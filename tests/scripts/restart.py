@@ -1,25 +1,26 @@
 """A pipeline run that a rank may kill (SIGKILL) in its first attempt, restarted by its launcher and resumed by the
 strategy from the newest complete checkpoint; or the same run uninterrupted, as the reference.
 
-Usage: restart.py OUT CONFIG_JSON. CONFIG: ``devices`` (2: a 2-stage pipeline; 4: 2 stages x 2 data-parallel
-replicas), ``async`` (asynchronous checkpoints), ``max_restarts`` (for Lightning's launcher; torchrun's comes from
+Usage: restart.py OUT CONFIG_JSON. CONFIG: ``devices`` (2: a 2-stage pipeline; 4: 2 stages x 2 data-parallel replicas),
+``async`` (asynchronous checkpoints), ``max_restarts`` (for Lightning's launcher; torchrun's comes from
 ``--max-restarts``), ``kill`` (absent: no fault): ``{"rank", "step", "where"}`` with ``where`` ``"step"`` (inside the
 rank's stage forward of training step ``step``), ``"validation"`` (inside its stage forward in the validation after
 training step ``step``), ``"serialise"`` / ``"exchange"`` (in the snapshot of step ``step``: while it serialises its
-checkpoint dict to host memory, or when it starts exchanging copies with its buddy) or ``"write"`` (inside the
-writing of its shard of the first checkpoint saved at or after step ``step``: for an asynchronous save, in the writing
-thread while training goes on); ``kills``: several such faults, each with the ``generation`` (of a run recovered in
-place) it applies in; ``snapshot_every`` (recovery in place: the supervisor replaces the killed rank, the others keep
-their processes), ``spares``, ``await_spare`` (a ``step`` kill in generation ``g`` waits until spare ``g`` reached ``fit``, before the
-previous step's end is recorded), ``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
+checkpoint dict to host memory, or when it starts exchanging copies with its buddy) or ``"write"`` (inside the writing
+of its shard of the first checkpoint saved at or after step ``step``: for an asynchronous save, in the writing thread
+while training goes on); ``kills``: several such faults, each with the ``generation`` (of a run recovered in place) it
+applies in; ``snapshot_every`` (recovery in place: the supervisor replaces the killed rank, the others keep their
+processes), ``spares``, ``await_spare`` (a ``step`` kill in generation ``g`` waits until spare ``g`` reached ``fit``,
+before the previous step's end is recorded), ``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
 
-The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes,
-so checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are
-saved every 5 steps (all kept) and as ``last.ckpt``. Every attempt appends ``{"attempt", "step", "loss"}`` per step to
-``losses.rank<R>.jsonl`` and ``{"generation", "step", "val_loss"}`` per validation to ``val.rank<R>.jsonl``; the last attempt saves its stages' final weights as ``final.rank<R>.pt``; an attempt that
-resumed writes ``resumed.rank<R>.json`` (from which step, when its first step ended; every resume is also appended to
-``resumed.rank<R>.jsonl``, every kill to ``injected.jsonl``); a rank that reads a checkpoint file (torch.distributed
-checkpoint's reader) appends it to ``reads.rank<R>.txt``.
+The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes, so
+checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are saved
+every 5 steps (all kept) and as ``last.ckpt``. Every attempt appends ``{"attempt", "step", "loss"}`` per step to
+``losses.rank<R>.jsonl`` and ``{"generation", "step", "val_loss"}`` per validation to ``val.rank<R>.jsonl``; the last
+attempt saves its stages' final weights as ``final.rank<R>.pt``; an attempt that resumed writes ``resumed.rank<R>.json``
+(from which step, when its first step ended; every resume is also appended to ``resumed.rank<R>.jsonl``, every kill to
+``injected.jsonl``); a rank that reads a checkpoint file (torch.distributed checkpoint's reader) appends it to
+``reads.rank<R>.txt``.
 """
 
 import json
