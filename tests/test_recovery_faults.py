@@ -1,10 +1,9 @@
 """The fault matrix of recovery in place (docs/reliability.md, "Kill points"): a rank SIGKILLed at each kill point
 (inside a training step, during validation, while a snapshot serialises, as it starts the exchange with its buddy,
-while a disk checkpoint is written), on each rank, for each layout; and a second kill in one run taken by the spare
-the supervisor started after the first.
+while a disk checkpoint is written), on each rank, for each layout.
 
-The cases are named ``<layout>-<kill point>-rank<R>`` in the test report. Several cases share one launch (two kills
-in one run, in generations 0 and 1; ``max_restarts=3``), and every launch of a layout is compared with one reference
+The cases are named ``<layout>-<kill point>-rank<R>`` in the test report. Several cases share one launch (five kills
+in one run, one per generation; ``max_restarts=5``), and every launch of a layout is compared with one reference
 run of that layout, made once: each case checks its own kill (the replacement, the survivor's process, the snapshot
 step resumed from) and its launch's exactness (every training and validation loss and the final weights bit for bit
 equal to the reference's), that no checkpoint file was read, and that the checkpoint a kill interrupted was written
@@ -25,7 +24,7 @@ from lightning_pipe.checkpoint.format import is_transient
 from lightning_pipe.checkpoint.latest import inspect_complete
 from tests.restarts import Outcome, compare, run
 
-#: Seconds one launch of the matrix may take (two kills and recoveries; ~60 s on the loaded 2-core machine).
+#: Seconds one launch of the matrix may take (five kills and recoveries).
 LAUNCH_TIMEOUT = 420
 #: The snapshot interval of every launch.
 EVERY = 4
@@ -50,30 +49,23 @@ class Kill:
         return {"where": self.where, "rank": self.rank, "step": self.step, "generation": self.generation}
 
 
-#: Launches of the 2-stage layout: two kills each, the second after the first recovery, some with a spare.
-#: serialise/exchange at step 8: the snapshot of step 8 is incomplete on some rank, so every rank agrees on step 4;
-#: write at step 5 and 15: the disk save of that step is interrupted (the run has ``ModelCheckpoint`` every 5 steps).
+#: Launches of the 2-stage layout: every kill point on one rank per launch, one kill per generation (each after the
+#: previous recovery; ``max_restarts=5``), the two launches with the ranks swapped, one with a spare (renewed after
+#: each use), one with new processes. ``serialise`` at step 12: the snapshot of 12 is on no buddy, every rank agrees on
+#: 8; ``exchange`` at 16: the survivor's own copy of 16 is dropped, every rank agrees on 12; ``write`` at 20: the disk
+#: save of step 20 (``ModelCheckpoint`` every 5 steps) is interrupted.
 LAUNCHES: dict[str, dict[str, Any]] = {
-    "2stages-a": {
-        "spares": 1,
-        "kills": [Kill("step", 0, 6, 0, 4), Kill("validation", 1, 15, 1, 12)],
-    },
-    "2stages-b": {
-        "spares": 0,
-        "kills": [Kill("validation", 0, 10, 0, 8), Kill("step", 1, 19, 1, 16)],
-    },
-    "2stages-c": {
-        "spares": 1,
-        "kills": [Kill("serialise", 1, 8, 0, 4), Kill("exchange", 0, 16, 1, 12)],
-    },
-    "2stages-d": {
-        "spares": 0,
-        "kills": [Kill("exchange", 1, 8, 0, 4), Kill("serialise", 0, 16, 1, 12)],
-    },
-    "2stages-e": {
-        "spares": 0,
-        "kills": [Kill("write", 0, 5, 0, 4), Kill("write", 1, 15, 1, 12)],
-    },
+    f"2stages-{first}": {
+        "spares": spares,
+        "kills": [
+            Kill("step", first, 6, 0, 4),
+            Kill("validation", 1 - first, 10, 1, 8),
+            Kill("serialise", first, 12, 2, 8),
+            Kill("exchange", 1 - first, 16, 3, 12),
+            Kill("write", first, 20, 4, 16),
+        ],
+    }
+    for first, spares in ((0, 1), (1, 0))
 }
 
 CASES = [
@@ -116,6 +108,7 @@ class Launches:
                 "snapshot_every": EVERY,
                 "spares": launch["spares"],
                 "kills": [k.config() for k in launch["kills"]],
+                "max_restarts": len(launch["kills"]),
             }
             out = self.root / name
             proc = run(out, cfg, "lightning", timeout=LAUNCH_TIMEOUT)
@@ -155,7 +148,7 @@ def test_a_kill_is_recovered_in_place_exactly(launches, launch_name, case):
     injected = [k for k in _jsonl(out / "injected.jsonl") if k["generation"] == kill.generation]
     completed = kill.step - 1 if kill.where == "step" else kill.step  # a step kill comes inside the step
     assert [(k["rank"], k["completed"]) for k in injected] == [(kill.rank, completed)], injected
-    by = f"spare {case}" if launch["spares"] else "a new process"  # spare 1 was started after spare 0 took a place
+    by = f"spare {case}" if launch["spares"] else "a new process"  # spare i+1 is started after spare i took a place
     generation = kill.generation + 1
     replaced = rf"rank {kill.rank} failed \(.*SIGKILL\); replacing it in place by {by} \(generation {generation}"
     assert re.search(replaced, output), output[-4000:]
