@@ -157,13 +157,17 @@ def die(out: Path, completed: int) -> None:
 def arm_write_kill(out: Path, cfg: dict, trainer_step) -> None:
     """SIGKILL this rank inside the writing of its shard of the first checkpoint saved at or after the given step."""
     kills = cfg.get("kills", [cfg["kill"]] if cfg.get("kill") else [])
-    writes = [k for k in kills if k["where"] == "write" and k["rank"] == rank()]
+    writes = [k for k in kills if k["where"] == "write"]
     if attempt() > 0 or not writes:
         return
     write_data = dcp.FileSystemWriter.write_data
 
     def write_then_die(writer, plan, planner):
-        if any(trainer_step() >= k["step"] and k.get("generation", 0) == generation() for k in writes):
+        # rank() now: a spare learns its rank when it takes a place
+        if any(
+            trainer_step() >= k["step"] and (k["rank"], k.get("generation", 0)) == (rank(), generation())
+            for k in writes
+        ):
             die(out, trainer_step())
         return write_data(writer, plan, planner)
 
