@@ -57,9 +57,11 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def kill_times(out: Path, relaunch: bool) -> list[dict]:
-    """For each kill of a run (in order): seconds from it, and from the end of the last step before it (rank 0's
-    steps), to the end of the first step after the recovery."""
-    steps, rows = losses(out, 0), []
+    """For each kill of a run (in order): seconds from it, and from the end of the last step before it, to the end of
+    the first step after the recovery. The last step before it is the later of the two ranks' (a rank killed in the
+    next step may wait for its spare before that step, and the other rank has recorded its step's end already); the
+    first after is the earlier of theirs."""
+    steps, rows = losses(out, 0) + losses(out, 1), []
     for kill in _jsonl(out / "injected.jsonl"):
         before = [r["time"] for r in steps if r["time"] < kill["time"]]
         after = [
