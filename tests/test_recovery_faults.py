@@ -161,5 +161,5 @@ def test_a_kill_is_recovered_in_place_exactly(launches, launch_name, case):
     if kill.where == "write":
         interrupted = sorted(p for p in (out / "ckpt").iterdir() if f"step={kill.step}" in p.name)
         assert interrupted and all(not is_transient(p) and inspect_complete(p) for p in interrupted), interrupted
-        saved = [p for p in (out / "ckpt").iterdir() if not is_transient(p)]
-        assert all(inspect_complete(p) is not None for p in saved), saved
+        saved = list((out / "ckpt").iterdir())
+        assert all(not is_transient(p) and inspect_complete(p) is not None for p in saved), saved  # no leftover
