@@ -2,21 +2,26 @@
 completed training step, exactness, and what the snapshots cost.
 
 tests/scripts/restart.py (a 2-stage LM with dropout, a shuffling loader, validation every 5 steps, 24 steps) under
-Lightning's launcher with ``max_restarts=3``; one rank SIGKILLed inside its stage's forward of step ``--step``,
-alternating ranks 1 and 0. Three kinds of run, interleaved:
+Lightning's launcher; ranks SIGKILLed inside their stage's forward, alternating ranks 1 and 0. Kinds of run,
+interleaved:
 
 - ``reference``: uninterrupted, no snapshots, no checkpoint files (the losses and weights every run must equal);
-- ``in-place``: ``snapshot_every=4``, no checkpoint files: the supervisor replaces the killed rank by a new process,
-  the survivor keeps its process, both resume from the newest snapshot in memory;
-- ``in-place-spare``: the same with ``spares=1``: a process started with the run, waiting at ``fit``, takes the place;
-- ``relaunch``: today's path: checkpoints every 5 steps on disk, every rank started again, resumed from disk.
+- ``in-place-spare``: ``snapshot_every=4``, ``spares=1``, no checkpoint files: up to ``--per-run`` kills in one run
+  (steps 6, 10, 14, 18, 22, one per generation; ``max_restarts`` as many): a waiting spare takes the killed rank's
+  place, the survivor keeps its process, both resume from the newest snapshot in memory; the supervisor starts a new
+  spare after each recovery, and each kill waits until it reached ``fit`` (a failure hours later finds it ready);
+- ``in-place``: the same without a spare: a new process takes the place;
+- ``relaunch``: today's path: checkpoints every 5 steps on disk, one kill in step ``--step``, every rank started
+  again (``max_restarts=3``), resumed from disk.
 
-Per run: kill to the end of the first step after it, steps redone, exact (every logged loss and the final weights
-bit for bit equal to the reference's); for in-place runs also the step time of the steps that took a snapshot
-against the others, and the host memory of the snapshots per rank.
+Per kill: from the kill, and from the end of the last step before it, to the end of the first step after the
+recovery (the issue's measure: "from the last step before the kill to the first step after it"); per run: exact
+(every logged training and validation loss and the final weights bit for bit equal to the reference's); for in-place
+runs also the step time of the steps that took a snapshot against the others, and the host memory of the snapshots
+per rank.
 
-    nice python benchmarks/recovery.py --kills 3 --out /tmp/recovery-bench
-    nice python benchmarks/recovery.py --kinds in-place-spare --kills 2 --out /tmp/recovery-spare
+    flock /tmp/bench.lock nice python benchmarks/recovery.py --kills 10 --kinds in-place-spare relaunch --out DIR
+    nice python benchmarks/recovery.py --kills 2 --per-run 1 --out /tmp/recovery-bench
 
 Results: docs/benchmarks.md and docs/reliability.md.
 """
@@ -43,24 +48,64 @@ def _step_times(out: Path, rank: int) -> dict[int, float]:
     return {b["step"]: b["time"] - a["time"] for a, b in zip(records, records[1:])}
 
 
-def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path) -> dict:
-    cfg: dict = {"devices": 2, "disk": kind == "relaunch", "kill": {"rank": kill_rank, "step": step, "where": "step"}}
-    if kind.startswith("in-place"):
-        cfg["snapshot_every"] = SNAPSHOT_EVERY
-        cfg["spares"] = 1 if kind == "in-place-spare" else 0
+#: The steps the kills of one in-place run come in (one per generation), after the snapshots of 4, 8, ... 20.
+IN_PLACE_STEPS = (6, 10, 14, 18, 22)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def kill_times(out: Path, relaunch: bool) -> list[dict]:
+    """For each kill of a run (in order): seconds from it, and from the end of the last step before it, to the end of
+    the first step after the recovery. The last step before it is the later of the two ranks' (a rank killed in the
+    next step may wait for its spare before that step, and the other rank has recorded its step's end already); the
+    first after is the earlier of theirs."""
+    steps, rows = losses(out, 0) + losses(out, 1), []
+    for kill in _jsonl(out / "injected.jsonl"):
+        before = [r["time"] for r in steps if r["time"] < kill["time"]]
+        after = [
+            r["time"]
+            for r in steps
+            if (r["attempt"] == 1 if relaunch else r.get("generation", 0) == kill["generation"] + 1)
+        ]
+        if not after:
+            rows.append({"rank": kill["rank"], "kill_to_next_step_s": None, "last_step_to_next_step_s": None})
+            continue
+        rows.append(
+            {
+                "rank": kill["rank"],
+                "kill_to_next_step_s": min(after) - kill["time"],
+                "last_step_to_next_step_s": min(after) - max(before) if before else None,
+            }
+        )
+    return rows
+
+
+def measure(out: Path, kind: str, first_rank: int, kills: int, step: int, reference: Path) -> dict:
+    relaunch = kind == "relaunch"
+    cfg: dict = {"devices": 2, "disk": relaunch}
+    if relaunch:
+        cfg["kill"] = {"rank": first_rank, "step": step, "where": "step"}
+    else:
+        cfg["kills"] = [
+            {"rank": (first_rank + g) % 2, "step": IN_PLACE_STEPS[g], "where": "step", "generation": g}
+            for g in range(kills)
+        ]
+        cfg.update(snapshot_every=SNAPSHOT_EVERY, spares=1 if kind == "in-place-spare" else 0, max_restarts=kills)
+        cfg["await_spare"] = kind == "in-place-spare"
     proc = run(out, cfg, "lightning")
     outcome = compare(out, reference, 2)
     row = {
         "kind": kind,
-        "rank": kill_rank,
         "exit": proc.returncode,
         "exact": not outcome.problems,
         "problems": outcome.problems[:3],
-        "kill_to_next_step_s": outcome.failure_to_first_step,
+        "kills": kill_times(out, relaunch),
         "redone": outcome.recomputed,
     }
-    if kind.startswith("in-place"):
-        times = _step_times(out, 1 - kill_rank)  # the survivor's steps before the kill
+    if not relaunch:
+        times = _step_times(out, 1 - first_rank)  # the first survivor's steps before the first kill
         with_snapshot = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY == 0 and s > 1]
         without = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY != 0]
         row["step_s_after_snapshot"] = statistics.median(with_snapshot) if with_snapshot else None
@@ -71,30 +116,51 @@ def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path) ->
     return row
 
 
+def _summary(kind: str, rows: list[dict]) -> str:
+    mine = [r for r in rows if r["kind"] == kind]
+    kills = [k for r in mine for k in r["kills"]]
+    exact = sum(r["exact"] and r["exit"] == 0 for r in mine)
+    parts = [f"{kind}: {exact} of {len(mine)} runs exact, {len(kills)} kills"]
+    for key in ("last_step_to_next_step_s", "kill_to_next_step_s"):
+        values = sorted(k[key] for k in kills if k[key] is not None)
+        if values:
+            shown = ", ".join(f"{v:.1f}" for v in values)
+            parts.append(f"{key} median {statistics.median(values):.2f} s, max {values[-1]:.1f} s ({shown})")
+    return "; ".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=3, help="kills per kind of run")
-    parser.add_argument("--step", type=int, default=10, help="the training step the rank is killed in")
+    parser.add_argument("--per-run", type=int, default=5, help="kills in one in-place run (at most 5)")
+    parser.add_argument("--relaunches", type=int, default=None, help="relaunch runs (default: --kills)")
+    parser.add_argument("--step", type=int, default=10, help="the training step a relaunch run's rank is killed in")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kinds", nargs="+", default=["in-place-spare", "in-place", "relaunch"], help="runs per kill")
     args = parser.parse_args()
+    per_run = max(1, min(args.per_run, len(IN_PLACE_STEPS)))
     reference = args.out / "reference"
     if (reference / "final.rank0.pt").exists():
         pass  # made by an earlier run of this script in the same directory
     elif run(reference, {"devices": 2, "disk": False}, "lightning").returncode != 0:
         raise SystemExit(f"the reference run failed: {reference / 'output.log'}")
-    rows = []
-    for i in range(args.kills):
+    left = {
+        kind: args.relaunches if kind == "relaunch" and args.relaunches is not None else args.kills
+        for kind in args.kinds
+    }
+    rows, i = [], 0
+    while any(left.values()):
         for kind in args.kinds:
-            row = measure(args.out / f"{kind}-{i}", kind, 1 if i % 2 == 0 else 0, args.step, reference)
+            if not left[kind]:
+                continue
+            kills = 1 if kind == "relaunch" else min(per_run, left[kind])
+            row = measure(args.out / f"{kind}-{i}", kind, 1 if i % 2 == 0 else 0, kills, args.step, reference)
+            left[kind] -= kills
             print(json.dumps(row), flush=True)
             rows.append(row)
+        i += 1
     for kind in args.kinds:
-        mine = [r for r in rows if r["kind"] == kind]
-        times = [r["kill_to_next_step_s"] for r in mine if r["kill_to_next_step_s"] is not None]
-        exact = sum(r["exact"] and r["exit"] == 0 for r in mine)
-        median = statistics.median(times) if times else float("nan")
-        print(f"{kind}: {exact} of {len(mine)} exact; kill to next step median {median:.1f} s, max {max(times):.1f} s")
+        print(_summary(kind, rows))
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
 
 

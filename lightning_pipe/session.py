@@ -360,7 +360,8 @@ class PipelineArguments(MeshAxes):
                 host memory, so that a lost rank is recovered in place by the supervisor of ``max_restarts``
                 (docs/reliability.md). Default 0: no snapshots. Trainer only.
             spares: With ``snapshot_every``: processes the supervisor starts with the run, which run the script up to
-                ``fit`` and wait to take a lost rank's place. Default 0: a new process is started then. Trainer only.
+                ``fit`` and wait to take a lost rank's place (a used one is followed by a new one once its recovery
+                completed). Default 0: a new process is started then. Trainer only.
             async_checkpoint: Save checkpoints from a thread: the step waits only while the state is copied to host
                 memory. Default ``False``. Trainer only.
             model_plan: The pipeline plan of a transformers model whose family has none, shaped as transformers'

@@ -31,8 +31,8 @@ def command(launcher: str, devices: int, port: str, out: Path, cfg: dict) -> lis
 def run(out: Path, cfg: dict, launcher: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run one scenario in ``out`` (Lightning's launcher restarts through ``max_restarts``)."""
     out.mkdir(parents=True, exist_ok=True)
-    if launcher == "lightning" and cfg.get("kill"):
-        cfg = {**cfg, "max_restarts": MAX_RESTARTS}
+    if launcher == "lightning" and (cfg.get("kill") or cfg.get("kills")):
+        cfg = {"max_restarts": MAX_RESTARTS, **cfg}
     port = str(free_port())
     env = clean_env(MASTER_PORT=port)
     start = time.time()
@@ -44,6 +44,12 @@ def run(out: Path, cfg: dict, launcher: str, timeout: float = 600) -> subprocess
 
 def losses(out: Path, rank: int) -> list[dict[str, Any]]:
     file = out / f"losses.rank{rank}.jsonl"
+    return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+
+
+def validations(out: Path, rank: int) -> list[dict[str, Any]]:
+    """The validation losses a run logged (``{"generation", "step", "val_loss"}``), in order."""
+    file = out / f"val.rank{rank}.jsonl"
     return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
 
 
@@ -87,6 +93,7 @@ def compare(out: Path, reference: Path, devices: int, faulted: bool = True) -> O
                     f"rank {rank} step {record['step']} (attempt {record['attempt']}): loss"
                     f" {float.fromhex(record['loss'])!r} != {_loss(expected.get(record['step']))!r}"
                 )
+        problems += _validation_problems(out, reference, rank)
         if max((r["step"] for r in seen), default=0) != max(expected, default=0):
             problems.append(f"rank {rank} did not train to the end")
         final, ref = out / f"final.rank{rank}.pt", reference / f"final.rank{rank}.pt"
@@ -109,6 +116,16 @@ def compare(out: Path, reference: Path, devices: int, faulted: bool = True) -> O
         failure_to_first_step=first_step,
         problems=problems,
     )
+
+
+def _validation_problems(out: Path, reference: Path, rank: int) -> list[str]:
+    expected = {r["step"]: r["val_loss"] for r in validations(reference, rank)}
+    return [
+        f"rank {rank} validation after step {r['step']}: val_loss {_loss(r['val_loss'])!r} !="
+        f" {_loss(expected.get(r['step']))!r}"
+        for r in validations(out, rank)
+        if expected.get(r["step"]) != r["val_loss"]
+    ]
 
 
 def _loss(text: Optional[str]) -> Optional[float]:

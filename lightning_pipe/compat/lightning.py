@@ -196,14 +196,44 @@ def end_failed_entry(trainer: Any, error: BaseException) -> None:
     again in the same process (recovery in place): the strategy is told, the entry torn down; then the Trainer's
     state is set back as ``Trainer.fit`` sets it before its entry. The callbacks' ``on_exception`` hooks are not
     called (an ``OnExceptionCheckpoint`` would save); loggers are not finalized (the run goes on).
-    ``Trainer._teardown`` is private; there is no public way to end an entry but its exception."""
+    ``Trainer._teardown`` is private; there is no public way to end an entry but its exception.
+
+    A failure inside validation leaves the modules in eval mode (the evaluation loop sets their captured modes back
+    only when it ends): they are set back here, from that capture (``_EvaluationLoop._module_mode``, private; the
+    public ``on_validation_model_train`` hook is the user's), so that the ``fit`` run again trains with dropout. The
+    values logged since the last reset (the loops' ``_results``, private; a new process has none) are dropped, as
+    are the logger connector's metrics: the ``fit`` run again logs them from the snapshot's step as a resumed
+    process would, not on top of the failed entry's partial validation. Each ``ModelCheckpoint`` forgets what it saved
+    in this process (:func:`_as_new_checkpoint_callback`)."""
     from lightning.pytorch.trainer.states import TrainerStatus
 
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if trainer.validating or trainer.sanity_checking:
+        epoch_loop.val_loop._module_mode.restore(trainer.lightning_module)
+    for results in (epoch_loop._results, epoch_loop.val_loop._results):
+        results.reset()
+    trainer._logger_connector.reset_metrics()
+    for callback in trainer.checkpoint_callbacks:
+        _as_new_checkpoint_callback(callback)
     trainer.strategy.on_exception(error)
     trainer._teardown()
     trainer.state.status = TrainerStatus.RUNNING
     trainer.training = True
     trainer.should_stop = False
+
+
+def _as_new_checkpoint_callback(callback: Any) -> None:
+    """Set back what a ``ModelCheckpoint`` keeps of its own saves outside its ``state_dict``
+    (``_last_global_step_saved`` and two more, private; no public reset) to a new instance's values, as in a
+    replacement process: a survivor that saved step 5 before a kill would skip the save of step 5 after resuming from
+    an earlier snapshot while the replacement saves it, and their collectives (the save's barriers) would no longer
+    match."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if isinstance(callback, ModelCheckpoint):
+        callback._last_global_step_saved = 0
+        callback._last_checkpoint_saved = ""
+        callback._last_time_checked = None
 
 
 def set_main_port(cluster_environment: Any, port: int) -> None:

@@ -148,7 +148,8 @@ def supervise(
     failure at most ``max_restarts`` times; exit with their exit code. ``environment`` is the ranks' environment
     (``MASTER_ADDR`` included); each attempt gets a fresh ``MASTER_PORT``. With ``in_place`` (``snapshot_every``) a
     lost rank is first replaced alone, the others keeping their processes (:mod:`.recovery`), by one of ``spares``
-    processes started with each attempt while one is left, else by a new one; each replacement counts as a restart."""
+    processes started with each attempt (a spare that took a place is followed by a new one once that recovery
+    completed, so that ``spares`` stay waiting), else by a new one; each replacement counts as a restart."""
     record = Path(tempfile.mkdtemp(prefix="lightning-pipe-run-")) / "checkpoint_dirs.json"
     code, used, attempt = 1, 0, 0
     while True:
@@ -167,15 +168,7 @@ def supervise(
             env.update({recovery.RECOVERY_FILE: str(file), recovery.GENERATION: "0"})
         procs = [subprocess.Popen(list(command), env={**env, "LOCAL_RANK": str(r)}) for r in range(num_processes)]
         if in_place:
-            waiting = [
-                (
-                    i,
-                    subprocess.Popen(
-                        list(command), env={**env, "LOCAL_RANK": str(num_processes + i), recovery.SPARE: str(i)}
-                    ),
-                )
-                for i in range(spares)
-            ]
+            waiting = [_start_spare(command, env, num_processes, i) for i in range(spares)]
             try:
                 code, first, replaced = _wait_in_place(procs, list(command), env, max_restarts - used, waiting)
             finally:
@@ -212,10 +205,17 @@ def _wait_in_place(
 ) -> tuple[int, tuple[int, Any], int]:
     """Wait for the ranks, replacing a lost one in place (by a waiting spare of ``spares``, which it takes from the
     list, else a new process) while the others live, the last recovery completed and ``budget`` allows; else as
-    :func:`_wait`. Returns its exit code and first failure, and the replacements made."""
+    :func:`_wait`. A spare that took a place is followed by a new one (appended to ``spares``) once its generation
+    recovered, while ``budget`` allows another replacement. Returns its exit code and first failure, and the
+    replacements made."""
     file, generation, used = Path(env[recovery.RECOVERY_FILE]), 0, 0
     replaced: list[int] = []
+    next_spare, owed = len(spares), 0
     while True:
+        if owed and used < budget and recovery.is_recovered(file, generation):
+            # Not at once: on a busy node the new spare's start (imports, the model) would slow the recovery.
+            spares.append(_start_spare(command, env, len(procs), next_spare))
+            next_spare, owed = next_spare + 1, owed - 1
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return 0, (0, procs[0]), used
@@ -230,7 +230,7 @@ def _wait_in_place(
             by = "a new process"
             if spares:
                 index, procs[rank] = spares.pop(0)
-                by = f"spare {index}"
+                by, owed = f"spare {index}", owed + 1
                 recovery.announce(file, generation, port, replaced, spare=index)
             else:
                 recovery.announce(file, generation, port, replaced)
@@ -259,6 +259,14 @@ def _wait_in_place(
             code, first = _wait(procs)
             return code, first, used
         time.sleep(0.05)
+
+
+def _start_spare(
+    command: Sequence[str], env: dict[str, str], num_processes: int, index: int
+) -> tuple[int, subprocess.Popen]:
+    """Hot spare ``index``: the script, run up to ``fit``, where it waits for a lost rank's place."""
+    spare_env = {**env, "LOCAL_RANK": str(num_processes + index), recovery.SPARE: str(index)}
+    return index, subprocess.Popen(list(command), env=spare_env)
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, tuple[int, Any]]:

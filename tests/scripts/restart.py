@@ -1,19 +1,26 @@
 """A pipeline run that a rank may kill (SIGKILL) in its first attempt, restarted by its launcher and resumed by the
 strategy from the newest complete checkpoint; or the same run uninterrupted, as the reference.
 
-Usage: restart.py OUT CONFIG_JSON. CONFIG: ``devices`` (2: a 2-stage pipeline; 4: 2 stages x 2 data-parallel
-replicas), ``async`` (asynchronous checkpoints), ``max_restarts`` (for Lightning's launcher; torchrun's comes from
+Usage: restart.py OUT CONFIG_JSON. CONFIG: ``devices`` (2: a 2-stage pipeline; 4: 2 stages x 2 data-parallel replicas),
+``async`` (asynchronous checkpoints), ``max_restarts`` (for Lightning's launcher; torchrun's comes from
 ``--max-restarts``), ``kill`` (absent: no fault): ``{"rank", "step", "where"}`` with ``where`` ``"step"`` (inside the
-rank's stage forward of training step ``step``) or ``"write"`` (inside the writing of its shard of the first checkpoint
-saved at or after step ``step``: for an asynchronous save, in the writing thread while training goes on);
-``snapshot_every`` (recovery in place: the supervisor replaces the killed rank, the others keep their processes),
-``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
+rank's stage forward of training step ``step``), ``"validation"`` (inside its stage forward in the validation after
+training step ``step``), ``"serialise"`` / ``"exchange"`` (in the snapshot of step ``step``: while it serialises its
+checkpoint dict to host memory, or when it starts exchanging copies with its buddy) or ``"write"`` (inside the writing
+of its shard of the first checkpoint saved at or after step ``step``: for an asynchronous save, in the writing thread
+while training goes on); ``kills``: several such faults, each with the ``generation`` (of a run recovered in place) it
+applies in; ``snapshot_every`` (recovery in place: the supervisor replaces the killed rank, the others keep their
+processes), ``spares``, ``await_spare`` (a ``step`` kill in generation ``g`` waits until spare ``g`` reached ``fit``,
+before the previous step's end is recorded), ``disk`` (false: no ``ModelCheckpoint``, so nothing can be read from disk).
 
-The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes,
-so checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are
-saved every 5 steps (all kept) and as ``last.ckpt``. Every attempt appends ``{"attempt", "step", "loss"}`` per step to
-``losses.rank<R>.jsonl``; the last attempt saves its stages' final weights as ``final.rank<R>.pt``; an attempt that
-resumed writes ``resumed.rank<R>.json`` (from which step, when its first step ended).
+The model has dropout in every block, the training loader shuffles (48 samples: 6 batches an epoch on 2 processes, so
+checkpoints every 5 steps fall mid-epoch and on epoch boundaries), validation runs every 5 steps, checkpoints are saved
+every 5 steps (all kept) and as ``last.ckpt``. Every attempt appends ``{"attempt", "step", "loss"}`` per step to
+``losses.rank<R>.jsonl`` and ``{"generation", "step", "val_loss"}`` per validation to ``val.rank<R>.jsonl``; the last
+attempt saves its stages' final weights as ``final.rank<R>.pt``; an attempt that resumed writes ``resumed.rank<R>.json``
+(from which step, when its first step ended; every resume is also appended to ``resumed.rank<R>.jsonl``, every kill to
+``injected.jsonl``); a rank that reads a checkpoint file (torch.distributed checkpoint's reader) appends it to
+``reads.rank<R>.txt``.
 """
 
 import json
@@ -54,6 +61,15 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
+def kill_here(cfg: dict, where: str, step: int) -> bool:
+    """Whether this rank is to be killed at ``where`` of step ``step`` in this attempt and generation."""
+    kills = cfg.get("kills", [cfg["kill"]] if cfg.get("kill") else [])
+    return attempt() == 0 and any(
+        k["where"] == where and k["rank"] == rank() and k["step"] == step and k.get("generation", 0) == generation()
+        for k in kills
+    )
+
+
 class DropoutLM(LitLM):
     """LitLM with dropout after every block (a random stream on every stage), shuffled data, validation."""
 
@@ -81,13 +97,29 @@ class Record(L.Callback):
         (self.out / f"fit_start.rank{trainer.global_rank}.{time.time()}").write_text(str(os.getpid()))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        kill = self.cfg.get("kill")
-        if attempt() == 0 and generation() == 0 and kill and kill["where"] == "step" and rank() == kill["rank"]:
-            if trainer.global_step + 1 == kill["step"]:
-                block = next(m for m in pl_module.model.layers if m is not None)
-                block.register_forward_hook(lambda *_: die(self.out, trainer.global_step))
+        if kill_here(self.cfg, "step", trainer.global_step + 1):
+            block = next(m for m in pl_module.model.layers if m is not None)
+            block.register_forward_hook(lambda *_: die(self.out, trainer.global_step))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 1 and not trainer.sanity_checking and kill_here(self.cfg, "validation", trainer.global_step):
+            block = next(m for m in pl_module.model.layers if m is not None)
+            block.register_forward_hook(lambda *_: die(self.out, trainer.global_step))
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking:
+            return
+        line = {
+            "generation": generation(),
+            "step": trainer.global_step,
+            "val_loss": float(trainer.callback_metrics["val_loss"]).hex(),
+        }
+        with open(self.out / f"val.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.cfg.get("await_spare") and kill_here(self.cfg, "step", trainer.global_step + 1):
+            await_spare(self.out, generation())  # before this step's end is recorded: the wait is not measured
         loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
         line = {"attempt": attempt(), "generation": generation(), "step": trainer.global_step, "loss": loss.hex()}
         line["time"] = time.time()
@@ -101,29 +133,79 @@ class Record(L.Callback):
                 "first_step_end": time.time(),
             }
             (self.out / f"resumed.rank{trainer.global_rank}.json").write_text(json.dumps(resumed))
+            with open(self.out / f"resumed.rank{trainer.global_rank}.jsonl", "a") as f:
+                f.write(json.dumps(resumed) + "\n")
         self.first = False
+
+
+def await_spare(out: Path, index: int) -> None:
+    """Wait until spare ``index`` reached ``fit`` (the kill it takes then measures recovery, not the spare's start)."""
+    deadline = time.monotonic() + 300
+    while not (out / f"spare.ready.{index}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def die(out: Path, completed: int) -> None:
     """SIGKILL this process; ``completed``: the training steps done before it."""
-    info = {"rank": rank(), "completed": completed, "time": time.time(), "pid": os.getpid()}
+    info = {"rank": rank(), "completed": completed, "time": time.time(), "pid": os.getpid(), "generation": generation()}
     (out / "injected.json").write_text(json.dumps(info))
+    with open(out / "injected.jsonl", "a") as f:
+        f.write(json.dumps(info) + "\n")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm_write_kill(out: Path, cfg: dict, trainer_step) -> None:
     """SIGKILL this rank inside the writing of its shard of the first checkpoint saved at or after the given step."""
-    kill = cfg.get("kill")
-    if attempt() > 0 or not kill or kill["where"] != "write" or rank() != kill["rank"]:
+    kills = cfg.get("kills", [cfg["kill"]] if cfg.get("kill") else [])
+    writes = [k for k in kills if k["where"] == "write"]
+    if attempt() > 0 or not writes:
         return
     write_data = dcp.FileSystemWriter.write_data
 
     def write_then_die(writer, plan, planner):
-        if trainer_step() >= kill["step"]:
+        # rank() now: a spare learns its rank when it takes a place
+        if any(
+            trainer_step() >= k["step"] and (k["rank"], k.get("generation", 0)) == (rank(), generation())
+            for k in writes
+        ):
             die(out, trainer_step())
         return write_data(writer, plan, planner)
 
     dcp.FileSystemWriter.write_data = write_then_die
+
+
+def arm_snapshot_kills(out: Path, cfg: dict, trainer_step) -> None:
+    """SIGKILL this rank in a snapshot: while it serialises its checkpoint dict, or as it starts the exchange with its
+    buddy (its own copy is kept, the buddy's is not)."""
+    from lightning_pipe.checkpoint import snapshot
+
+    dump, exchange = snapshot.pl_compat.dump_checkpoint, snapshot.collectives.exchange_bytes
+
+    def dump_then_die(trainer):
+        checkpoint = dump(trainer)
+        if kill_here(cfg, "serialise", trainer_step()):
+            die(out, trainer_step())
+        return checkpoint
+
+    def die_then_exchange(data, to, source):
+        if kill_here(cfg, "exchange", trainer_step()):
+            die(out, trainer_step())
+        return exchange(data, to, source)
+
+    snapshot.pl_compat.dump_checkpoint = dump_then_die
+    snapshot.collectives.exchange_bytes = die_then_exchange
+
+
+def record_reads(out: Path) -> None:
+    """Append every checkpoint file this rank reads (torch.distributed.checkpoint's reader) to ``reads.rank<R>.txt``."""
+    read_data = dcp.FileSystemReader.read_data
+
+    def record_then_read(reader, plan, planner):
+        with open(out / f"reads.rank{rank()}.txt", "a") as f:
+            f.write(f"{reader.path}\n")
+        return read_data(reader, plan, planner)
+
+    dcp.FileSystemReader.read_data = record_then_read
 
 
 def main() -> None:
@@ -156,7 +238,11 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if os.environ.get("LIGHTNING_PIPE_SPARE"):
+        (out / f"spare.ready.{os.environ['LIGHTNING_PIPE_SPARE']}").touch()
     arm_write_kill(out, cfg, lambda: trainer.global_step)
+    arm_snapshot_kills(out, cfg, lambda: trainer.global_step)
+    record_reads(out)
     trainer.fit(model)
     state = {k: v for k, v in model.state_dict().items()}
     torch.save(state, out / f"final.rank{trainer.global_rank}.pt")
