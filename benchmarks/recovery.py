@@ -17,6 +17,10 @@ against the others, and the host memory of the snapshots per rank.
 
     nice python benchmarks/recovery.py --kills 3 --out /tmp/recovery-bench
     nice python benchmarks/recovery.py --kinds in-place-spare --kills 2 --out /tmp/recovery-spare
+    nice python benchmarks/recovery.py --replicas 2 --kills 1 --out /tmp/recovery-2x2
+
+``--replicas 2``: 2 stages x 2 data-parallel replicas (4 processes, Lightning's DistributedSampler), ranks 1 (stage 0
+of replica 1) and 2 (stage 1 of replica 0) killed in turn.
 
 Results: docs/benchmarks.md and docs/reliability.md.
 """
@@ -43,15 +47,20 @@ def _step_times(out: Path, rank: int) -> dict[int, float]:
     return {b["step"]: b["time"] - a["time"] for a, b in zip(records, records[1:])}
 
 
-def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path) -> dict:
-    cfg: dict = {"devices": 2, "disk": kind == "relaunch", "kill": {"rank": kill_rank, "step": step, "where": "step"}}
+def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path, devices: int = 2) -> dict:
+    cfg: dict = {
+        "devices": devices,
+        "disk": kind == "relaunch",
+        "kill": {"rank": kill_rank, "step": step, "where": "step"},
+    }
     if kind.startswith("in-place"):
         cfg["snapshot_every"] = SNAPSHOT_EVERY
         cfg["spares"] = 1 if kind == "in-place-spare" else 0
     proc = run(out, cfg, "lightning")
-    outcome = compare(out, reference, 2)
+    outcome = compare(out, reference, devices)
     row = {
         "kind": kind,
+        "devices": devices,
         "rank": kill_rank,
         "exit": proc.returncode,
         "exact": not outcome.problems,
@@ -60,12 +69,12 @@ def measure(out: Path, kind: str, kill_rank: int, step: int, reference: Path) ->
         "redone": outcome.recomputed,
     }
     if kind.startswith("in-place"):
-        times = _step_times(out, 1 - kill_rank)  # the survivor's steps before the kill
+        times = _step_times(out, 1 if kill_rank == 0 else 0)  # a survivor's steps before the kill
         with_snapshot = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY == 0 and s > 1]
         without = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY != 0]
         row["step_s_after_snapshot"] = statistics.median(with_snapshot) if with_snapshot else None
         row["step_s_other"] = statistics.median(without) if without else None
-        stats = [json.loads((out / f"snapshot.rank{r}.json").read_text()) for r in range(2)]
+        stats = [json.loads((out / f"snapshot.rank{r}.json").read_text()) for r in range(devices)]
         row["snapshot_bytes_per_rank"] = [s["bytes"] for s in stats]
         row["snapshot_blocking_s"] = [s["last_seconds"] for s in stats]
     return row
@@ -75,18 +84,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=3, help="kills per kind of run")
     parser.add_argument("--step", type=int, default=10, help="the training step the rank is killed in")
+    parser.add_argument(
+        "--replicas", type=int, choices=(1, 2), default=1, help="data-parallel replicas of the pipeline"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kinds", nargs="+", default=["in-place-spare", "in-place", "relaunch"], help="runs per kill")
     args = parser.parse_args()
+    devices = 2 * args.replicas
+    killed = (1, 0) if args.replicas == 1 else (1, 2)
     reference = args.out / "reference"
     if (reference / "final.rank0.pt").exists():
         pass  # made by an earlier run of this script in the same directory
-    elif run(reference, {"devices": 2, "disk": False}, "lightning").returncode != 0:
+    elif run(reference, {"devices": devices, "disk": False}, "lightning").returncode != 0:
         raise SystemExit(f"the reference run failed: {reference / 'output.log'}")
     rows = []
     for i in range(args.kills):
         for kind in args.kinds:
-            row = measure(args.out / f"{kind}-{i}", kind, 1 if i % 2 == 0 else 0, args.step, reference)
+            row = measure(args.out / f"{kind}-{i}", kind, killed[i % 2], args.step, reference, devices)
             print(json.dumps(row), flush=True)
             rows.append(row)
     for kind in args.kinds:
