@@ -22,6 +22,10 @@ per rank.
 
     flock /tmp/bench.lock nice python benchmarks/recovery.py --kills 10 --kinds in-place-spare relaunch --out DIR
     nice python benchmarks/recovery.py --kills 2 --per-run 1 --out /tmp/recovery-bench
+    nice python benchmarks/recovery.py --replicas 2 --kills 2 --per-run 1 --out /tmp/recovery-2x2
+
+``--replicas 2``: 2 stages x 2 data-parallel replicas (4 processes, Lightning's DistributedSampler), ranks 1 (stage 0
+of replica 1) and 2 (stage 1 of replica 0) killed in turn.
 
 Results: docs/benchmarks.md and docs/reliability.md.
 """
@@ -82,22 +86,25 @@ def kill_times(out: Path, relaunch: bool) -> list[dict]:
     return rows
 
 
-def measure(out: Path, kind: str, first_rank: int, kills: int, step: int, reference: Path) -> dict:
+def measure(
+    out: Path, kind: str, killed: tuple[int, int], kills: int, step: int, reference: Path, devices: int = 2
+) -> dict:
+    """One run of ``kind``: ranks ``killed[0]``, ``killed[1]``, ``killed[0]``, ... SIGKILLed in turn."""
     relaunch = kind == "relaunch"
-    cfg: dict = {"devices": 2, "disk": relaunch}
+    cfg: dict = {"devices": devices, "disk": relaunch}
     if relaunch:
-        cfg["kill"] = {"rank": first_rank, "step": step, "where": "step"}
+        cfg["kill"] = {"rank": killed[0], "step": step, "where": "step"}
     else:
         cfg["kills"] = [
-            {"rank": (first_rank + g) % 2, "step": IN_PLACE_STEPS[g], "where": "step", "generation": g}
-            for g in range(kills)
+            {"rank": killed[g % 2], "step": IN_PLACE_STEPS[g], "where": "step", "generation": g} for g in range(kills)
         ]
         cfg.update(snapshot_every=SNAPSHOT_EVERY, spares=1 if kind == "in-place-spare" else 0, max_restarts=kills)
         cfg["await_spare"] = kind == "in-place-spare"
     proc = run(out, cfg, "lightning")
-    outcome = compare(out, reference, 2)
+    outcome = compare(out, reference, devices)
     row = {
         "kind": kind,
+        "devices": devices,
         "exit": proc.returncode,
         "exact": not outcome.problems,
         "problems": outcome.problems[:3],
@@ -105,12 +112,12 @@ def measure(out: Path, kind: str, first_rank: int, kills: int, step: int, refere
         "redone": outcome.recomputed,
     }
     if not relaunch:
-        times = _step_times(out, 1 - first_rank)  # the first survivor's steps before the first kill
+        times = _step_times(out, 0 if killed[0] else 1)  # a survivor's steps before the first kill
         with_snapshot = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY == 0 and s > 1]
         without = [t for s, t in times.items() if (s - 1) % SNAPSHOT_EVERY != 0]
         row["step_s_after_snapshot"] = statistics.median(with_snapshot) if with_snapshot else None
         row["step_s_other"] = statistics.median(without) if without else None
-        stats = [json.loads((out / f"snapshot.rank{r}.json").read_text()) for r in range(2)]
+        stats = [json.loads((out / f"snapshot.rank{r}.json").read_text()) for r in range(devices)]
         row["snapshot_bytes_per_rank"] = [s["bytes"] for s in stats]
         row["snapshot_blocking_s"] = [s["last_seconds"] for s in stats]
     return row
@@ -135,14 +142,19 @@ def main() -> None:
     parser.add_argument("--per-run", type=int, default=5, help="kills in one in-place run (at most 5)")
     parser.add_argument("--relaunches", type=int, default=None, help="relaunch runs (default: --kills)")
     parser.add_argument("--step", type=int, default=10, help="the training step a relaunch run's rank is killed in")
+    parser.add_argument(
+        "--replicas", type=int, choices=(1, 2), default=1, help="data-parallel replicas of the pipeline"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kinds", nargs="+", default=["in-place-spare", "in-place", "relaunch"], help="runs per kill")
     args = parser.parse_args()
     per_run = max(1, min(args.per_run, len(IN_PLACE_STEPS)))
+    devices = 2 * args.replicas
+    killed = [(1, 0), (0, 1)] if args.replicas == 1 else [(1, 2), (2, 1)]
     reference = args.out / "reference"
     if (reference / "final.rank0.pt").exists():
         pass  # made by an earlier run of this script in the same directory
-    elif run(reference, {"devices": 2, "disk": False}, "lightning").returncode != 0:
+    elif run(reference, {"devices": devices, "disk": False}, "lightning").returncode != 0:
         raise SystemExit(f"the reference run failed: {reference / 'output.log'}")
     left = {
         kind: args.relaunches if kind == "relaunch" and args.relaunches is not None else args.kills
@@ -154,7 +166,7 @@ def main() -> None:
             if not left[kind]:
                 continue
             kills = 1 if kind == "relaunch" else min(per_run, left[kind])
-            row = measure(args.out / f"{kind}-{i}", kind, 1 if i % 2 == 0 else 0, kills, args.step, reference)
+            row = measure(args.out / f"{kind}-{i}", kind, killed[i % 2], kills, args.step, reference, devices)
             left[kind] -= kills
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -78,6 +78,14 @@ class PipelineSession(MeshAxes):
         self.run = ExitStack()
         self.global_rank, self.world_size = 0, 1
 
+    def release_groups(self) -> None:
+        """A peer was lost (recovery in place): forget every process group of the broken run (the mesh, the
+        pipeline's, the gradients', the ties'). gloo closes a group's connections only when its last reference goes,
+        and a survivor still holding them would leave a peer blocked in a collective with it (another replica's
+        gradient all-reduce, a stage's transfer) until the timeout instead of failing at once. The next setup builds
+        them again on the new process group."""
+        self._mesh, self.meshes, self._engine, self.gradients, self.ties = None, MeshCache(), None, None, TieGroups()
+
     # ------------------------------------------------------------------ settings and topology
     @property
     def settings(self) -> PipelineSettings:

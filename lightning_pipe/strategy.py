@@ -101,7 +101,9 @@ class PipelineParallelStrategy(
         environment, settings = self.cluster_environment, self._settings
         restarts, find = settings.max_restarts, ckpt_resume.find_resume  # a restarted fit resumes by itself
         snapshots = self._snapshots
-        in_place = None if snapshots is None else InPlace(lambda: snapshots.any, ckpt_snapshot.MEMORY)
+        in_place = None
+        if snapshots is not None:
+            in_place = InPlace(lambda: snapshots.any, ckpt_snapshot.MEMORY, self._session.release_groups)
         return PipelineLauncher(
             environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find, in_place, settings.spares
         )
@@ -187,7 +189,8 @@ class PipelineParallelStrategy(
     def _start_snapshots(self, trainer: pl.Trainer) -> None:
         """``snapshot_every``: in a recovery, agree on the snapshot to resume from (collective); then take them."""
         assert self._snapshots is not None and self._checkpoints is not None
-        ckpt_snapshot.check_layout(self._snapshots.every, self.data_parallel_size)
+        # The buddies are the same stage in another replica where there is one (reliability.recovery.buddies).
+        self._snapshots.replicas = self._session.meshes.layout.stage_positions()
         launcher = self.launcher
         if isinstance(launcher, PipelineLauncher) and launcher.recovering:
             launcher.recovering = False

@@ -1,6 +1,7 @@
 """Recovery in place (``snapshot_every``): the snapshots, the buddy placement, the supervisor's generations, and a rank
-SIGKILLed inside a step of a 2-stage run under Lightning's launcher, replaced while the other keeps its process
-(tests/scripts/restart.py; slow: the reference and the faulted run each start their processes)."""
+SIGKILLed inside a step under Lightning's launcher, replaced while the others keep their processes, at 2 stages and at
+2 stages x 2 data-parallel replicas (tests/scripts/restart.py; slow: the reference and the faulted run each start their
+processes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
-from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes, check_layout
+from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes
+from lightning_pipe.comm.mesh import MeshLayout
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
 from tests.restarts import compare, losses, run
@@ -60,13 +62,6 @@ def test_fabric_refuses_recovery_in_place():
         PipelineFabricStrategy(snapshot_every=2, max_restarts=1)
 
 
-def test_replicated_pipelines_are_refused():
-    check_layout(4, 1)
-    check_layout(0, 2)
-    with pytest.raises(PipelineConfigError, match=r"`snapshot_every=4`.*2 data-parallel replicas.*`pipeline_size`"):
-        check_layout(4, 2)
-
-
 # ---------------------------------------------------------------------------------------------------- placement
 @pytest.mark.parametrize(
     "world,per_node,expected",
@@ -75,6 +70,29 @@ def test_replicated_pipelines_are_refused():
 def test_the_buddy_is_on_the_next_node_when_there_are_several(world, per_node, expected):
     assert [recovery.buddy_of(r, world, per_node) for r in range(world)] == expected
     assert [recovery.held_by(expected[r], world, per_node) for r in range(world)] == list(range(world))
+
+
+# (stages, replicas, inner axis, ranks per node) -> each rank's buddy
+REPLICATED = [
+    ((2, 2, "dp", 4), [1, 0, 3, 2]),  # one node: the same stage in the other replica
+    ((2, 2, "pp", 4), [2, 3, 0, 1]),
+    ((2, 2, "pp", 2), [2, 3, 0, 1]),  # a pipeline per node: the other replica is on the other node
+    ((2, 2, "dp", 2), [2, 3, 0, 1]),  # a stage per node: its replicas share the node, so the next node's rank
+    ((2, 4, "dp", 4), [4, 5, 6, 7, 0, 1, 2, 3]),
+    ((2, 3, "pp", 2), [2, 3, 4, 5, 0, 1]),  # the next replica, on the next node
+    ((2, 4, "dp", 2), [2, 3, 0, 1, 6, 7, 4, 5]),  # two replicas further: another node, the same stage
+]
+
+
+@pytest.mark.parametrize("shape,expected", REPLICATED, ids=[f"{s}x{d}-{i}-{n}" for (s, d, i, n), _ in REPLICATED])
+def test_the_buddy_is_the_same_stage_in_another_replica_on_another_node_where_one_is(shape, expected):
+    stages, replicas, inner, per_node = shape
+    layout = MeshLayout(stages, replicas, inner)
+    positions = layout.stage_positions()
+    world = layout.world_size
+    assert recovery.buddies(world, per_node, positions) == expected
+    assert [recovery.held_by(expected[r], world, per_node, positions) for r in range(world)] == list(range(world))
+    assert sorted(expected) == list(range(world))  # a permutation: every rank sends one copy and keeps one
 
 
 # ---------------------------------------------------------------------------------------------------- snapshots
@@ -199,3 +217,41 @@ def test_a_kill_before_the_first_snapshot_falls_back_to_the_restart_from_disk(un
     assert "recovery in place (generation 1) failed; every rank starts again" in output
     outcome = compare(tmp_path, uninterrupted, 2)
     assert outcome.problems == [] and outcome.attempts == 2, output[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------------- 2 x 2
+@pytest.fixture(scope="module")
+def uninterrupted_2x2(tmp_path_factory):
+    """2 stages x 2 data-parallel replicas (DistributedSampler) without a fault, snapshots or checkpoint files."""
+    reference = tmp_path_factory.mktemp("recovery") / "reference-2x2"
+    proc = run(reference, {"devices": 4, "disk": False}, "lightning")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_rank_of_a_replicated_pipeline_killed_in_a_step_is_replaced_in_place_exactly(uninterrupted_2x2, tmp_path):
+    """2 stages x 2 replicas: rank 1 (stage 0 of replica 1) SIGKILLed in its forward of step 10. Its pipeline peer
+    and its replica peer see the broken connection; rank 2 (stage 1 of replica 0), blocked in its gradient
+    all-reduce with rank 3, fails once rank 3 dropped its groups. Every rank keeps its process but rank 1's, whose
+    snapshot of step 8 comes from its buddy rank 0 (the same stage in the other replica); every logged loss and the
+    final weights equal the uninterrupted run's bit for bit."""
+    cfg = {"devices": 4, "disk": False, "snapshot_every": 4, "kill": {"rank": 1, "step": 10, "where": "step"}}
+    proc = run(tmp_path, cfg, "lightning")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    outcome = compare(tmp_path, uninterrupted_2x2, 4)
+    assert outcome.problems == [], output[-4000:]
+    assert outcome.attempts == 1 and outcome.resumed_from == 8 and outcome.completed == 9
+    assert "replacing it in place by a new process (generation 1" in output
+    assert "resuming `fit` from the snapshot of step 8" in output
+    for survivor in (0, 2, 3):
+        assert f"rank {survivor}: PipelinePeerFailure" in output
+        pid = (tmp_path / f"pid.rank{survivor}.attempt0").read_text()
+        assert pid == (tmp_path / f"pid_end.rank{survivor}").read_text()
+    assert (tmp_path / "pid.rank1.generation1").read_text() == (tmp_path / "pid_end.rank1").read_text()
+    assert not list(tmp_path.glob("**/*.ckpt")) and "resuming `fit` from '" not in output  # nothing on disk to read
+    for rank in range(4):
+        redone = [r["step"] for r in losses(tmp_path, rank) if r["generation"] == 1]
+        assert redone[0] == 9 and redone[-1] == max(r["step"] for r in losses(uninterrupted_2x2, rank))

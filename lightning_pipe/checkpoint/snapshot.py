@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 
 from lightning_pipe.comm import collectives
 from lightning_pipe.compat import lightning as pl_compat
-from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
+from lightning_pipe.errors import PipelineCheckpointError
 from lightning_pipe.reliability import recovery
 
 #: The ``ckpt_path`` of a ``fit`` resumed from the snapshot the ranks agreed on (no file of that name is read).
@@ -39,16 +39,6 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(bytes_io.BytesIO(data), weights_only=False)
 
 
-def check_layout(every: int, data_parallel_size: int) -> None:
-    """Recovery in place is verified for one pipeline (no data-parallel replicas) only: refuse the rest."""
-    if every and data_parallel_size > 1:
-        raise PipelineConfigError(
-            f"`snapshot_every={every}` recovers a single pipeline in place, but this run has"
-            f" {data_parallel_size} data-parallel replicas (recovery of replicated pipelines is not verified yet). Set"
-            " `pipeline_size` to the number of processes, or leave `snapshot_every` at 0 (restarts resume from disk)."
-        )
-
-
 class Snapshots:
     """This rank's snapshots (``own``) and its buddy's (``held``), by global step; they outlive Trainer entries."""
 
@@ -61,6 +51,9 @@ class Snapshots:
         #: seconds the last snapshot blocked training, and its size (measured; docs/benchmarks.md)
         self.last_seconds = 0.0
         self.last_bytes = 0
+        #: for each stage position, the global ranks holding it by data-parallel rank (where the buddies are:
+        #: :func:`~lightning_pipe.reliability.recovery.buddies`); set by the strategy when the mesh exists
+        self.replicas: list[list[int]] = []
 
     @property
     def any(self) -> bool:
@@ -81,7 +74,7 @@ class Snapshots:
         self._keep(self.own, step, data)
         world, rank = collectives.group_size(collectives.world_group()), collectives.world_rank()
         if world > 1:
-            to, source = recovery.buddy_of(rank, world, ranks_per_node), recovery.held_by(rank, world, ranks_per_node)
+            to, source = self._buddy_of(rank, world, ranks_per_node), self._held_by(rank, world, ranks_per_node)
             self._keep(self.held, step, collectives.exchange_bytes(data, to, source))
         self.last_bytes = len(data)
 
@@ -91,7 +84,7 @@ class Snapshots:
         world, rank = collectives.group_size(collectives.world_group()), collectives.world_rank()
         holdings = collectives.all_gather_object((sorted(self.own), sorted(self.held)), collectives.world_group())
         restorable = [
-            set(holdings[r][0]) | set(holdings[recovery.buddy_of(r, world, ranks_per_node)][1]) for r in range(world)
+            set(holdings[r][0]) | set(holdings[self._buddy_of(r, world, ranks_per_node)][1]) for r in range(world)
         ]
         common = set.intersection(*restorable)
         if not common:
@@ -104,7 +97,7 @@ class Snapshots:
         for r in range(world):
             if step in holdings[r][0]:
                 continue
-            buddy, held_for = recovery.buddy_of(r, world, ranks_per_node), recovery.held_by(r, world, ranks_per_node)
+            buddy, held_for = self._buddy_of(r, world, ranks_per_node), self._held_by(r, world, ranks_per_node)
             if rank == buddy:
                 collectives.send_bytes(self.held[step], r)
             if rank == r:
@@ -119,6 +112,12 @@ class Snapshots:
                 del store[newer]
         self.restoring = self.own[step]
         return step
+
+    def _buddy_of(self, rank: int, world: int, ranks_per_node: int) -> int:
+        return recovery.buddy_of(rank, world, ranks_per_node, self.replicas)
+
+    def _held_by(self, rank: int, world: int, ranks_per_node: int) -> int:
+        return recovery.held_by(rank, world, ranks_per_node, self.replicas)
 
     def restore(self) -> tuple[dict[str, Any], Any]:
         """The checkpoint dict and resume point the agreed snapshot holds (a fresh copy: Lightning may change it)."""

@@ -83,6 +83,12 @@ class MeshLayout:
         rank."""
         return [self.rank(d, pp_rank, tp_rank) for d in range(self.data_parallel_size)]
 
+    def stage_positions(self) -> list[list[int]]:
+        """For every stage position (pipeline rank, tensor-parallel rank), the global ranks holding it, by
+        data-parallel rank: the processes with equal weights."""
+        positions = [(p, t) for p in range(self.pipeline_size) for t in range(self.tensor_parallel_size)]
+        return [self.replica_ranks(p, t) for p, t in positions]
+
     def replica_members(self, dp_rank: int) -> list[int]:
         """Every global rank of data-parallel replica ``dp_rank`` (all its stage positions and tensor-parallel ranks),
         ascending."""

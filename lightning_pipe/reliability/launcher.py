@@ -4,6 +4,7 @@ entry run inside :func:`lightning_pipe.reliability.failures.entry`, restarts (:m
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import sys
@@ -37,6 +38,8 @@ class InPlace:
 
     ready: Callable[[], bool]
     ckpt_path: str
+    #: drops the strategy's references to the broken run's process groups (their connections close with the last)
+    release: Callable[[], None] = lambda: None
 
 
 class PipelineLauncher(SubprocessScriptLauncher):
@@ -108,6 +111,7 @@ class PipelineLauncher(SubprocessScriptLauncher):
             except Exception as err:
                 if not self._recover_in_place(trainer, err):
                     raise
+            gc.collect()  # the failed entry's frames (the exception's traceback) held groups too
             args, kwargs = self._from_snapshot(function, args, kwargs)
 
     def _recover_in_place(self, trainer: Any, err: Exception) -> bool:
@@ -130,6 +134,7 @@ class PipelineLauncher(SubprocessScriptLauncher):
         _say(f"{type(err).__name__} ({first_line}); recovering in place (generation {generation}).")
         set_main_port(self.cluster_environment, port)
         end_failed_entry(trainer, err)
+        self._in_place.release()
         destroy_process_group()
         recovery.enter(generation, port)
         failures.new_generation()

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 #: Set by the supervisor: the recovery file (its presence enables recovery in place), this rank's generation, and
 #: (for a replacement) the generation it joins.
@@ -73,17 +73,45 @@ def joined() -> None:
     os.environ.pop(REPLACES, None)
 
 
-def buddy_of(rank: int, world_size: int, ranks_per_node: int) -> int:
-    """The rank that keeps a copy of ``rank``'s snapshot: on the next node when there are several (a node that dies
-    takes its processes with it), else the next rank."""
-    step = ranks_per_node if world_size > ranks_per_node else 1
-    return (rank + step) % world_size
+def buddies(world_size: int, ranks_per_node: int, replicas: Sequence[Sequence[int]] = ()) -> list[int]:
+    """The rank that keeps a copy of each rank's snapshot (a permutation: every rank sends one copy and keeps one).
+
+    ``replicas``: for each stage position, the global ranks holding it, by data-parallel rank (empty, or lists of one
+    rank: a single pipeline). In order of preference: the same stage position in a further replica (it holds the same
+    weights and optimizer state) when that puts every copy on another node; else, with several nodes, the same local
+    rank on the next node (a node that dies takes its processes with it, so a copy must not be on it); else the same
+    stage position in the next replica; else the next rank.
+    """
+    nodes = -(-world_size // ranks_per_node)
+    columns = [list(c) for c in replicas if len(c) > 1]
+    shifted = [_shifted(columns, k, world_size) for k in range(1, len(columns[0]))] if columns else []
+    for buddy in shifted:
+        if nodes > 1 and all(b // ranks_per_node != r // ranks_per_node for r, b in enumerate(buddy)):
+            return buddy
+    if nodes > 1:
+        return [(r + ranks_per_node) % world_size for r in range(world_size)]
+    if shifted:
+        return shifted[0]
+    return [(r + 1) % world_size for r in range(world_size)]
 
 
-def held_by(rank: int, world_size: int, ranks_per_node: int) -> int:
+def _shifted(columns: list[list[int]], k: int, world_size: int) -> list[int]:
+    """Each rank's buddy: the same stage position ``k`` replicas further on."""
+    buddy = list(range(world_size))
+    for column in columns:
+        for d, r in enumerate(column):
+            buddy[r] = column[(d + k) % len(column)]
+    return buddy
+
+
+def buddy_of(rank: int, world_size: int, ranks_per_node: int, replicas: Sequence[Sequence[int]] = ()) -> int:
+    """The rank that keeps a copy of ``rank``'s snapshot (:func:`buddies`)."""
+    return buddies(world_size, ranks_per_node, replicas)[rank]
+
+
+def held_by(rank: int, world_size: int, ranks_per_node: int, replicas: Sequence[Sequence[int]] = ()) -> int:
     """The rank whose snapshot ``rank`` keeps a copy of (the inverse of :func:`buddy_of`)."""
-    step = ranks_per_node if world_size > ranks_per_node else 1
-    return (rank - step) % world_size
+    return buddies(world_size, ranks_per_node, replicas).index(rank)
 
 
 # ---------------------------------------------------------------------------------------------------- the file
