@@ -364,6 +364,8 @@ def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Te
     """The microbatch losses' mean weighted by ``weights``, computed in float64 (on the CPU where the device has none),
     in the losses' dtype and on their device; the weights enter as Python numbers, so nothing is copied to the device
     nor read back (:func:`~lightning_pipe.step.merging.weighted_mean`)."""
+    if len(losses) == 1:  # one microbatch: the mean of one value is that value (as the float64 round trip gives)
+        return losses[0]
     device = merge_device(losses)
     if all(w == weights[0] for w in weights):
         mean = converted(torch.stack(losses), device, torch.float64).mean()

@@ -181,21 +181,24 @@ class OutcomeChannel:
         self._sends: list[tuple[Any, torch.Tensor]] = []
         #: how many steps needed the object path (tests and benchmarks read it)
         self.object_steps = 0
+        # Read once: a channel lives within one Trainer entry, on one process group.
+        self._alone = collectives.group_size(group) == 1
+        self._sender = collectives.world_rank() == src
+        #: the ranks a sender sends the values to (found on its first send)
+        self._others: list[int] | None = None
 
     def expect(self) -> None:
         """A step starts: a receiver posts the receive of the step's values (when their size is known)."""
-        if not self.point_to_point or self._size is None or self._receive is not None:
-            return
-        if collectives.group_size(self.group) == 1 or collectives.world_rank() == self.src:
+        if not self.point_to_point or self._size is None or self._receive is not None or self._alone or self._sender:
             return
         buffer = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
         self._receive = collectives.irecv(buffer, self.src, self.group, tag=VALUES_TAG)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as sent by ``src``; ``obj`` is ignored on the other ranks."""
-        if collectives.group_size(self.group) == 1:
+        if self._alone:
             return obj
-        sender = collectives.world_rank() == self.src
+        sender = self._sender
         schema, values = flatten(obj) if sender else (None, [])
         same = sender and schema is not None and schema == self._schema
         if self._size is not None:
@@ -244,8 +247,9 @@ class OutcomeChannel:
     def _send(self, header: torch.Tensor) -> None:
         # The previous step's sends completed long ago (their receivers used them); waiting keeps them bounded.
         collectives.wait(self._sends)
-        others = [r for r in collectives.group_ranks(self.group) if r != self.src]
-        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in others]
+        if self._others is None:
+            self._others = [r for r in collectives.group_ranks(self.group) if r != self.src]
+        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in self._others]
 
 
 #: tag of the outcome values' point-to-point messages (torch's schedules and the evaluation pass send with tag 0)

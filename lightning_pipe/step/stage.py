@@ -165,6 +165,8 @@ class StageModule(nn.Module):
         return tuple(tensors)
 
     def _activation(self, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and (output.requires_grad or not torch.is_grad_enabled()):
+            return output  # the usual activation, as the checks below would pass it (run on every microbatch)
         leaves = list(output) if isinstance(output, (tuple, list)) else [output]
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
             raise PipelineUsageError(
