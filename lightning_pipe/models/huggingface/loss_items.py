@@ -68,9 +68,7 @@ def loss_candidates(body: nn.Module) -> list[nn.Module]:
 def _task_models(candidates: Sequence[nn.Module]) -> list[nn.Module]:
     # `loss_type` is set by PreTrainedModel's constructor; the base model's is None (reading its `loss_function` would
     # log transformers' warning about an unknown loss type).
-    return [
-        m for m in candidates if getattr(m, "loss_type", None) is not None or tf_compat.has_own_loss_function(m)
-    ]
+    return [m for m in candidates if getattr(m, "loss_type", None) is not None or tf_compat.has_own_loss_function(m)]
 
 
 def _recording(fn: Callable[..., Any], shifts: bool, seen: list[Counted]) -> Callable[..., Any]:
