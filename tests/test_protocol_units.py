@@ -13,7 +13,7 @@ from lightning_pipe.errors import PipelineConfigError, PipelineUsageError
 from lightning_pipe.models.plain import call_with_activation
 from lightning_pipe.step.interception import Call, LoggedValue
 from lightning_pipe.step.metrics import MetricRef, MetricUpdate
-from lightning_pipe.step.protocol import Outcome, _check_items, _loss_and_items
+from lightning_pipe.step.protocol import Outcome, _check_items, _loss_and_items, _weighted_mean
 from lightning_pipe.step.sharing import flatten, rebuild
 from lightning_pipe.step.stage import StageModule, StepContext
 
@@ -80,6 +80,27 @@ def test_the_last_stage_packs_and_rebuilds_any_output():
     assert step.final_output(0, tensors)["tag"] == "x"
 
 
+def test_a_plain_last_stage_finds_no_model_to_count_once_and_records_nothing():
+    step = StepContext([Call((torch.ones(2, 3),), {})] * 2, [2, 2])
+    stage = StageModule(nn.Linear(3, 3), 1, 2, lambda body, a, k, r, f, last: body(r[0]))
+    assert stage.loss_candidates is None
+    stage(torch.ones(2, 3), step=step, microbatch=0)
+    found = stage.loss_candidates
+    stage(torch.ones(2, 3), step=step, microbatch=1)
+    assert found == [] and stage.loss_candidates is found and step.counted == {}
+    assert "loss_candidates" not in stage.state_dict() and len(list(stage.modules())) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_one_microbatch_loss_is_the_step_loss_bit_for_bit(dtype):
+    loss = torch.tensor(1.0 / 3.0, dtype=dtype)
+    for weights in ([1.0], [7.0]):
+        merged = _weighted_mean([loss], weights)
+        assert merged.dtype == dtype and torch.equal(merged, loss)
+    two = _weighted_mean([loss, loss * 2], [1.0, 3.0])  # several microbatches: the float64 weighted mean
+    assert torch.equal(two, ((loss.double() * 1 + loss.double() * 2 * 3) / 4).to(dtype))
+
+
 # ---------------------------------------------------------------------------------------------------- sharing
 def test_outcome_encoding_round_trips_and_keeps_the_schema_when_only_values_change():
     def outcome(loss: float, count: int) -> Outcome:
@@ -95,6 +116,16 @@ def test_outcome_encoding_round_trips_and_keeps_the_schema_when_only_values_chan
     assert float(back.loss) == 1.5 and back.logs[0].kwargs == {"prog_bar": True} and back.logs[1].value.name == "acc"
     assert back.metric_updates[0].tensors["tp"].dtype == torch.int64 and back.output == {"n": 3}
     assert flatten({"big": torch.tensor([2**60])})[0] is None  # not exact in float64: sent as an object
+
+
+def test_empty_and_nested_containers_keep_their_types_through_the_encoding():
+    output = {"none": None, "list": [], "tuple": (), "flag": False, "nested": [(1, 2.5), {"k": torch.ones(2)}]}
+    schema, values = flatten(Outcome(loss=torch.tensor(0.5), output=output, output_shared=True))
+    flat = torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in values])
+    back = rebuild(schema, flat, torch.device("cpu"))
+    assert type(back.output["list"]) is list and type(back.output["tuple"]) is tuple and back.logs == []
+    assert back.output["nested"][0] == (1, 2.5) and type(back.output["nested"][0][0]) is int
+    assert torch.equal(back.output["nested"][1]["k"], torch.ones(2)) and back.output["flag"] is False
 
 
 def test_values_pack_bit_for_bit_as_a_conversion_to_float64_would():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_pipe.errors import PipelineUsageError
-from lightning_pipe.models.huggingface.loss_items import counting, items_of
+from lightning_pipe.models.huggingface.loss_items import counting, items_of, loss_candidates
 from lightning_pipe.step.token_mean import counted_items, uneven_ignored, uneven_ignored_message
 
 transformers = pytest.importorskip("transformers")
@@ -30,6 +30,16 @@ def test_a_causal_lm_loss_is_counted_after_the_shift():
         out = model(input_ids=_ids(), labels=LABELS)
     assert int(items_of(out.loss, seen)) == int((LABELS[:, 1:] != -100).sum()) == 3
     assert "_loss_function" not in model.__dict__  # the model's own loss function is back
+
+
+def test_candidates_found_once_count_as_a_walk_of_the_model_does():
+    model = build("llama", True, layers=2)
+    candidates = loss_candidates(model)
+    assert candidates == [model, model.model]  # the transformers models (whose own loss is told per call), no layer
+    with counting(model, candidates) as seen:
+        out = model(input_ids=_ids(), labels=LABELS)
+    assert int(items_of(out.loss, seen)) == 3 and "_loss_function" not in model.__dict__
+    assert loss_candidates(torch.nn.Linear(2, 2)) == []
 
 
 def test_shift_labels_are_counted_as_given():

@@ -150,11 +150,12 @@ class StepProtocol:
         with self.rng.compute():
             calls = self._capture(user_step, microbatches)
             key = (hook == TRAINING, n, signature([(c.args, c.kwargs) for c in calls]))
-            self._check_agreement(key)
+            checksum = _checksum(key)
+            self._check_agreement(checksum)
             step = StepContext(calls, sizes)
             local = None
             if any(c.generate for c in calls):
-                local = self._generating(user_step, batch, executor, _checksum(key))
+                local = self._generating(user_step, batch, executor, checksum)
             elif runtime.has_last:
                 record = _Record()
                 scale = 1.0 / (n * accumulate)
@@ -170,13 +171,13 @@ class StepProtocol:
                     # Settled and sent after the schedule, not as soon as the last microbatch's loss is known: work
                     # there delays the last backwards, which the other stages wait for (measured: +1.2 ms a step on
                     # the small benchmark network). The other ranks' receive was posted when the step started.
-                    local = self._settle(user_step, record, sizes, metrics, _checksum(key))
+                    local = self._settle(user_step, record, sizes, metrics, checksum)
                 if hook == TRAINING and local.grad_scale is None:
-                    self._notice_uneven(user_step.name, microbatches, _checksum(key))
+                    self._notice_uneven(user_step.name, microbatches, checksum)
             else:
                 executor.run(key, step)
         shared = self.channel.share(self._portable(local) if local is not None else None)
-        if shared.key_checksum != _checksum(key):
+        if shared.key_checksum != checksum:
             raise MicrobatchError(DIFFERENT_BATCHES)
         outcome = local if local is not None else shared
         if local is None:
@@ -193,10 +194,10 @@ class StepProtocol:
                 calls.append(self.interceptor.capture(lambda mb=mb: user_step(mb)))
         return calls
 
-    def _check_agreement(self, key: tuple) -> None:
-        """Before the first step of each new shape: fail loudly, instead of hanging in a send/recv, when the ranks of
-        one pipeline got batches of different shapes. (Later steps are checked after the fact by the outcome.)"""
-        checksum = _checksum(key)
+    def _check_agreement(self, checksum: int) -> None:
+        """Before the first step of each new shape (``checksum`` of its key): fail loudly, instead of hanging in a
+        send/recv, when the ranks of one pipeline got batches of different shapes. (Later steps are checked after the
+        fact by the outcome.)"""
         if checksum in self._agreed or self.runtime.pipeline_size == 1:
             return
         mine = torch.tensor([checksum], dtype=torch.int64)
@@ -363,6 +364,8 @@ def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Te
     """The microbatch losses' mean weighted by ``weights``, computed in float64 (on the CPU where the device has none),
     in the losses' dtype and on their device; the weights enter as Python numbers, so nothing is copied to the device
     nor read back (:func:`~lightning_pipe.step.merging.weighted_mean`)."""
+    if len(losses) == 1:  # one microbatch: the mean of one value is that value (as the float64 round trip gives)
+        return losses[0]
     device = merge_device(losses)
     if all(w == weights[0] for w in weights):
         mean = converted(torch.stack(losses), device, torch.float64).mean()

@@ -11,6 +11,7 @@ exactly; larger integers send the outcome as an object instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ class _Inexact(Exception):
 
 def _flatten(obj: Any, values: list[Any]) -> Any:
     """The schema of ``obj``; its tensors and numbers are appended to ``values``."""
+    if obj is None or isinstance(obj, (bool, str)):  # the most common leaves first: flattened once a step
+        return obj
     if isinstance(obj, torch.Tensor):
         if obj.is_complex() or (
             not obj.is_floating_point() and obj.dtype != torch.bool and obj.numel() and _too_large(obj)
@@ -47,21 +50,27 @@ def _flatten(obj: Any, values: list[Any]) -> Any:
             raise _Inexact
         values.append(obj.detach())
         return _TensorSlot(tuple(obj.shape), obj.dtype)
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
     if isinstance(obj, (int, float)):
         if isinstance(obj, int) and abs(obj) > _EXACT_INT:
             raise _Inexact
         values.append(obj)
         return _NumberSlot(type(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _flatten(getattr(obj, f.name), values) for f in dataclasses.fields(obj)}
-        return (type(obj), tuple(fields.items()))
+    if isinstance(obj, (list, tuple)) and not obj:
+        return (type(obj), ())
+    names = _field_names(type(obj))
+    if names is not None:
+        return (type(obj), tuple((name, _flatten(getattr(obj, name), values)) for name in names))
     if isinstance(obj, Mapping):
         return (type(obj), tuple((k, _flatten(v, values)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
         return (type(obj), tuple(_flatten(v, values) for v in obj))
     return obj  # anything else travels in the schema (pickled when the schema changes)
+
+
+@functools.lru_cache(maxsize=256)
+def _field_names(kind: type) -> tuple[str, ...] | None:
+    """The field names of the dataclass ``kind`` (``None`` for any other type); cached: read on every step."""
+    return tuple(f.name for f in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else None
 
 
 def _too_large(t: torch.Tensor) -> bool:
@@ -104,6 +113,8 @@ def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.d
     """``schema`` with its values read from ``flat`` from ``offset[0]`` on (advanced); ``numbers``: ``flat`` as Python
     floats where it is small and on the CPU (a scalar is then made in one tensor operation, not a slice, a reshape
     and a conversion: the same value, since each came exactly from its dtype)."""
+    if schema is None or isinstance(schema, (bool, str)):
+        return schema
     if isinstance(schema, _TensorSlot):
         n = 1
         for d in schema.shape:
@@ -119,7 +130,9 @@ def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.d
         return schema.kind(value) if schema.kind is not float else value
     if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
         kind, items = schema
-        if dataclasses.is_dataclass(kind):
+        if not items and (kind is list or kind is tuple):
+            return kind()
+        if _field_names(kind) is not None:
             return kind(**{k: _rebuild(v, flat, offset, device, numbers) for k, v in items})
         if issubclass(kind, Mapping):
             rebuilt = {k: _rebuild(v, flat, offset, device, numbers) for k, v in items}
@@ -168,21 +181,24 @@ class OutcomeChannel:
         self._sends: list[tuple[Any, torch.Tensor]] = []
         #: how many steps needed the object path (tests and benchmarks read it)
         self.object_steps = 0
+        # Read once: a channel lives within one Trainer entry, on one process group.
+        self._alone = collectives.group_size(group) == 1
+        self._sender = collectives.world_rank() == src
+        #: the ranks a sender sends the values to (found on its first send)
+        self._others: list[int] | None = None
 
     def expect(self) -> None:
         """A step starts: a receiver posts the receive of the step's values (when their size is known)."""
-        if not self.point_to_point or self._size is None or self._receive is not None:
-            return
-        if collectives.group_size(self.group) == 1 or collectives.world_rank() == self.src:
+        if not self.point_to_point or self._size is None or self._receive is not None or self._alone or self._sender:
             return
         buffer = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
         self._receive = collectives.irecv(buffer, self.src, self.group, tag=VALUES_TAG)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as sent by ``src``; ``obj`` is ignored on the other ranks."""
-        if collectives.group_size(self.group) == 1:
+        if self._alone:
             return obj
-        sender = collectives.world_rank() == self.src
+        sender = self._sender
         schema, values = flatten(obj) if sender else (None, [])
         same = sender and schema is not None and schema == self._schema
         if self._size is not None:
@@ -231,8 +247,9 @@ class OutcomeChannel:
     def _send(self, header: torch.Tensor) -> None:
         # The previous step's sends completed long ago (their receivers used them); waiting keeps them bounded.
         collectives.wait(self._sends)
-        others = [r for r in collectives.group_ranks(self.group) if r != self.src]
-        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in others]
+        if self._others is None:
+            self._others = [r for r in collectives.group_ranks(self.group) if r != self.src]
+        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in self._others]
 
 
 #: tag of the outcome values' point-to-point messages (torch's schedules and the evaluation pass send with tag 0)

@@ -31,7 +31,7 @@ from lightning_pipe.comm.transport import pack, unpack
 from lightning_pipe.compat import torch as torch_compat
 from lightning_pipe.errors import PipelineUsageError
 from lightning_pipe.models.base import StageCall
-from lightning_pipe.models.huggingface.loss_items import Counted, counting
+from lightning_pipe.models.huggingface.loss_items import Counted, counting, loss_candidates
 from lightning_pipe.models.plain import activation_argument
 from lightning_pipe.step.interception import Call
 from lightning_pipe.structures import is_dtensor
@@ -42,7 +42,7 @@ STEP, MICROBATCH = "step", "microbatch"
 #: the skeleton of a last stage's output that is one tensor
 _TENSOR = object()
 #: StageModule attributes that are never parameters, buffers or modules
-_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients"})
+_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients", "loss_candidates"})
 
 #: ``on_output(microbatch, output) -> loss to back-propagate`` (training) or ``None`` (evaluation)
 OnOutput = Callable[[int, Any], Any]
@@ -118,6 +118,9 @@ class StageModule(nn.Module):
         self.sync_gradients = True
         #: a :class:`~lightning_pipe.measure.timeline.TimelineRecorder` while a timeline is recorded, else ``None``
         self.recorder: Any = None
+        #: the last stage's modules that may compute a counted token-mean loss (:func:`loss_candidates`), found on its
+        #: first real forward (not a state-dict entry: a plain list, set past nn.Module's registration)
+        self.loss_candidates: list[nn.Module] | None = None
         # Not a submodule: shared by every stage of the rank, and not part of any state dict.
         self.__dict__["stage_call"] = stage_call
 
@@ -136,7 +139,13 @@ class StageModule(nn.Module):
                 with eval_mode([self.body]):
                     output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
             elif self.is_last:
-                with counting(self.body) as step.counted[microbatch]:
+                candidates = self.loss_candidates
+                if candidates is None:
+                    candidates = self.loss_candidates = loss_candidates(self.body)
+                if candidates:
+                    with counting(self.body, candidates) as step.counted[microbatch]:
+                        output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, True)
+                else:  # a plain network: nothing to count (the protocol reads a missing entry as none counted)
                     output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, True)
             else:
                 output = self.stage_call(self.body, call.args, call.kwargs, activation, self.is_first, self.is_last)
@@ -156,6 +165,8 @@ class StageModule(nn.Module):
         return tuple(tensors)
 
     def _activation(self, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and (output.requires_grad or not torch.is_grad_enabled()):
+            return output  # the usual activation, as the checks below would pass it (run on every microbatch)
         leaves = list(output) if isinstance(output, (tuple, list)) else [output]
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
             raise PipelineUsageError(

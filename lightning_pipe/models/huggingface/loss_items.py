@@ -17,7 +17,7 @@ loss function of one's own, or a call that passes ``num_items_in_batch`` itself.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,12 +37,13 @@ class Counted:
 
 
 @contextmanager
-def counting(body: nn.Module) -> Iterator[list[Counted]]:
+def counting(body: nn.Module, candidates: Sequence[nn.Module] | None = None) -> Iterator[list[Counted]]:
     """Within the block, every token-mean loss the transformers models in ``body`` compute is recorded in the list
-    yielded (nothing for other modules)."""
+    yielded (nothing for other modules). ``candidates``: :func:`loss_candidates` of ``body``, found once by the caller
+    (a stage's modules do not change after the split) instead of walking ``body`` on every call."""
     seen: list[Counted] = []
     with ExitStack() as stack:
-        for model in _task_models(body):
+        for model in _task_models(loss_candidates(body) if candidates is None else candidates):
             fn = model.loss_function
             shifts = tf_compat.token_mean_losses().get(fn)
             if shifts is not None:
@@ -58,15 +59,16 @@ def items_of(loss: Any, seen: list[Counted]) -> torch.Tensor | None:
     return None
 
 
-def _task_models(body: nn.Module) -> list[nn.Module]:
+def loss_candidates(body: nn.Module) -> list[nn.Module]:
+    """The modules of ``body`` whose class has a ``loss_function`` property (transformers models): none in a plain
+    network, whose stages then record nothing at no cost."""
+    return [m for m in body.modules() if isinstance(getattr(type(m), "loss_function", None), property)]
+
+
+def _task_models(candidates: Sequence[nn.Module]) -> list[nn.Module]:
     # `loss_type` is set by PreTrainedModel's constructor; the base model's is None (reading its `loss_function` would
     # log transformers' warning about an unknown loss type).
-    return [
-        m
-        for m in body.modules()
-        if isinstance(getattr(type(m), "loss_function", None), property)
-        and (getattr(m, "loss_type", None) is not None or tf_compat.has_own_loss_function(m))
-    ]
+    return [m for m in candidates if getattr(m, "loss_type", None) is not None or tf_compat.has_own_loss_function(m)]
 
 
 def _recording(fn: Callable[..., Any], shifts: bool, seen: list[Counted]) -> Callable[..., Any]:
