@@ -197,6 +197,7 @@ class PipelineParallelStrategy(
             if self.global_rank == 0:
                 recovery.mark_recovered(recovery.generation())
                 rank_zero_info(f"lightning-pipe: recovered in place: resuming `fit` from the snapshot of step {step}.")
+        self._snapshots.use_group()  # collective: the exchanges' gloo group, made here on every rank
         callback = ckpt_snapshot.SnapshotCallback(self._snapshots, self._checkpoints.continuation, self.num_processes)
         trainer.callbacks.append(callback)
         self._session.run.callback(trainer.callbacks.remove, callback)
@@ -306,7 +307,12 @@ class PipelineParallelStrategy(
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
+        failed = self._checkpoints is not None and self._checkpoints.failed
         self.close_checkpoints()  # pending saves complete (or are dropped after a failure)
+        if self._snapshots is not None and failed:
+            self._snapshots.abandon()  # a peer may be lost: its exchange in the background is not waited for
+        elif self._snapshots is not None:
+            self._snapshots.wait()  # the snapshot in the background completes, or its error is raised
         # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
         self._session.close()
         for recorder in self._saved.values():

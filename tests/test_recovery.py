@@ -5,12 +5,16 @@ SIGKILLed inside a step of a 2-stage run under Lightning's launcher, replaced wh
 from __future__ import annotations
 
 import json
+import threading
+import time
+from unittest import mock
 
 import pytest
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
-from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes, check_layout
+from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes, check_layout, stage
+from lightning_pipe.comm import collectives
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
 from tests.restarts import compare, losses, run
@@ -77,21 +81,82 @@ def test_the_buddy_is_on_the_next_node_when_there_are_several(world, per_node, e
 
 
 # ---------------------------------------------------------------------------------------------------- snapshots
-def _snapshot(step: int) -> bytes:
-    checkpoint = _to_bytes({"global_step": step, "w": torch.full((2,), float(step))})
-    return _to_bytes({"checkpoint": checkpoint, "point": step})
+def _submit(snapshots: Snapshots, step: int) -> None:
+    weights = torch.full((2,), float(step))
+    staged = stage({"global_step": step, "w": weights}, snapshots.pinned)
+    weights += 100  # the optimizer's next step: the staged copy keeps the values of `step`
+    snapshots.submit(step, staged, point=step, ranks_per_node=1)
+    snapshots.wait()
 
 
 def test_one_process_agrees_on_its_newest_snapshot_and_restores_a_copy():
     snapshots = Snapshots(every=4)
     for step in (4, 8, 12):
-        snapshots._keep(snapshots.own, step, _snapshot(step))
-        snapshots._keep(snapshots.held, step, _snapshot(step))
-    assert sorted(snapshots.own) == [8, 12]  # the newest two are kept
+        _submit(snapshots, step)
+    assert sorted(snapshots.own) == [12] and snapshots.complete == {12}  # older than the newest complete: dropped
     assert snapshots.agree(ranks_per_node=1) == 12
     checkpoint, point = snapshots.restore()
     assert checkpoint["global_step"] == 12 and point == 12 and torch.equal(checkpoint["w"], torch.full((2,), 12.0))
-    assert snapshots.nbytes() == sum(map(len, snapshots.own.values())) * 2
+    assert snapshots.nbytes() == len(snapshots.own[12]) and snapshots.last_bytes == len(snapshots.own[12])
+
+
+def test_a_snapshot_in_the_background_keeps_the_previous_complete_one_until_it_completes():
+    """Both copies of step 8 exist everywhere (complete); step 12's thread fails in the exchange (the buddy was
+    lost): step 8 stays, the error reaches the main thread at the next wait, and after the failure the thread
+    changes nothing any more (abandoned)."""
+    snapshots = Snapshots(every=4)
+    snapshots.own[8], snapshots.held[8], snapshots.complete = b"own8", b"held8", {8}
+    snapshots._group = (collectives.world_group(), "the snapshot group")  # as `use_group` made it in `setup`
+    began, release = threading.Event(), threading.Event()
+    lost = RuntimeError("Connection closed by peer")
+
+    def exchange(data, to, source, group):
+        began.set()
+        release.wait(5)
+        raise lost
+
+    staged = stage({"global_step": 12, "w": torch.ones(2)}, snapshots.pinned)
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", exchange),
+    ):
+        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+        assert began.wait(5)
+        assert sorted(snapshots.own) == [8, 12] and sorted(snapshots.held) == [8]  # 12 serialised, not exchanged
+        release.set()
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            snapshots.wait()
+    assert snapshots.complete == {8} and 8 in snapshots.own and 8 in snapshots.held
+
+    began.clear()
+    release.clear()
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", lambda *a: (began.set(), release.wait(5), b"held16")[2]),
+        mock.patch.object(collectives, "barrier"),
+    ):
+        snapshots.submit(16, staged, point=16, ranks_per_node=2)
+        assert began.wait(5)
+        snapshots.abandon()  # the entry failed meanwhile
+        release.set()
+        time.sleep(0.2)
+    assert 16 not in snapshots.held and snapshots.complete == {8} and sorted(snapshots.own) == [8, 12, 16]
+
+
+def test_a_completed_exchange_drops_the_older_copies():
+    snapshots = Snapshots(every=4)
+    snapshots.own[8], snapshots.held[8], snapshots.complete = b"own8", b"held8", {8}
+    snapshots._group = (collectives.world_group(), "the snapshot group")  # as `use_group` made it in `setup`
+    staged = stage({"global_step": 12}, snapshots.pinned)
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", lambda *a: b"held12"),
+        mock.patch.object(collectives, "barrier") as barrier,
+    ):
+        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+        snapshots.wait()
+    barrier.assert_called_once()
+    assert sorted(snapshots.own) == [12] and snapshots.held == {12: b"held12"} and snapshots.complete == {12}
 
 
 def test_no_snapshot_to_agree_on_is_refused():
@@ -105,10 +170,14 @@ def test_resuming_from_memory_without_a_recovery_is_refused():
 
 
 def test_a_snapshot_is_a_copy():
-    weights = torch.zeros(3)
-    data = _to_bytes({"w": weights})
+    """The staged copy is taken at the step (tensors cloned, the rest deep-copied): later changes do not reach it."""
+    weights, loops = torch.zeros(3), {"epoch": [0]}
+    staged = stage({"w": weights, "loops": loops, "same": [weights]}, {})
     weights += 1
-    assert torch.equal(_from_bytes(data)["w"], torch.zeros(3))
+    loops["epoch"].append(1)
+    assert torch.equal(staged.checkpoint["w"], torch.zeros(3)) and staged.checkpoint["loops"] == {"epoch": [0]}
+    assert staged.checkpoint["same"][0] is staged.checkpoint["w"]  # one tensor, one copy
+    assert torch.equal(_from_bytes(_to_bytes(staged.checkpoint))["w"], torch.zeros(3))
 
 
 # ---------------------------------------------------------------------------------------------------- generations
