@@ -9,7 +9,7 @@ place needs; nothing fails here):
   kills.
 
 Each interval in ``--every`` runs ``--steps`` steps, ``--repeats`` times, interleaved with runs without snapshots
-(``snapshot_every=0``). Per run and rank: every step's time (from one batch start to the next: what the training
+(``snapshot_every=0``, supervised as well). Per run and rank: every step's time (from one batch start to the next: what the training
 loop waited for, the snapshot's copy to host memory and the thread's start included), the seconds each snapshot
 blocked its step (the copy), the seconds its thread took (serialising, the exchange with the buddy, the barrier),
 and the host memory the snapshots take. The overhead at an interval is the mean step time with snapshots against
@@ -67,9 +67,8 @@ def child(args: argparse.Namespace) -> None:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             starts.append(time.perf_counter())
 
-    strategy = PipelineParallelStrategy(
-        pipeline_size=2, max_restarts=1 if args.every else 0, snapshot_every=args.every, **options
-    )
+    # Runs without snapshots are supervised too (`max_restarts=1`): the same launch, the same watching processes.
+    strategy = PipelineParallelStrategy(pipeline_size=2, max_restarts=1, snapshot_every=args.every, **options)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

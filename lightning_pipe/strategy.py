@@ -79,7 +79,8 @@ class PipelineParallelStrategy(
         self._memory_logged = False
         self.num_nodes = 1
         #: this rank's in-memory snapshots and its buddy's (``snapshot_every``); they outlive Trainer entries
-        self._snapshots = ckpt_snapshot.Snapshots(settings.snapshot_every) if settings.snapshot_every else None
+        interval = settings.snapshot_interval
+        self._snapshots = ckpt_snapshot.Snapshots(interval) if interval else None
         # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
         watchdog.start_if_launched()
         collectives.destroy_at_exit()  # registered before the launch's: rank 0 joins its ranks, then destroys
@@ -187,6 +188,8 @@ class PipelineParallelStrategy(
     def _start_snapshots(self, trainer: pl.Trainer) -> None:
         """``snapshot_every``: in a recovery, agree on the snapshot to resume from (collective); then take them."""
         assert self._snapshots is not None and self._checkpoints is not None
+        if self._settings.snapshot_every == "auto" and (self.data_parallel_size > 1 or not recovery.enabled()):
+            return  # "auto": only where this package's supervisor recovers a single pipeline in place
         ckpt_snapshot.check_layout(self._snapshots.every, self.data_parallel_size)
         launcher = self.launcher
         if isinstance(launcher, PipelineLauncher) and launcher.recovering:

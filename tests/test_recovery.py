@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -17,6 +18,7 @@ from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _
 from lightning_pipe.comm import collectives
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
+from lightning_pipe.settings import AUTO_SNAPSHOT_EVERY
 from tests.restarts import compare, losses, run
 
 
@@ -49,9 +51,33 @@ def test_spares_must_be_a_non_negative_int(value):
         PipelineParallelStrategy(spares=value, snapshot_every=2, max_restarts=1)
 
 
-def test_spares_need_snapshots():
-    with pytest.raises(PipelineConfigError, match=r"`spares=1`.*`snapshot_every=0`.*Set `snapshot_every`"):
-        PipelineParallelStrategy(spares=1, max_restarts=1)
+@pytest.mark.parametrize("kwargs,shown", [({"snapshot_every": 0, "max_restarts": 1}, "0"), ({}, "'auto'")])
+def test_spares_need_snapshots(kwargs, shown):
+    with pytest.raises(PipelineConfigError, match=rf"`spares=1`.*`snapshot_every={shown}`.*Set `max_restarts`"):
+        PipelineParallelStrategy(spares=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,interval",
+    [
+        ({}, 0),  # no supervisor, no snapshots
+        ({"max_restarts": 2}, AUTO_SNAPSHOT_EVERY),
+        ({"max_restarts": 2, "data_parallel": "fsdp"}, 0),  # sharded stages: restarts resume from disk
+        ({"max_restarts": 2, "tensor_parallel": 2}, 0),
+        ({"max_restarts": 2, "snapshot_every": 0}, 0),  # switched off
+        ({"max_restarts": 2, "snapshot_every": 3}, 3),
+    ],
+)
+def test_snapshot_every_auto_takes_snapshots_where_recovery_in_place_applies(kwargs, interval):
+    settings = PipelineParallelStrategy(**kwargs).settings
+    assert settings.snapshot_interval == interval
+    assert settings.snapshot_every == kwargs.get("snapshot_every", "auto")
+
+
+def test_the_auto_interval_is_the_measured_one():
+    """docs/benchmarks.md (Recovery in place) gives the overhead measured at this interval on the GPT example."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    assert f"`snapshot_every='auto'` ({AUTO_SNAPSHOT_EVERY} steps)" in text
 
 
 def test_fabric_refuses_recovery_in_place():
