@@ -234,29 +234,35 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("killed,spares", [(1, 0), (0, 1)], ids=["rank1-new-process", "rank0-spare"])
-def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(uninterrupted, tmp_path, killed, spares):
-    """A rank SIGKILLed in its stage's forward of step 10 (snapshots every 4 steps, no checkpoint on disk): the
-    supervisor gives its place to a new process or a waiting spare, the other rank keeps its process, both resume
-    from the step-8 snapshot in memory, and every logged loss and the final weights equal the uninterrupted run's
-    (without snapshots) bit for bit."""
-    cfg = {"devices": 2, "disk": False, "snapshot_every": 4, "spares": spares}
-    proc = run(tmp_path, {**cfg, "kill": {"rank": killed, "step": 10, "where": "step"}}, "lightning")
+@pytest.mark.parametrize(
+    "killed,spares,every,step,snapshot",
+    [(1, 0, 4, 10, 8), (0, 1, "auto", 12, AUTO_SNAPSHOT_EVERY)],
+    ids=["rank1-new-process", "rank0-spare-auto"],
+)
+def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(
+    uninterrupted, tmp_path, killed, spares, every, step, snapshot
+):
+    """A rank SIGKILLed in its stage's forward of a step (snapshots every 4 steps, or by default: `'auto'`; no
+    checkpoint on disk): the supervisor gives its place to a new process or a waiting spare, the other rank keeps its
+    process, both resume from the newest snapshot in memory, and every logged loss and the final weights equal the
+    uninterrupted run's (without snapshots) bit for bit."""
+    cfg = {"devices": 2, "disk": False, "snapshot_every": every, "spares": spares}
+    proc = run(tmp_path, {**cfg, "kill": {"rank": killed, "step": step, "where": "step"}}, "lightning")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     outcome = compare(tmp_path, uninterrupted, 2)
     assert outcome.problems == [], output[-4000:]
-    assert outcome.attempts == 1 and outcome.resumed_from == 8 and outcome.completed == 9
+    assert outcome.attempts == 1 and outcome.resumed_from == snapshot and outcome.completed == step - 1
     by = "spare 0" if spares else "a new process"
     assert f"replacing it in place by {by} (generation 1" in output
-    assert "resuming `fit` from the snapshot of step 8" in output
+    assert f"resuming `fit` from the snapshot of step {snapshot}" in output
     survivor = 1 - killed
     assert (tmp_path / f"pid.rank{survivor}.attempt0").read_text() == (tmp_path / f"pid_end.rank{survivor}").read_text()
     replacement = f"pid.rank{2 if spares else killed}.{'attempt0' if spares else 'generation1'}"
     assert (tmp_path / replacement).read_text() == (tmp_path / f"pid_end.rank{killed}").read_text()
     assert not list(tmp_path.glob("**/*.ckpt")) and "resuming `fit` from '" not in output  # nothing on disk to read
     redone = [r["step"] for r in losses(tmp_path, survivor) if r["generation"] == 1]
-    assert redone[0] == 9 and redone[-1] == max(r["step"] for r in losses(uninterrupted, 0))
+    assert redone[0] == snapshot + 1 and redone[-1] == max(r["step"] for r in losses(uninterrupted, 0))
 
 
 @pytest.mark.slow

@@ -103,6 +103,7 @@ def stage(checkpoint: Any, pinned: dict[int, torch.Tensor]) -> Staged:
             buffer = pinned[index] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         with torch.cuda.stream(side):
             buffer.copy_(tensor, non_blocking=True)
+        tensor.record_stream(side)  # its memory is not reused before the copy ran, should it be freed meanwhile
         memo[key] = buffer
     if side is not None:
         event = torch.cuda.Event()
