@@ -12,9 +12,9 @@ Each interval in ``--every`` runs ``--steps`` steps, ``--repeats`` times, interl
 (``snapshot_every=0``, supervised as well). Per run and rank: every step's time (from one batch start to the next:
 what the training loop waited for, the snapshot's copy to host memory and the thread's start included), the seconds
 each snapshot blocked its step (the copy), the seconds its thread took (serialising, the exchange with the buddy,
-the barrier), and the host memory the snapshots take. The overhead at an interval is the mean step time with snapshots against
-the mean without (the thread competes with the step for the cores); the blocking cost per snapshot, amortised over
-the interval, is printed beside it.
+the barrier), and the host memory the snapshots take. The overhead at an interval is the mean step time with
+snapshots against the mean without (the thread competes with the step for the cores); the blocking cost per
+snapshot, amortised over the interval, is printed beside it.
 
     flock /tmp/bench.lock nice python benchmarks/snapshot_overhead.py --model gpt --every 1 10 --out /tmp/snap
 
