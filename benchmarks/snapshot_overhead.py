@@ -53,12 +53,32 @@ def _tiny() -> tuple:
     return LitLM(optimizer="adam", samples=4096), None, {}
 
 
+def _in_the_step() -> None:
+    """``--synchronous``: the snapshot's thread runs where it would start (at the next batch request), so the step
+    waits for the serialising and the exchange too: the comparison with the snapshots before they had a thread."""
+    from lightning_pipe.checkpoint import snapshot
+
+    class InTheStep:
+        def __init__(self, target, name: str = "", daemon: bool = True) -> None:
+            self.target = target
+
+        def start(self) -> None:
+            self.target()
+
+        def join(self) -> None:
+            pass
+
+    snapshot.threading = type("threading", (), {"Thread": InTheStep, "Lock": snapshot.threading.Lock})  # type: ignore
+
+
 def child(args: argparse.Namespace) -> None:
     """One run, as every rank runs it (Lightning's launcher starts the ranks again with this command line)."""
     import lightning.pytorch as L
 
     from lightning_pipe import PipelineParallelStrategy
 
+    if args.synchronous:
+        _in_the_step()
     L.seed_everything(0)
     model, data, options = _gpt() if args.model == "gpt" else _tiny()
     starts: list[float] = []
@@ -94,9 +114,10 @@ def child(args: argparse.Namespace) -> None:
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def run(out: Path, model: str, every: int, steps: int) -> dict:
+def run(out: Path, model: str, every: int, steps: int, synchronous: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--child", "--model", model, "--every", str(every), "--steps", str(steps)]
+    command += ["--synchronous"] if synchronous else []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([*command, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,13 +127,15 @@ def run(out: Path, model: str, every: int, steps: int) -> dict:
     times = [max(pair) for pair in zip(*(r["steps"] for r in ranks))][WARMUP:]
     first = WARMUP + 1  # times[i] is step first + i (global step after it: first + i)
     taken = [i for i in range(len(times)) if every and (first + i - 1) % every == 0]
+    others = [t for i, t in enumerate(times) if i not in taken]
     return {
         "model": model,
         "every": every,
+        "synchronous": synchronous,
         "mean_step_s": statistics.fmean(times),
         "median_step_s": statistics.median(times),
         "median_step_with_snapshot_s": statistics.median([times[i] for i in taken]) if taken else None,
-        "median_step_other_s": statistics.median([t for i, t in enumerate(times) if i not in taken]) if taken else None,
+        "median_step_other_s": statistics.median(others) if taken and others else None,
         "blocking_s": [statistics.median([t[1] for t in r["timings"]]) if r["timings"] else None for r in ranks],
         "background_s": [statistics.median([t[2] for t in r["timings"]]) if r["timings"] else None for r in ranks],
         "host_bytes": [r["bytes"] for r in ranks],
@@ -128,6 +151,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=45)
     parser.add_argument("--repeats", type=int, default=2, help="runs per interval (each beside one without)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--synchronous", action="store_true", help="serialise and exchange in the step (no thread)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -138,7 +162,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         for every in args.every:
             for interval in (0, every):
-                row = run(args.out / f"{args.model}-{interval}-{every}-{repeat}", args.model, interval, args.steps)
+                out = args.out / f"{args.model}-{interval}-{every}-{repeat}"
+                row = run(out, args.model, interval, args.steps, args.synchronous and interval > 0)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     for every in args.every:
