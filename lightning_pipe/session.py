@@ -358,7 +358,7 @@ class PipelineArguments(MeshAxes):
                 Default 0. Trainer only.
             snapshot_every: Every how many training steps each rank copies its state to its own and a buddy rank's
                 host memory, so that a lost rank is recovered in place by the supervisor of ``max_restarts``
-                (docs/reliability.md). 0: no snapshots. Default ``"auto"``: every 10 steps with ``max_restarts``
+                (docs/reliability.md). 0: no snapshots. Default ``"auto"``: every 20 steps with ``max_restarts``
                 under Lightning's launcher, for one pipeline of whole stages; none otherwise. Trainer only.
             spares: With ``snapshot_every``: processes the supervisor starts with the run, which run the script up to
                 ``fit`` and wait to take a lost rank's place. Default 0: a new process is started then. Trainer only.

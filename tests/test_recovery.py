@@ -236,7 +236,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "killed,spares,every,step,snapshot",
-    [(1, 0, 4, 10, 8), (0, 1, "auto", 12, AUTO_SNAPSHOT_EVERY)],
+    [(1, 0, 4, 10, 8), (0, 1, "auto", AUTO_SNAPSHOT_EVERY + 2, AUTO_SNAPSHOT_EVERY)],
     ids=["rank1-new-process", "rank0-spare-auto"],
 )
 def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(
