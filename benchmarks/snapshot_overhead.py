@@ -125,9 +125,10 @@ def run(out: Path, model: str, every: int, steps: int, synchronous: bool = False
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     # Both ranks run the same steps; the step time is the slower rank's (the pipeline waits for it).
     times = [max(pair) for pair in zip(*(r["steps"] for r in ranks))][WARMUP:]
-    first = WARMUP + 1  # times[i] is step first + i (global step after it: first + i)
-    taken = [i for i in range(len(times)) if every and (first + i - 1) % every == 0]
-    others = [t for i, t in enumerate(times) if i not in taken]
+    first = WARMUP + 1  # times[i] is the step after which the global step is first + i
+    taken = [i for i in range(len(times)) if every and (first + i) % every == 0]  # the copy at its end
+    after = [i for i in range(len(times)) if every and (first + i - 1) % every == 0]  # the thread beside it
+    others = [t for i, t in enumerate(times) if i not in taken and i not in after]
     return {
         "model": model,
         "every": every,
@@ -135,6 +136,7 @@ def run(out: Path, model: str, every: int, steps: int, synchronous: bool = False
         "mean_step_s": statistics.fmean(times),
         "median_step_s": statistics.median(times),
         "median_step_with_snapshot_s": statistics.median([times[i] for i in taken]) if taken else None,
+        "median_step_after_snapshot_s": statistics.median([times[i] for i in after]) if after else None,
         "median_step_other_s": statistics.median(others) if taken and others else None,
         "blocking_s": [statistics.median([t[1] for t in r["timings"]]) if r["timings"] else None for r in ranks],
         "background_s": [statistics.median([t[2] for t in r["timings"]]) if r["timings"] else None for r in ranks],
