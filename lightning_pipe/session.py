@@ -304,7 +304,7 @@ class PipelineArguments(MeshAxes):
         loss_parallel: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
         max_restarts: NonNegativeInt = 0,
-        snapshot_every: NonNegativeInt = 0,
+        snapshot_every: Union[Literal["auto"], NonNegativeInt] = "auto",
         spares: NonNegativeInt = 0,
         async_checkpoint: bool = False,
         model_plan: Optional[ModelPlan] = None,
@@ -366,7 +366,8 @@ class PipelineArguments(MeshAxes):
                 Default 0. Trainer only.
             snapshot_every: Every how many training steps each rank copies its state to its own and a buddy rank's
                 host memory, so that a lost rank is recovered in place by the supervisor of ``max_restarts``
-                (docs/reliability.md). Default 0: no snapshots. Trainer only.
+                (docs/reliability.md). 0: no snapshots. Default ``"auto"``: every 20 steps with ``max_restarts``
+                under Lightning's launcher, for whole stages (not FSDP or tensor parallel); none otherwise. Trainer only.
             spares: With ``snapshot_every``: processes the supervisor starts with the run, which run the script up to
                 ``fit`` and wait to take a lost rank's place (a used one is followed by a new one once its recovery
                 completed). Default 0: a new process is started then. Trainer only.

@@ -306,14 +306,21 @@ def check_max_restarts(max_restarts: object) -> None:
     )
 
 
+#: What ``snapshot_every="auto"`` takes where recovery in place applies: an interval at which the snapshots cost the
+#: GPT example under 5% of its step with a margin for the measurement's noise (docs/benchmarks.md#recovery-in-place).
+AUTO_SNAPSHOT_EVERY = 20
+
+
 def check_snapshot_every(
     snapshot_every: object, max_restarts: object, data_parallel: object, tensor_parallel: object
 ) -> None:
+    if snapshot_every == "auto":
+        return
     _check_count(
         "snapshot_every",
         snapshot_every,
         "every how many training steps each rank keeps a copy of its state in its own and a buddy rank's memory"
-        " (0: never).",
+        f" (0: never; 'auto': every {AUTO_SNAPSHOT_EVERY} steps where a lost rank can be recovered in place).",
     )
     if snapshot_every and not max_restarts:
         raise PipelineConfigError(
@@ -329,17 +336,29 @@ def check_snapshot_every(
         )
 
 
-def check_spares(spares: object, snapshot_every: object) -> None:
+def resolve_snapshot_every(
+    snapshot_every: Union[str, int], max_restarts: int, data_parallel: str, tensor_parallel: Union[str, int]
+) -> int:
+    """The snapshot interval (0: none). ``"auto"`` is :data:`AUTO_SNAPSHOT_EVERY` where recovery in place can apply
+    (``max_restarts`` and whole stages; the strategy also skips it where no supervisor recovers in place), else 0."""
+    if snapshot_every != "auto":
+        return int(snapshot_every)
+    whole = data_parallel != "fsdp" and tensor_parallel in ("auto", 1)
+    return AUTO_SNAPSHOT_EVERY if max_restarts and whole else 0
+
+
+def check_spares(spares: object, snapshot_every: object, interval: int) -> None:
     _check_count(
         "spares",
         spares,
         "how many processes the supervisor of `max_restarts` starts with the run to take a lost rank's place (0: a"
         " new process is started then).",
     )
-    if spares and not snapshot_every:
+    if spares and not interval:
         raise PipelineConfigError(
-            f"`spares={spares}` takes a lost rank's place in a recovery in place, which needs `snapshot_every`, but"
-            " `snapshot_every=0`. Set `snapshot_every` (and `max_restarts`), or leave `spares` at 0."
+            f"`spares={spares}` takes a lost rank's place in a recovery in place, which needs snapshots, but"
+            f" `snapshot_every={snapshot_every!r}` takes none. Set `max_restarts` (and leave `snapshot_every` at"
+            " 'auto', or set it), or leave `spares` at 0."
         )
 
 
@@ -406,8 +425,9 @@ class PipelineSettings:
     compile: Union[bool, dict[str, Any]] = False
     #: times Lightning's launcher starts every rank again after a failure (torchrun: its own ``--max-restarts``)
     max_restarts: NonNegativeInt = 0
-    #: training steps between in-memory snapshots for recovery in place (0: none)
-    snapshot_every: NonNegativeInt = 0
+    #: training steps between in-memory snapshots for recovery in place (0: none; ``"auto"``:
+    #: :data:`AUTO_SNAPSHOT_EVERY` with ``max_restarts`` and whole stages, else none; :attr:`snapshot_interval`)
+    snapshot_every: Union[Literal["auto"], NonNegativeInt] = "auto"
     #: processes started with the run that wait to replace a lost rank (recovery in place)
     spares: NonNegativeInt = 0
     #: checkpoints written by a thread after a copy to host memory
@@ -439,7 +459,7 @@ class PipelineSettings:
         check_compile_schedule(compile_options, schedule)
         check_max_restarts(self.max_restarts)
         check_snapshot_every(self.snapshot_every, self.max_restarts, self.data_parallel, self.tensor_parallel)
-        check_spares(self.spares, self.snapshot_every)
+        check_spares(self.spares, self.snapshot_every, self.snapshot_interval)
         check_async_checkpoint(self.async_checkpoint)
         normal = {
             "schedule": schedule,
@@ -506,6 +526,12 @@ class PipelineSettings:
     def tensor_parallel_size(self) -> int:
         """Processes sharing every stage (``"auto"``: 1); known before :meth:`resolve`."""
         return 1 if self.tensor_parallel == "auto" else int(self.tensor_parallel)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Training steps between snapshots (0: none): ``snapshot_every`` with ``"auto"`` decided; known before
+        :meth:`resolve`."""
+        return resolve_snapshot_every(self.snapshot_every, self.max_restarts, self.data_parallel, self.tensor_parallel)
 
     @property
     def num_stages(self) -> int:

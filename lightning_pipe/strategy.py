@@ -79,7 +79,8 @@ class PipelineParallelStrategy(
         self._memory_logged = False
         self.num_nodes = 1
         #: this rank's in-memory snapshots and its buddy's (``snapshot_every``); they outlive Trainer entries
-        self._snapshots = ckpt_snapshot.Snapshots(settings.snapshot_every) if settings.snapshot_every else None
+        interval = settings.snapshot_interval
+        self._snapshots = ckpt_snapshot.Snapshots(interval) if interval else None
         # A rank started by a launcher ends when its launcher does, from now on (docs/reliability.md).
         watchdog.start_if_launched()
         collectives.destroy_at_exit()  # registered before the launch's: rank 0 joins its ranks, then destroys
@@ -189,6 +190,8 @@ class PipelineParallelStrategy(
     def _start_snapshots(self, trainer: pl.Trainer) -> None:
         """``snapshot_every``: in a recovery, agree on the snapshot to resume from (collective); then take them."""
         assert self._snapshots is not None and self._checkpoints is not None
+        if self._settings.snapshot_every == "auto" and not recovery.enabled():
+            return  # "auto": only where this package's supervisor recovers in place
         # The buddies are the same stage in another replica where there is one (reliability.recovery.buddies).
         self._snapshots.replicas = self._session.meshes.layout.stage_positions()
         launcher = self.launcher
@@ -200,6 +203,7 @@ class PipelineParallelStrategy(
             if self.global_rank == 0:
                 recovery.mark_recovered(recovery.generation())
                 rank_zero_info(f"lightning-pipe: recovered in place: resuming `fit` from the snapshot of step {step}.")
+        self._snapshots.use_group()  # collective: the exchanges' gloo group, made here on every rank
         callback = ckpt_snapshot.SnapshotCallback(self._snapshots, self._checkpoints.continuation, self.num_processes)
         trainer.callbacks.append(callback)
         self._session.run.callback(trainer.callbacks.remove, callback)
@@ -309,7 +313,12 @@ class PipelineParallelStrategy(
     @override
     @failures.in_phase("during teardown")
     def teardown(self) -> None:
+        failed = self._checkpoints is not None and self._checkpoints.failed
         self.close_checkpoints()  # pending saves complete (or are dropped after a failure)
+        if self._snapshots is not None and failed:
+            self._snapshots.abandon()  # a peer may be lost: its exchange in the background is not waited for
+        elif self._snapshots is not None:
+            self._snapshots.wait()  # the snapshot in the background completes, or its error is raised
         # Undo what this entry installed on the user's objects (interceptor, metric groups, clipping, wrappers).
         self._session.close()
         for recorder in self._saved.values():

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
-from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes
+from lightning_pipe.checkpoint.snapshot import MEMORY, Snapshots, _from_bytes, _to_bytes, stage
+from lightning_pipe.comm import collectives
 from lightning_pipe.comm.mesh import MeshLayout
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
+from lightning_pipe.settings import AUTO_SNAPSHOT_EVERY
 from tests.restarts import compare, losses, run
 
 
@@ -48,9 +54,33 @@ def test_spares_must_be_a_non_negative_int(value):
         PipelineParallelStrategy(spares=value, snapshot_every=2, max_restarts=1)
 
 
-def test_spares_need_snapshots():
-    with pytest.raises(PipelineConfigError, match=r"`spares=1`.*`snapshot_every=0`.*Set `snapshot_every`"):
-        PipelineParallelStrategy(spares=1, max_restarts=1)
+@pytest.mark.parametrize("kwargs,shown", [({"snapshot_every": 0, "max_restarts": 1}, "0"), ({}, "'auto'")])
+def test_spares_need_snapshots(kwargs, shown):
+    with pytest.raises(PipelineConfigError, match=rf"`spares=1`.*`snapshot_every={shown}`.*Set `max_restarts`"):
+        PipelineParallelStrategy(spares=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,interval",
+    [
+        ({}, 0),  # no supervisor, no snapshots
+        ({"max_restarts": 2}, AUTO_SNAPSHOT_EVERY),
+        ({"max_restarts": 2, "data_parallel": "fsdp"}, 0),  # sharded stages: restarts resume from disk
+        ({"max_restarts": 2, "tensor_parallel": 2}, 0),
+        ({"max_restarts": 2, "snapshot_every": 0}, 0),  # switched off
+        ({"max_restarts": 2, "snapshot_every": 3}, 3),
+    ],
+)
+def test_snapshot_every_auto_takes_snapshots_where_recovery_in_place_applies(kwargs, interval):
+    settings = PipelineParallelStrategy(**kwargs).settings
+    assert settings.snapshot_interval == interval
+    assert settings.snapshot_every == kwargs.get("snapshot_every", "auto")
+
+
+def test_the_auto_interval_is_the_measured_one():
+    """docs/benchmarks.md (Recovery in place) gives the overhead measured at this interval on the GPT example."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    assert f"`snapshot_every='auto'` ({AUTO_SNAPSHOT_EVERY} steps)" in text
 
 
 def test_fabric_refuses_recovery_in_place():
@@ -96,21 +126,82 @@ def test_the_buddy_is_the_same_stage_in_another_replica_on_another_node_where_on
 
 
 # ---------------------------------------------------------------------------------------------------- snapshots
-def _snapshot(step: int) -> bytes:
-    checkpoint = _to_bytes({"global_step": step, "w": torch.full((2,), float(step))})
-    return _to_bytes({"checkpoint": checkpoint, "point": step})
+def _submit(snapshots: Snapshots, step: int) -> None:
+    weights = torch.full((2,), float(step))
+    staged = stage({"global_step": step, "w": weights}, snapshots.pinned)
+    weights += 100  # the optimizer's next step: the staged copy keeps the values of `step`
+    snapshots.submit(step, staged, point=step, ranks_per_node=1)
+    snapshots.wait()
 
 
 def test_one_process_agrees_on_its_newest_snapshot_and_restores_a_copy():
     snapshots = Snapshots(every=4)
     for step in (4, 8, 12):
-        snapshots._keep(snapshots.own, step, _snapshot(step))
-        snapshots._keep(snapshots.held, step, _snapshot(step))
-    assert sorted(snapshots.own) == [8, 12]  # the newest two are kept
+        _submit(snapshots, step)
+    assert sorted(snapshots.own) == [12] and snapshots.complete == {12}  # older than the newest complete: dropped
     assert snapshots.agree(ranks_per_node=1) == 12
     checkpoint, point = snapshots.restore()
     assert checkpoint["global_step"] == 12 and point == 12 and torch.equal(checkpoint["w"], torch.full((2,), 12.0))
-    assert snapshots.nbytes() == sum(map(len, snapshots.own.values())) * 2
+    assert snapshots.nbytes() == len(snapshots.own[12]) and snapshots.last_bytes == len(snapshots.own[12])
+
+
+def test_a_snapshot_in_the_background_keeps_the_previous_complete_one_until_it_completes():
+    """Both copies of step 8 exist everywhere (complete); step 12's thread fails in the exchange (the buddy was
+    lost): step 8 stays, the error reaches the main thread at the next wait, and after the failure the thread
+    changes nothing any more (abandoned)."""
+    snapshots = Snapshots(every=4)
+    snapshots.own[8], snapshots.held[8], snapshots.complete = b"own8", b"held8", {8}
+    snapshots._group = (collectives.world_group(), "the snapshot group")  # as `use_group` made it in `setup`
+    began, release = threading.Event(), threading.Event()
+    lost = RuntimeError("Connection closed by peer")
+
+    def exchange(data, to, source, group):
+        began.set()
+        release.wait(5)
+        raise lost
+
+    staged = stage({"global_step": 12, "w": torch.ones(2)}, snapshots.pinned)
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", exchange),
+    ):
+        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+        assert began.wait(5)
+        assert sorted(snapshots.own) == [8, 12] and sorted(snapshots.held) == [8]  # 12 serialised, not exchanged
+        release.set()
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            snapshots.wait()
+    assert snapshots.complete == {8} and 8 in snapshots.own and 8 in snapshots.held
+
+    began.clear()
+    release.clear()
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", lambda *a: (began.set(), release.wait(5), b"held16")[2]),
+        mock.patch.object(collectives, "barrier"),
+    ):
+        snapshots.submit(16, staged, point=16, ranks_per_node=2)
+        assert began.wait(5)
+        snapshots.abandon()  # the entry failed meanwhile
+        release.set()
+        time.sleep(0.2)
+    assert 16 not in snapshots.held and snapshots.complete == {8} and sorted(snapshots.own) == [8, 12, 16]
+
+
+def test_a_completed_exchange_drops_the_older_copies():
+    snapshots = Snapshots(every=4)
+    snapshots.own[8], snapshots.held[8], snapshots.complete = b"own8", b"held8", {8}
+    snapshots._group = (collectives.world_group(), "the snapshot group")  # as `use_group` made it in `setup`
+    staged = stage({"global_step": 12}, snapshots.pinned)
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", lambda *a: b"held12"),
+        mock.patch.object(collectives, "barrier") as barrier,
+    ):
+        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+        snapshots.wait()
+    barrier.assert_called_once()
+    assert sorted(snapshots.own) == [12] and snapshots.held == {12: b"held12"} and snapshots.complete == {12}
 
 
 def test_no_snapshot_to_agree_on_is_refused():
@@ -124,10 +215,14 @@ def test_resuming_from_memory_without_a_recovery_is_refused():
 
 
 def test_a_snapshot_is_a_copy():
-    weights = torch.zeros(3)
-    data = _to_bytes({"w": weights})
+    """The staged copy is taken at the step (tensors cloned, the rest deep-copied): later changes do not reach it."""
+    weights, loops = torch.zeros(3), {"epoch": [0]}
+    staged = stage({"w": weights, "loops": loops, "same": [weights]}, {})
     weights += 1
-    assert torch.equal(_from_bytes(data)["w"], torch.zeros(3))
+    loops["epoch"].append(1)
+    assert torch.equal(staged.checkpoint["w"], torch.zeros(3)) and staged.checkpoint["loops"] == {"epoch": [0]}
+    assert staged.checkpoint["same"][0] is staged.checkpoint["w"]  # one tensor, one copy
+    assert torch.equal(_from_bytes(_to_bytes(staged.checkpoint))["w"], torch.zeros(3))
 
 
 # ---------------------------------------------------------------------------------------------------- generations
@@ -159,29 +254,35 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 # rank 0 and spares: test_a_second_kill_is_taken_by_the_spare_started_after_the_first, and the extended fault matrix
-@pytest.mark.parametrize("killed,spares", [(1, 0)], ids=["rank1-new-process"])
-def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(uninterrupted, tmp_path, killed, spares):
-    """A rank SIGKILLed in its stage's forward of step 10 (snapshots every 4 steps, no checkpoint on disk): the
-    supervisor gives its place to a new process or a waiting spare, the other rank keeps its process, both resume
-    from the step-8 snapshot in memory, and every logged loss and the final weights equal the uninterrupted run's
-    (without snapshots) bit for bit."""
-    cfg = {"devices": 2, "disk": False, "snapshot_every": 4, "spares": spares}
-    proc = run(tmp_path, {**cfg, "kill": {"rank": killed, "step": 10, "where": "step"}}, "lightning")
+@pytest.mark.parametrize(
+    "killed,spares,every,step,snapshot",
+    [(1, 0, "auto", AUTO_SNAPSHOT_EVERY + 2, AUTO_SNAPSHOT_EVERY)],
+    ids=["rank1-new-process-auto"],
+)
+def test_a_rank_killed_in_a_step_is_replaced_in_place_exactly(
+    uninterrupted, tmp_path, killed, spares, every, step, snapshot
+):
+    """A rank SIGKILLed in its stage's forward of a step (snapshots by default: `'auto'`; no checkpoint on disk): the
+    supervisor gives its place to a new process or a waiting spare, the other rank keeps its process, both resume from
+    the newest snapshot in memory, and every logged loss and the final weights equal the uninterrupted run's (without
+    snapshots) bit for bit."""
+    cfg = {"devices": 2, "disk": False, "snapshot_every": every, "spares": spares}
+    proc = run(tmp_path, {**cfg, "kill": {"rank": killed, "step": step, "where": "step"}}, "lightning")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     outcome = compare(tmp_path, uninterrupted, 2)
     assert outcome.problems == [], output[-4000:]
-    assert outcome.attempts == 1 and outcome.resumed_from == 8 and outcome.completed == 9
+    assert outcome.attempts == 1 and outcome.resumed_from == snapshot and outcome.completed == step - 1
     by = "spare 0" if spares else "a new process"
     assert f"replacing it in place by {by} (generation 1" in output
-    assert "resuming `fit` from the snapshot of step 8" in output
+    assert f"resuming `fit` from the snapshot of step {snapshot}" in output
     survivor = 1 - killed
     assert (tmp_path / f"pid.rank{survivor}.attempt0").read_text() == (tmp_path / f"pid_end.rank{survivor}").read_text()
     replacement = f"pid.rank{2 if spares else killed}.{'attempt0' if spares else 'generation1'}"
     assert (tmp_path / replacement).read_text() == (tmp_path / f"pid_end.rank{killed}").read_text()
     assert not list(tmp_path.glob("**/*.ckpt")) and "resuming `fit` from '" not in output  # nothing on disk to read
     redone = [r["step"] for r in losses(tmp_path, survivor) if r["generation"] == 1]
-    assert redone[0] == 9 and redone[-1] == max(r["step"] for r in losses(uninterrupted, 0))
+    assert redone[0] == snapshot + 1 and redone[-1] == max(r["step"] for r in losses(uninterrupted, 0))
 
 
 @pytest.mark.slow

@@ -293,13 +293,13 @@ def picklable_groups() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------------- bytes
-def exchange_bytes(data: bytes, to: int, source: int) -> bytes:
-    """Send ``data`` to global rank ``to`` while receiving global rank ``source``'s (default group)."""
+def exchange_bytes(data: bytes, to: int, source: int, group: Group) -> bytes:
+    """Send ``data`` to global rank ``to`` while receiving global rank ``source``'s, on ``group``."""
     size, other = torch.tensor([len(data)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    for request in [dist.isend(size, to), dist.irecv(other, source)]:
+    for request in [dist.isend(size, to, group=group), dist.irecv(other, source, group=group)]:
         request.wait()
     payload, received = torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.empty(int(other), dtype=torch.uint8)
-    for request in [dist.isend(payload, to), dist.irecv(received, source)]:
+    for request in [dist.isend(payload, to, group=group), dist.irecv(received, source, group=group)]:
         request.wait()
     return received.numpy().tobytes()
 

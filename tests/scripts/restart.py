@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -187,10 +188,13 @@ def arm_snapshot_kills(out: Path, cfg: dict, trainer_step) -> None:
             die(out, trainer_step())
         return checkpoint
 
-    def die_then_exchange(data, to, source):
-        if kill_here(cfg, "exchange", trainer_step()):
+    def die_then_exchange(data, to, source, *group):
+        # The exchange runs in the snapshot's thread (named after its step) while training goes on.
+        name = threading.current_thread().name
+        step = int(name.rsplit(" ", 1)[1]) if name.startswith("lightning-pipe snapshot ") else trainer_step()
+        if kill_here(cfg, "exchange", step):
             die(out, trainer_step())
-        return exchange(data, to, source)
+        return exchange(data, to, source, *group)
 
     snapshot.pl_compat.dump_checkpoint = dump_then_die
     snapshot.collectives.exchange_bytes = die_then_exchange
