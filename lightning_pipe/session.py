@@ -367,7 +367,8 @@ class PipelineArguments(MeshAxes):
             snapshot_every: Every how many training steps each rank copies its state to its own and a buddy rank's
                 host memory, so that a lost rank is recovered in place by the supervisor of ``max_restarts``
                 (docs/reliability.md). 0: no snapshots. Default ``"auto"``: every 20 steps with ``max_restarts``
-                under Lightning's launcher, for whole stages (not FSDP or tensor parallel); none otherwise. Trainer only.
+                under Lightning's launcher, for whole stages (not FSDP, not tensor parallel); none otherwise. Trainer
+                only.
             spares: With ``snapshot_every``: processes the supervisor starts with the run, which run the script up to
                 ``fit`` and wait to take a lost rank's place (a used one is followed by a new one once its recovery
                 completed). Default 0: a new process is started then. Trainer only.
