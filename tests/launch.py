@@ -176,3 +176,57 @@ def agreed_errors(out: Path, nprocs: int = 2) -> dict[str, str]:
         assert len(messages) == 1, f"ranks disagree on {name}: {messages}"
         errors[name] = messages.pop()
     return errors
+
+
+class Shared:
+    """One launch of ``nprocs`` processes that runs the scenarios of several test modules (tests/scripts/together.py):
+    each 4-process launch starts 4 interpreters that import torch, Lightning and the scripts (about 30 s of CPU, 15 s
+    on 2 cores) before its first scenario, so modules whose launches need nothing from each other share one.
+
+    A module declares its part at import (:meth:`part`); the first of its fixtures to run (:meth:`launch`) starts the
+    parts of every module that has a selected test using that part's fixture, in the order the modules were imported,
+    each in a folder of its own. A part's scenarios and its outcomes are those of its script run alone; a failure that
+    takes the processes down leaves the later parts without outcome, and their tests report the launch's output."""
+
+    def __init__(self, nprocs: int, launcher: str = "torchrun") -> None:
+        self.nprocs, self.launcher = nprocs, launcher
+        self.parts: dict[tuple[str, str], tuple[str, list[dict], float]] = {}
+        self.launches: dict[tuple[str, str], Launch] = {}
+        self.session: object = None
+
+    def part(self, module: str, fixture: str, script: str, configs: list[dict], timeout: float = 600) -> None:
+        """Module ``module``'s fixture ``fixture`` reads the outcomes of ``script`` run on ``configs``."""
+        self.parts[(module, fixture)] = (script, configs, timeout)
+
+    def launch(self, request: pytest.FixtureRequest) -> Launch:
+        """The outcomes of the part of the module-scoped fixture making this request."""
+        key = (request.module.__name__, request.fixturename)
+        if request.session is not self.session:  # a new session (a pytester run) launches anew
+            self.session, self.launches = request.session, {}
+        if key not in self.launches:
+            self._run(request, key)
+        return self.launches[key]
+
+    def needed(self, key: tuple[str, str], items: list[pytest.Item]) -> list[tuple[str, str]]:
+        """The parts not yet launched that ``key`` and the tests ``items`` (the session's selection) read, in the
+        order of the modules' import."""
+        needed = {key}
+        for item in items:
+            module = getattr(getattr(item, "module", None), "__name__", None)
+            needed |= {(m, f) for (m, f) in self.parts if m == module and f in getattr(item, "fixturenames", ())}
+        return [k for k in self.parts if k in needed and k not in self.launches]
+
+    def _run(self, request: pytest.FixtureRequest, key: tuple[str, str]) -> None:
+        keys = self.needed(key, request.session.items)
+        factory = request.getfixturevalue("tmp_path_factory")
+        outs = {k: factory.mktemp(f"{k[0].rsplit('.', 1)[-1]}-{k[1]}") for k in keys}
+        spec = [{"script": self.parts[k][0], "out": str(outs[k]), "configs": self.parts[k][1]} for k in keys]
+        timeout = sum(self.parts[k][2] for k in keys)
+        proc = run_script(
+            "together.py", json.dumps(spec), nprocs=self.nprocs, launcher=self.launcher, timeout=timeout, check=False
+        )
+        self.launches.update({k: Launch(outs[k], self.nprocs, proc) for k in keys})
+
+
+#: The 4-process torchrun launch that test modules with no preparation and no order between launches share.
+SHARED_FOUR = Shared(4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, Launch, run_scenarios
 from tests.reference import assert_data_parallel_parity, assert_parity, single_device_run
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
@@ -36,9 +36,12 @@ def two_procs(tmp_path_factory) -> Launch:
     return run_scenarios("parity.py", tmp_path_factory.mktemp("parity2"), _configs(2), nprocs=2, launcher="lightning")
 
 
+SHARED_FOUR.part(__name__, "four_procs", "parity.py", _configs(4))
+
+
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory) -> Launch:
-    return run_scenarios("parity.py", tmp_path_factory.mktemp("parity4"), _configs(4), nprocs=4, launcher="torchrun")
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _reference(cfg: dict):
