@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,11 @@ def agreed_errors(out: Path, nprocs: int = 2) -> dict[str, str]:
     return errors
 
 
+#: A shared launch part's scenarios, or what makes them at launch; what writes a part's inputs into its folder.
+Configs = list[dict] | Callable[[], list[dict]]
+Prepare = Callable[[Path], None]
+
+
 class Shared:
     """One launch of ``nprocs`` processes that runs the scenarios of several test modules (tests/scripts/together.py):
     each 4-process launch starts 4 interpreters that import torch, Lightning and the scripts (about 30 s of CPU, 15 s
@@ -185,18 +191,29 @@ class Shared:
 
     A module declares its part at import (:meth:`part`); the first of its fixtures to run (:meth:`launch`) starts the
     parts of every module that has a selected test using that part's fixture, in the order the modules were imported,
-    each in a folder of its own. A part's scenarios and its outcomes are those of its script run alone; a failure that
-    takes the processes down leaves the later parts without outcome, and their tests report the launch's output."""
+    each in a folder of its own that the part's ``prepare`` (if any) first fills with its inputs (model directories).
+    A part's scenarios and its outcomes are those of its script run alone; a failure that takes the processes down
+    leaves the later parts without outcome, and their tests report the launch's output."""
 
     def __init__(self, nprocs: int, launcher: str = "torchrun") -> None:
         self.nprocs, self.launcher = nprocs, launcher
-        self.parts: dict[tuple[str, str], tuple[str, list[dict], float]] = {}
+        self.parts: dict[tuple[str, str], tuple[str, Configs, float, Prepare | None]] = {}
         self.launches: dict[tuple[str, str], Launch] = {}
         self.session: object = None
 
-    def part(self, module: str, fixture: str, script: str, configs: list[dict], timeout: float = 600) -> None:
-        """Module ``module``'s fixture ``fixture`` reads the outcomes of ``script`` run on ``configs``."""
-        self.parts[(module, fixture)] = (script, configs, timeout)
+    def part(
+        self,
+        module: str,
+        fixture: str,
+        script: str,
+        configs: Configs,
+        timeout: float = 600,
+        prepare: Prepare | None = None,
+    ) -> None:
+        """Module ``module``'s fixture ``fixture`` reads the outcomes of ``script`` run on ``configs`` (a callable: made
+        at launch, when they depend on installed versions that module imports should not load); ``prepare(out)``
+        writes the inputs the scenarios read into the part's folder before the launch."""
+        self.parts[(module, fixture)] = (script, configs, timeout, prepare)
 
     def launch(self, request: pytest.FixtureRequest) -> Launch:
         """The outcomes of the part of the module-scoped fixture making this request."""
@@ -220,7 +237,12 @@ class Shared:
         keys = self.needed(key, request.session.items)
         factory = request.getfixturevalue("tmp_path_factory")
         outs = {k: factory.mktemp(f"{k[0].rsplit('.', 1)[-1]}-{k[1]}") for k in keys}
-        spec = [{"script": self.parts[k][0], "out": str(outs[k]), "configs": self.parts[k][1]} for k in keys]
+        spec = []
+        for k in keys:
+            script, configs, _, prepare = self.parts[k]
+            if prepare is not None:
+                prepare(outs[k])
+            spec.append({"script": script, "out": str(outs[k]), "configs": configs() if callable(configs) else configs})
         timeout = sum(self.parts[k][2] for k in keys)
         proc = run_script(
             "together.py", json.dumps(spec), nprocs=self.nprocs, launcher=self.launcher, timeout=timeout, check=False

@@ -25,7 +25,7 @@ from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
 from lightning_pipe.models.huggingface.vision import later_stage_call  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.hf_vision import LAYERS, LitVision, batches, build, probe, run_vision, save_pretrained  # noqa: E402
-from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_FOUR, Launch, run_scenarios  # noqa: E402
 from tests.models import quiet_trainer  # noqa: E402
 
 TOL = 1e-5
@@ -153,10 +153,13 @@ def two(work) -> Launch:
     return run_scenarios("hf_vision.py", work, CONFIGS, nprocs=2)
 
 
+FOUR = [dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)]
+SHARED_FOUR.part(__name__, "four", "hf_vision.py", FOUR)
+
+
 @pytest.fixture(scope="module")
-def four(work) -> Launch:
-    cfg = dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)
-    return run_scenarios("hf_vision.py", work, [cfg], nprocs=4)
+def four(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 @functools.cache
