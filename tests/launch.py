@@ -250,5 +250,7 @@ class Shared:
         self.launches.update({k: Launch(outs[k], self.nprocs, proc) for k in keys})
 
 
-#: The 4-process torchrun launch that test modules with no preparation and no order between launches share.
+#: The 4-process torchrun launch that test modules with no order between launches share.
 SHARED_FOUR = Shared(4)
+#: The same for 2-process scenarios, started by Lightning's launcher.
+SHARED_TWO = Shared(2, "lightning")
