@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.hf_models import run_hf  # noqa: E402
-from tests.launch import SHARED_FOUR, Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch  # noqa: E402
 from tests.reference import assert_parity  # noqa: E402
 
 
@@ -56,9 +56,12 @@ def reference(family: str, tie: bool, side: str, built: str = "init") -> dict:
     return run_hf(family=family, tie=tie, side=side, built=built)
 
 
+SHARED_TWO.part(__name__, "two_procs", "hf.py", CONFIGS[2])
+
+
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    return run_scenarios("hf.py", tmp_path_factory.mktemp("hf2"), CONFIGS[2], nprocs=2, launcher="lightning")
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 SHARED_FOUR.part(__name__, "four_procs", "hf.py", [*CONFIGS[4], *REPLICATED, FSDP_WEIGHTED])

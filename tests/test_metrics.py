@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from tests.launch import SHARED_FOUR, Launch, run_scenarios
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch
 from tests.metric_models import fit_metrics_model
 
 CONFIGS = {
@@ -32,10 +32,12 @@ def _reference() -> dict:
     return {"records": model.records, "final": {k: float(v) for k, v in trainer.callback_metrics.items()}}
 
 
+SHARED_TWO.part(__name__, "two_procs", "metrics_parity.py", CONFIGS[2])
+
+
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("metrics2")
-    return run_scenarios("metrics_parity.py", out, CONFIGS[2], nprocs=2, launcher="lightning")
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 SHARED_FOUR.part(__name__, "four_procs", "metrics_parity.py", [*CONFIGS[4], PROJECT_4])
