@@ -180,7 +180,7 @@ def agreed_errors(out: Path, nprocs: int = 2) -> dict[str, str]:
 
 
 #: A shared launch part's scenarios, or what makes them at launch; what writes a part's inputs into its folder.
-Configs = list[dict] | Callable[[], list[dict]]
+Configs = list[dict] | Callable[[Path], list[dict]]
 Prepare = Callable[[Path], None]
 
 
@@ -211,8 +211,8 @@ class Shared:
         prepare: Prepare | None = None,
     ) -> None:
         """Module ``module``'s fixture ``fixture`` reads the outcomes of ``script`` run on ``configs`` (a callable: made
-        at launch, when they depend on installed versions that module imports should not load); ``prepare(out)``
-        writes the inputs the scenarios read into the part's folder before the launch."""
+        at launch from the part's folder, when they name files in it or depend on installed versions that module
+        imports should not load); ``prepare(out)`` first writes the inputs the scenarios read into that folder."""
         self.parts[(module, fixture)] = (script, configs, timeout, prepare)
 
     def launch(self, request: pytest.FixtureRequest) -> Launch:
@@ -242,7 +242,9 @@ class Shared:
             script, configs, _, prepare = self.parts[k]
             if prepare is not None:
                 prepare(outs[k])
-            spec.append({"script": script, "out": str(outs[k]), "configs": configs() if callable(configs) else configs})
+            spec.append(
+                {"script": script, "out": str(outs[k]), "configs": configs(outs[k]) if callable(configs) else configs}
+            )
         timeout = sum(self.parts[k][2] for k in keys)
         proc = run_script(
             "together.py", json.dumps(spec), nprocs=self.nprocs, launcher=self.launcher, timeout=timeout, check=False

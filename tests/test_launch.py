@@ -42,7 +42,7 @@ def test_a_shared_launch_prepares_each_part_s_folder_and_makes_its_configs_befor
     shared.part(
         "tests.a", "four", "parity.py", [{"name": "a"}], prepare=lambda out: (out / "input.txt").write_text("a")
     )
-    made = lambda: [{"name": "b"}]  # noqa: E731
+    made = lambda out: [{"name": "b", "in": out.name}]  # noqa: E731
     shared.part("tests.b", "four", "moe.py", made, timeout=900, prepare=lambda out: (out / "input.txt").write_text("b"))
 
     def mktemp(name: str) -> Path:
@@ -60,4 +60,7 @@ def test_a_shared_launch_prepares_each_part_s_folder_and_makes_its_configs_befor
     assert shared.launch(request).out == tmp_path / "a-four"
     ((script, parts, timeout),) = launched
     assert script == "together.py" and timeout == 600 + 900
-    assert [(p["script"], p["configs"]) for p in parts] == [("parity.py", [{"name": "a"}]), ("moe.py", [{"name": "b"}])]
+    assert [(p["script"], p["configs"]) for p in parts] == [
+        ("parity.py", [{"name": "a"}]),
+        ("moe.py", [{"name": "b", "in": "b-four"}]),
+    ]

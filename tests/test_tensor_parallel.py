@@ -353,7 +353,7 @@ def hf_reference(family: str, tied: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- launches
-def _four_configs() -> list[dict]:
+def _four_configs(out) -> list[dict]:
     if not torch_compat.stage_takes_mesh():
         return []  # the fixture skips
     # transformers 5 plans Qwen3's per-head norms; 4.x leaves them out (an error)
