@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,82 @@ def agreed_errors(out: Path, nprocs: int = 2) -> dict[str, str]:
         assert len(messages) == 1, f"ranks disagree on {name}: {messages}"
         errors[name] = messages.pop()
     return errors
+
+
+#: A shared launch part's scenarios, or what makes them at launch; what writes a part's inputs into its folder.
+Configs = list[dict] | Callable[[Path], list[dict]]
+Prepare = Callable[[Path], None]
+
+
+class Shared:
+    """One launch of ``nprocs`` processes that runs the scenarios of several test modules (tests/scripts/together.py):
+    each 4-process launch starts 4 interpreters that import torch, Lightning and the scripts (about 30 s of CPU, 15 s
+    on 2 cores) before its first scenario, so modules whose launches need nothing from each other share one.
+
+    A module declares its part at import (:meth:`part`); the first of its fixtures to run (:meth:`launch`) starts the
+    parts of every module that has a selected test using that part's fixture, in the order the modules were imported,
+    each in a folder of its own that the part's ``prepare`` (if any) first fills with its inputs (model directories).
+    A part's scenarios and its outcomes are those of its script run alone; a failure that takes the processes down
+    leaves the later parts without outcome, and their tests report the launch's output."""
+
+    def __init__(self, nprocs: int, launcher: str = "torchrun") -> None:
+        self.nprocs, self.launcher = nprocs, launcher
+        self.parts: dict[tuple[str, str], tuple[str, Configs, float, Prepare | None]] = {}
+        self.launches: dict[tuple[str, str], Launch] = {}
+        self.session: object = None
+
+    def part(
+        self,
+        module: str,
+        fixture: str,
+        script: str,
+        configs: Configs,
+        timeout: float = 600,
+        prepare: Prepare | None = None,
+    ) -> None:
+        """Module ``module``'s fixture ``fixture`` reads the outcomes of ``script`` run on ``configs`` (a callable: made
+        at launch from the part's folder, when they name files in it or depend on installed versions that module
+        imports should not load); ``prepare(out)`` first writes the inputs the scenarios read into that folder."""
+        self.parts[(module, fixture)] = (script, configs, timeout, prepare)
+
+    def launch(self, request: pytest.FixtureRequest) -> Launch:
+        """The outcomes of the part of the module-scoped fixture making this request."""
+        key = (request.module.__name__, request.fixturename)
+        if request.session is not self.session:  # a new session (a pytester run) launches anew
+            self.session, self.launches = request.session, {}
+        if key not in self.launches:
+            self._run(request, key)
+        return self.launches[key]
+
+    def needed(self, key: tuple[str, str], items: list[pytest.Item]) -> list[tuple[str, str]]:
+        """The parts not yet launched that ``key`` and the tests ``items`` (the session's selection) read, in the
+        order of the modules' import."""
+        needed = {key}
+        for item in items:
+            module = getattr(getattr(item, "module", None), "__name__", None)
+            needed |= {(m, f) for (m, f) in self.parts if m == module and f in getattr(item, "fixturenames", ())}
+        return [k for k in self.parts if k in needed and k not in self.launches]
+
+    def _run(self, request: pytest.FixtureRequest, key: tuple[str, str]) -> None:
+        keys = self.needed(key, request.session.items)
+        factory = request.getfixturevalue("tmp_path_factory")
+        outs = {k: factory.mktemp(f"{k[0].rsplit('.', 1)[-1]}-{k[1]}") for k in keys}
+        spec = []
+        for k in keys:
+            script, configs, _, prepare = self.parts[k]
+            if prepare is not None:
+                prepare(outs[k])
+            spec.append(
+                {"script": script, "out": str(outs[k]), "configs": configs(outs[k]) if callable(configs) else configs}
+            )
+        timeout = sum(self.parts[k][2] for k in keys)
+        proc = run_script(
+            "together.py", json.dumps(spec), nprocs=self.nprocs, launcher=self.launcher, timeout=timeout, check=False
+        )
+        self.launches.update({k: Launch(outs[k], self.nprocs, proc) for k in keys})
+
+
+#: The 4-process torchrun launch that test modules with no order between launches share.
+SHARED_FOUR = Shared(4)
+#: The same for 2-process scenarios, started by Lightning's launcher.
+SHARED_TWO = Shared(2, "lightning")

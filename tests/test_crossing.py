@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.crossing_models import MICROBATCHES, MODELS, accumulated_demo, fit_validate_predict
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_TWO, Launch
 from tests.reference import assert_parity
 
 # Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
@@ -41,13 +41,19 @@ def reference(model: str, pretrained: bool = False) -> dict:
     return fit_validate_predict(network)
 
 
-@pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("crossing")
+def _write_start(out) -> None:
+    """The directory the "pretrained" scenarios start from, in the launch's folder."""
     torch.manual_seed(1)
     MODELS["t5gemma"]().model.save_pretrained(out / "t5gemma-seed1")
-    return run_scenarios("crossing.py", out, CONFIGS, nprocs=2, launcher="lightning")
+
+
+SHARED_TWO.part(__name__, "two_procs", "crossing.py", CONFIGS, prepare=_write_start)
+
+
+@pytest.fixture(scope="module")
+def two_procs(request) -> Launch:
+    pytest.importorskip("transformers")
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 @pytest.mark.extended

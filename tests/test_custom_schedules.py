@@ -16,7 +16,7 @@ from lightning_pipe.schedules.__main__ import main as schedules_cli
 from lightning_pipe.schedules.names import SCHEDULES
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.step.executors.schedule import microbatch_plan
-from tests.launch import agreed_errors, run_scenarios, run_script
+from tests.launch import SHARED_FOUR, agreed_errors, run_scenarios, run_script
 from tests.reference import assert_data_parallel_parity, assert_parity, load_ranks, single_device_run
 
 #: the 1F1B of 2 stages and 4 microbatches, by hand: stage 0 warms up with two forwards, stage 1 with one
@@ -285,16 +285,37 @@ def test_a_custom_schedule_under_fsdp_in_fabric(tmp_path):
         torch.testing.assert_close(torch.tensor(ran["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-7)
 
 
+def _export_1f1b(out: Path) -> None:
+    export_schedule("1F1B", 2, 2, str(out / "1f1b.csv"))
+
+
+def _tensor_parallel_configs(out: Path) -> list[dict]:
+    from lightning_pipe.compat import torch as torch_compat
+    from tests import test_tensor_parallel as tp
+
+    if not torch_compat.stage_takes_mesh():
+        return []  # the fixture skips
+    return [{**tp.TP2, "name": "csv", "clip": tp.CLIP, "val": 2, "schedule": str(out / "1f1b.csv")}]
+
+
+SHARED_FOUR.part(
+    __name__, "tensor_parallel", "tensor_parallel.py", _tensor_parallel_configs, timeout=400, prepare=_export_1f1b
+)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(request):
+    from tests import test_tensor_parallel as tp
+
+    tp._needs_dtensor_stages()
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
+
+
 @pytest.mark.extended
 @pytest.mark.slow
-def test_a_custom_schedule_under_tensor_parallelism(tmp_path):
+def test_a_custom_schedule_under_tensor_parallelism(tensor_parallel):
     """The exported 1F1B of 2 stages x 2 microbatches, each stage over 2 tensor-parallel processes (4 in all), with
     validation: as one device."""
     from tests import test_tensor_parallel as tp
 
-    tp._needs_dtensor_stages()
-    schedule = str(tmp_path / "1f1b.csv")
-    export_schedule("1F1B", 2, 2, schedule)
-    config = {**tp.TP2, "name": "csv", "clip": tp.CLIP, "val": 2, "schedule": schedule}
-    launch = run_scenarios("tensor_parallel.py", tmp_path, [config], nprocs=4, launcher="torchrun", timeout=400)
-    tp._assert_parity(launch.ranks("csv"), tp.decoder_reference())
+    tp._assert_parity(tensor_parallel.ranks("csv"), tp.decoder_reference())

@@ -142,9 +142,6 @@ def _configs_two() -> list[dict]:
         {"name": f"ac-{s}", "devices": 2, "schedule": s, "activation_checkpointing": True if i % 2 == 0 else 2}
         for i, s in enumerate(SCHEDULES)
     ]
-    configs.append(
-        {"name": "ddp-save", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 3, "save": "ddp.ckpt"}
-    )
     # One-stage pipelines, two replicas: plain data parallelism through the strategy.
     one = {"devices": 2, "pipeline_size": 1, "accumulate": 2, "clip": CLIP}
     configs.append({**one, "name": "pp1-ddp", "data_parallel": "ddp", "save": "pp1.ckpt"})
@@ -212,6 +209,14 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("data_parallel")
 
 
+def _configs_saved() -> list[dict]:
+    """The checkpoint the 4-process launch resumes (fsdp-from-ddp): a launch of its own, so that the extended tier,
+    which reads no other 2-process scenario, does not run the whole 2-process launch again."""
+    return [
+        {"name": "ddp-save", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 3, "save": "ddp.ckpt"}
+    ]
+
+
 def _configs_resumed() -> list[dict]:
     cfg = {"name": "ddp-from-fsdp", "devices": 2, "pipeline_size": 2, "model": "scheduled", "max_steps": 4}
     return [{**cfg, "resume": "fsdp.ckpt"}]
@@ -224,8 +229,13 @@ def two(out) -> Launch:
 
 
 @pytest.fixture(scope="module")
-def four(two) -> Launch:  # after `two`: fsdp-from-ddp resumes its ddp.ckpt
-    return run_scenarios("data_parallel.py", two.out, _configs_four(), nprocs=4, launcher="torchrun")
+def saved_two(out) -> Launch:
+    return run_scenarios("data_parallel.py", out, _configs_saved(), nprocs=2, launcher="lightning")
+
+
+@pytest.fixture(scope="module")
+def four(saved_two) -> Launch:  # after `saved_two`: fsdp-from-ddp resumes its ddp.ckpt
+    return run_scenarios("data_parallel.py", saved_two.out, _configs_four(), nprocs=4, launcher="torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +297,7 @@ def _each(launch: str, configs: list[dict], *marks: pytest.MarkDecorator) -> lis
 @pytest.mark.parametrize(
     ("launch", "name"),
     _each("two", _configs_two())
+    + _each("saved_two", _configs_saved(), pytest.mark.extended)
     + _each("four", _configs_four(), pytest.mark.extended)
     + _each("resumed_two", _configs_resumed(), pytest.mark.extended)
     + _each("nodes", _configs_nodes(), pytest.mark.extended),
@@ -369,8 +380,8 @@ def test_fsdp_reduce_scatters_each_unit_once_per_optimizer_step(four, name):
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(two, four):
-    ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in two.ranks("ddp-save")}
+def test_fsdp_holds_half_the_optimizer_state_of_ddp_per_rank(saved_two, four):
+    ddp = {r["pipeline_rank"]: r["optimizer_bytes"] for r in saved_two.ranks("ddp-save")}
     for r in four.ranks("fsdp-save"):
         ratio = r["optimizer_bytes"] / ddp[r["pipeline_rank"]]
         assert abs(ratio - 0.5) <= 0.05, ratio  # 1/dp within 10%
@@ -428,7 +439,7 @@ def _whole(ranks: list[dict], part: str, dp_rank: int = 0, key: str | None = Non
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [(("two", "ddp-save"), ("four", "fsdp-from-ddp")), (("four", "fsdp-save"), ("resumed_two", "ddp-from-fsdp"))],
+    [(("saved_two", "ddp-save"), ("four", "fsdp-from-ddp")), (("four", "fsdp-save"), ("resumed_two", "ddp-from-fsdp"))],
     ids=["ddp-save-fsdp-from-ddp", "fsdp-save-ddp-from-fsdp"],
 )
 def test_checkpoints_resume_across_ddp_and_fsdp_and_data_parallel_sizes(request, saved, resumed):

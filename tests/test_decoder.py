@@ -11,7 +11,7 @@ import torch
 
 from lightning_pipe.settings import SCHEDULES
 from tests.decoder_models import run_decoder
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch
 from tests.reference import assert_parity
 
 ALL_SCHEDULES = list(SCHEDULES)
@@ -32,14 +32,20 @@ def reference(keyword: bool = False, tied: bool = True) -> dict:
 
 
 # The launches' results, collected once per module: each test reads its own config's (Launch.ranks).
-@pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    return run_scenarios("decoder.py", tmp_path_factory.mktemp("decoder2"), CONFIGS[2], nprocs=2, launcher="lightning")
+SHARED_TWO.part(__name__, "two_procs", "decoder.py", CONFIGS[2])
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory) -> Launch:
-    return run_scenarios("decoder.py", tmp_path_factory.mktemp("decoder4"), CONFIGS[4], nprocs=4, launcher="torchrun")
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(__name__, "four_procs", "decoder.py", CONFIGS[4])
+
+
+@pytest.fixture(scope="module")
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _check(ranks: list[dict], ref: dict) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.eval_models import LitNormMLP, run_scenario
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, Launch, run_scenarios
 
 # Starts processes: left out of the fast tier (`pytest -m 'not slow'`).
 pytestmark = pytest.mark.slow
@@ -72,9 +72,12 @@ def two_procs(tmp_path_factory) -> Launch:
     return _launch(tmp_path_factory, 2)
 
 
+SHARED_FOUR.part(__name__, "four_procs", "evaluation.py", _configs(4))
+
+
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory) -> Launch:
-    return _launch(tmp_path_factory, 4)
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _close_dicts(got: list[dict], ref: list[dict]) -> None:

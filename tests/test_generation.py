@@ -30,7 +30,7 @@ from lightning_pipe.step.generation import decoding_of  # noqa: E402
 from lightning_pipe.step.interception import CallInterceptor  # noqa: E402
 from tests.generation_models import LitGenerate, build, run_generation  # noqa: E402
 from tests.hf_models import padded_batches  # noqa: E402
-from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch  # noqa: E402
 from tests.models import quiet_trainer  # noqa: E402
 
 TOL = 1e-5
@@ -300,16 +300,20 @@ def _check(launch: Launch, cfg):
 
 
 # Each launch once per module; each scenario has its own test.
-@pytest.fixture(scope="module")
-def two(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("generation2")
-    return run_scenarios("generation.py", out, [*TWO, *PEFT], nprocs=2, launcher="lightning", timeout=900)
+SHARED_TWO.part(__name__, "two", "generation.py", [*TWO, *PEFT], timeout=900)
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("generation4")
-    return run_scenarios("generation.py", out, FOUR, nprocs=4, launcher="torchrun", timeout=900)
+def two(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(__name__, "four", "generation.py", FOUR, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ transformers version (CI: the newest 5.x, the test extra's 4.57 and the lowest s
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
@@ -24,7 +23,7 @@ from lightning_pipe.models.huggingface.plan import UNSUPPORTED  # noqa: E402
 from tests.hf_families import MATRIX, registry, split_error, unsplit  # noqa: E402
 from tests.hf_models import run_hf  # noqa: E402
 from tests.hf_pretrained import fine_tune, probe_logits, save_pretrained  # noqa: E402
-from tests.launch import run_script  # noqa: E402
+from tests.launch import SHARED_TWO, Launch, run_script  # noqa: E402
 from tests.reference import assert_parity, load_ranks  # noqa: E402
 
 FAMILIES = sorted(registry())
@@ -73,18 +72,19 @@ def reference(family: str) -> dict:
     return run_hf(family=family, tie=False, side="right", layers=4)
 
 
+SHARED_TWO.part(__name__, "matrix", "hf.py", CONFIGS, timeout=900)
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    out = tmp_path_factory.mktemp("families")
-    run_script("hf.py", str(out), json.dumps(CONFIGS), nprocs=2, launcher="lightning", timeout=900)
-    return out
+def matrix(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["name"])
 def test_family_trains_and_validates_as_on_one_device(matrix, cfg):
-    ranks = load_ranks(matrix, cfg["name"])
+    ranks = matrix.ranks(cfg["name"])
     ref = reference(cfg["family"])
     # atol 2e-6: under torch 2.11 and transformers 4.54 on an Intel machine, one of gemma2's 1952 embedding weights
     # (a value of 0.008) ends 1.4e-6 from the one-device run (the microbatches' gradients summed in another order)

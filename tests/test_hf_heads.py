@@ -22,7 +22,7 @@ from lightning_pipe.models import kind_of  # noqa: E402
 from lightning_pipe.models.huggingface import directory as hf  # noqa: E402
 from lightning_pipe.models.huggingface.plan import hf_layout  # noqa: E402
 from tests.hf_heads import TASKS, config, fine_tune, lora_config, probe, save_pretrained  # noqa: E402
-from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_TWO, Launch  # noqa: E402
 
 TOL = 1e-5
 
@@ -122,13 +122,11 @@ def test_one_device_values_under_a_head_new_to_the_directory_are_said_to_differ(
     assert hf.new_head_notice(same, network) is None
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    work = tmp_path_factory.mktemp("hf-heads")
+def _write_directories(work) -> None:
+    """The model directories the scenarios fine-tune from, in the launch's folder."""
     for seed, task in enumerate(TASKS):
         save_pretrained(work / task, task, seed=seed)
     save_pretrained(work / "reward-causal-lm", "reward", seed=7, causal_lm=True)
-    return work
 
 
 @functools.cache
@@ -140,10 +138,14 @@ def reference(path: str, task: str, side: str, user_loss: bool, init_weights: st
     return model.step_losses, model.val_losses, probe(model.model)
 
 
+SHARED_TWO.part(__name__, "heads", "hf_heads.py", CONFIGS + LORA_CONFIGS, prepare=_write_directories)
+
+
 @pytest.fixture(scope="module")
-def heads(work) -> Launch:
-    """The one launch of every config, once per module; each test reads its own config's outcome."""
-    return run_scenarios("hf_heads.py", work, CONFIGS + LORA_CONFIGS, nprocs=2)
+def heads(request) -> Launch:
+    """The one launch of every config (shared with other modules: tests/launch.py Shared); each test reads its own
+    config's outcome."""
+    return SHARED_TWO.launch(request)
 
 
 @pytest.mark.extended

@@ -7,7 +7,6 @@ processes also 2 stages x 2 replicas, sharded (FSDP) against replicated (DDP).""
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.hf_models import run_hf  # noqa: E402
-from tests.launch import run_script  # noqa: E402
-from tests.reference import assert_parity, load_ranks  # noqa: E402
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch  # noqa: E402
+from tests.reference import assert_parity  # noqa: E402
 
 
 def _cfg(schedule: str, devices: int, family: str, tie: bool, side: str) -> dict:
@@ -57,18 +56,20 @@ def reference(family: str, tie: bool, side: str, built: str = "init") -> dict:
     return run_hf(family=family, tie=tie, side=side, built=built)
 
 
-@pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf2")
-    run_script("hf.py", str(out), json.dumps(CONFIGS[2]), nprocs=2, launcher="lightning")
-    return out
+SHARED_TWO.part(__name__, "two_procs", "hf.py", CONFIGS[2])
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf4")
-    run_script("hf.py", str(out), json.dumps([*CONFIGS[4], *REPLICATED, FSDP_WEIGHTED]), nprocs=4, launcher="torchrun")
-    return out
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(__name__, "four_procs", "hf.py", [*CONFIGS[4], *REPLICATED, FSDP_WEIGHTED])
+
+
+@pytest.fixture(scope="module")
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _check(ranks: list[dict], cfg: dict) -> None:
@@ -88,14 +89,14 @@ def _check(ranks: list[dict], cfg: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[2], ids=lambda c: c["name"])
 def test_hf_two_processes(two_procs, cfg):
-    _check(load_ranks(two_procs, cfg["name"]), cfg)
+    _check(two_procs.ranks(cfg["name"]), cfg)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS[4], ids=lambda c: c["name"])
 def test_hf_four_processes(four_procs, cfg):
-    _check(load_ranks(four_procs, cfg["name"]), cfg)
+    _check(four_procs.ranks(cfg["name"]), cfg)
 
 
 @pytest.mark.extended
@@ -103,7 +104,7 @@ def test_hf_four_processes(four_procs, cfg):
 def test_hf_stages_sharded_over_replicas_train_as_replicated_ones(four_procs):
     """A later stage of a transformers model starts at its first block under FSDP too (whose pre-forward hook hands
     the block new tensor objects), and trains as DDP replicas of the same stages do."""
-    ddp, fsdp = (load_ranks(four_procs, cfg["name"]) for cfg in REPLICATED)
+    ddp, fsdp = (four_procs.ranks(cfg["name"]) for cfg in REPLICATED)
     assert sorted((r["dp_rank"], r["pipeline_rank"]) for r in fsdp) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     replicas = {r["dp_rank"]: r["losses"] for r in ddp}
     assert replicas[0] != replicas[1]  # the replicas trained on different samples
@@ -120,7 +121,7 @@ def test_hf_stages_sharded_over_replicas_train_as_replicated_ones(four_procs):
 @pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_refuses_token_weighting_when_the_replicas_count_different_tokens(four_procs):
-    ranks = load_ranks(four_procs, FSDP_WEIGHTED["name"])
+    ranks = four_procs.ranks(FSDP_WEIGHTED["name"])
     assert len(ranks) == 4
     for r in ranks:
         assert "the data-parallel replicas counted different items ([" in r["error"], r["error"]

@@ -16,19 +16,24 @@ pytest.importorskip("transformers")
 from lightning_pipe.checkpoint import export  # noqa: E402
 from lightning_pipe.models.huggingface import export as hf_export  # noqa: E402
 from tests.hf_pretrained import fine_tune, probe_logits, save_pretrained  # noqa: E402
-from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch  # noqa: E402
 
 NAMES = ("llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied")
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    work = tmp_path_factory.mktemp("hf-pretrained")
+def _write_directories(work) -> None:
+    """The model directories the scenarios fine-tune from, in ``work``."""
     for name in NAMES:
         family, tie = name.split("-")
         save_pretrained(work / name, family, tie == "tied", seed=len(name))
     save_pretrained(work / "llama-6-layers", "llama", True, layers=6)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hf-pretrained")
+    _write_directories(work)
     return work
 
 
@@ -53,19 +58,30 @@ CHECKS = [dict(name="bf16", run="bf16"), dict(name="ckpt-path", run="ckpt-path")
 
 
 # The launches' results, collected once per module: each test reads its own run's (Launch.ranks).
-@pytest.fixture(scope="module")
-def one_f_one_b(work) -> Launch:
-    return run_scenarios("hf_pretrained.py", work, _fine_tunes("1F1B", 2), nprocs=2)
+SHARED_TWO.part(__name__, "one_f_one_b", "hf_pretrained.py", _fine_tunes("1F1B", 2), prepare=_write_directories)
 
 
 @pytest.fixture(scope="module")
-def interleaved(work) -> Launch:
-    return run_scenarios("hf_pretrained.py", work, _fine_tunes("Interleaved1F1B", 4), nprocs=4, launcher="torchrun")
+def one_f_one_b(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(
+    __name__, "interleaved", "hf_pretrained.py", _fine_tunes("Interleaved1F1B", 4), prepare=_write_directories
+)
 
 
 @pytest.fixture(scope="module")
-def checks(work) -> Launch:
-    return run_scenarios("hf_pretrained.py", work, CHECKS, nprocs=2)
+def interleaved(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_TWO.part(__name__, "checks", "hf_pretrained.py", CHECKS, prepare=_write_directories)
+
+
+@pytest.fixture(scope="module")
+def checks(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _check_fine_tune(launch: Launch, schedule: str, name: str) -> None:

@@ -25,7 +25,7 @@ from lightning_pipe.models.huggingface.stage import hf_stage_call  # noqa: E402
 from lightning_pipe.models.huggingface.vision import later_stage_call  # noqa: E402
 from lightning_pipe.split.surgery import prune  # noqa: E402
 from tests.hf_vision import LAYERS, LitVision, batches, build, probe, run_vision, save_pretrained  # noqa: E402
-from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch  # noqa: E402
 from tests.models import quiet_trainer  # noqa: E402
 
 TOL = 1e-5
@@ -140,23 +140,26 @@ CONFIGS = [
 ] + [dict(name="llava-directory", family="llava", schedule="1F1B", devices=2, freeze_vision=True, directory=True)]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    work = tmp_path_factory.mktemp("hf-vision")
-    save_pretrained(work / "llava", "llava")
-    return work
+def _write_llava(work) -> None:
+    save_pretrained(work / "llava", "llava")  # what the "directory" scenario starts from
 
 
 # The launches' results, collected once per module: each test reads its own config's (Launch.ranks).
-@pytest.fixture(scope="module")
-def two(work) -> Launch:
-    return run_scenarios("hf_vision.py", work, CONFIGS, nprocs=2)
+SHARED_TWO.part(__name__, "two", "hf_vision.py", CONFIGS, prepare=_write_llava)
 
 
 @pytest.fixture(scope="module")
-def four(work) -> Launch:
-    cfg = dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)
-    return run_scenarios("hf_vision.py", work, [cfg], nprocs=4)
+def two(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+FOUR = [dict(name="llava-interleaved", family="llava", schedule="Interleaved1F1B", devices=4, layers=8)]
+SHARED_FOUR.part(__name__, "four", "hf_vision.py", FOUR)
+
+
+@pytest.fixture(scope="module")
+def four(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 @functools.cache

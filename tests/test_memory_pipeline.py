@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch
 from tests.memory_models import run_meta
 from tests.reference import merged_state
 
@@ -28,15 +28,26 @@ def one_process(family: str) -> dict:
     return run_meta(family, devices=1)
 
 
+SHARED_FOUR.part(__name__, "four", "memory_init.py", CONFIGS[4])
+SHARED_TWO.part(__name__, "two", "memory_init.py", CONFIGS[2])
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict[int, Launch]:
-    """The 2- and 4-process launches by process count; each test reads its own config's outcome (Launch.ranks)."""
+def two(request) -> Launch:
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("meta")
-    return {
-        2: run_scenarios("memory_init.py", out, CONFIGS[2], nprocs=2, launcher="lightning"),
-        4: run_scenarios("memory_init.py", out, CONFIGS[4], nprocs=4, launcher="torchrun"),
-    }
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+@pytest.fixture(scope="module")
+def four(request) -> Launch:
+    pytest.importorskip("transformers")
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
+
+
+@pytest.fixture(scope="module")
+def launched(two, four) -> dict[int, Launch]:
+    """The 2- and 4-process launches by process count; each test reads its own config's outcome (Launch.ranks)."""
+    return {2: two, 4: four}
 
 
 @pytest.mark.extended

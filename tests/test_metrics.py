@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch
 from tests.metric_models import fit_metrics_model
 
 CONFIGS = {
@@ -32,16 +32,20 @@ def _reference() -> dict:
     return {"records": model.records, "final": {k: float(v) for k, v in trainer.callback_metrics.items()}}
 
 
-@pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("metrics2")
-    return run_scenarios("metrics_parity.py", out, CONFIGS[2], nprocs=2, launcher="lightning")
+SHARED_TWO.part(__name__, "two_procs", "metrics_parity.py", CONFIGS[2])
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("metrics4")
-    return run_scenarios("metrics_parity.py", out, [*CONFIGS[4], PROJECT_4], nprocs=4, launcher="torchrun")
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(__name__, "four_procs", "metrics_parity.py", [*CONFIGS[4], PROJECT_4])
+
+
+@pytest.fixture(scope="module")
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _assert_same(ranks: list[dict], expected: dict) -> None:

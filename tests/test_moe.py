@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_pipe.errors import PipelineModelError, PipelineUsageError  # noqa: E402
-from tests.launch import Launch, run_scenarios  # noqa: E402
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch  # noqa: E402
 from tests.moe_models import AUX_COEF, build_moe, first_router, run_moe  # noqa: E402
 from tests.reference import assert_parity, merged_state  # noqa: E402
 from tests.stage_sim import run_stages, split_all, whole_network_grads  # noqa: E402
@@ -141,16 +141,20 @@ def reference(family: str) -> dict:
     return run_moe(family)
 
 
-@pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("moe2")
-    return run_scenarios("moe.py", out, CONFIGS[2], nprocs=2, launcher="lightning")
+SHARED_TWO.part(__name__, "two_procs", "moe.py", CONFIGS[2])
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("moe4")
-    return run_scenarios("moe.py", out, CONFIGS[4], nprocs=4, launcher="torchrun")
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(__name__, "four_procs", "moe.py", CONFIGS[4])
+
+
+@pytest.fixture(scope="module")
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _check(ranks: list[dict], family: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, SHARED_TWO, Launch
 from tests.reference import assert_data_parallel_parity, assert_parity, single_device_run
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
@@ -30,15 +30,21 @@ def _configs(devices: int) -> list[dict]:
 
 
 # The launches' results, collected once per module: each test reads its own config's (Launch.ranks).
+SHARED_TWO.part(__name__, "two_procs", "parity.py", _configs(2))
+
+
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
+def two_procs(request) -> Launch:
     # Lightning's own launcher: the script re-runs itself as rank 1.
-    return run_scenarios("parity.py", tmp_path_factory.mktemp("parity2"), _configs(2), nprocs=2, launcher="lightning")
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
+
+
+SHARED_FOUR.part(__name__, "four_procs", "parity.py", _configs(4))
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory) -> Launch:
-    return run_scenarios("parity.py", tmp_path_factory.mktemp("parity4"), _configs(4), nprocs=4, launcher="torchrun")
+def four_procs(request) -> Launch:
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _reference(cfg: dict):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.demo_models import fit_boring, fit_demo_model, fit_demo_transformer, fit_manual
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_TWO, Launch
 from tests.project_models import TRAIN, run_project
 from tests.reference import merged_state
 
@@ -65,10 +65,12 @@ def assert_same_as_one_device(ranks: list[dict], expected: dict) -> None:
     assert all(rank["predictions"] is None for rank in ranks[1:])
 
 
+SHARED_TWO.part(__name__, "two_procs", "project.py", CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("project2")
-    return run_scenarios("project.py", out, CONFIGS, nprocs=2, launcher="lightning")
+def two_procs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 @pytest.mark.slow

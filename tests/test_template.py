@@ -23,7 +23,7 @@ from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.split.builder import CopiedSplit, split_module
 from lightning_pipe.step.interception import CallInterceptor
 from lightning_pipe.step.report import batch_arithmetic, batch_dependent_modules
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_TWO, Launch
 from tests.template_models import LitTemplate, SimpleDenseNet, held_out_loader, loaders, new_module, trainer
 
 TOL = 1e-5
@@ -232,10 +232,12 @@ def _reference(root: str) -> dict:
     }
 
 
+SHARED_TWO.part(__name__, "runs", "template.py", CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("template")
-    return run_scenarios("template.py", out, CONFIGS, nprocs=2, launcher="lightning")
+def runs(request) -> Launch:
+    return SHARED_TWO.launch(request)  # the 2-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _same(got, want) -> None:

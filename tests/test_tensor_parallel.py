@@ -36,7 +36,7 @@ from lightning_pipe.settings import PipelineSettings, resolve_pipeline_size
 from lightning_pipe.split.builder import check_whole_before_split
 from lightning_pipe.step.executors.schedule import step_options
 from tests.groups import one_rank_group
-from tests.launch import Launch, run_scenarios
+from tests.launch import SHARED_FOUR, Launch, run_scenarios
 
 TOL = 1e-5
 CLIP = 0.5
@@ -353,19 +353,29 @@ def hf_reference(family: str, tied: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- launches
-@pytest.fixture(scope="module")
-def four(tmp_path_factory) -> Launch:
-    _needs_dtensor_stages()
-    out = tmp_path_factory.mktemp("tp4")
-    configs = [
-        {**c, "error": False} if c["name"] == "hf-qwen3" and _transformers_5() else c for c in FOUR
-    ]  # transformers 5 plans Qwen3's per-head norms; 4.x leaves them out (an error)
+def _four_configs(out) -> list[dict]:
+    if not torch_compat.stage_takes_mesh():
+        return []  # the fixture skips
+    # transformers 5 plans Qwen3's per-head norms; 4.x leaves them out (an error)
+    return [{**c, "error": False} if c["name"] == "hf-qwen3" and _transformers_5() else c for c in FOUR]
+
+
+def _write_pretrained(out) -> None:
+    """The Hugging Face directories the "init" scenarios read, in the launch's folder."""
     for name, network in _pretrained().items():
         if name == "llama-hf":
             network.save_pretrained(out / name, max_shard_size="40KB")  # several files
         else:
             _save_safetensors(network, out / name)
-    return run_scenarios("tensor_parallel.py", out, configs, nprocs=4, launcher="torchrun", timeout=1500)
+
+
+SHARED_FOUR.part(__name__, "four", "tensor_parallel.py", _four_configs, timeout=1500, prepare=_write_pretrained)
+
+
+@pytest.fixture(scope="module")
+def four(request) -> Launch:
+    _needs_dtensor_stages()
+    return SHARED_FOUR.launch(request)  # the 4-process launch shared with other modules (tests/launch.py Shared)
 
 
 def _needs_dtensor_stages() -> None:

@@ -105,9 +105,13 @@ def error(work: Path, cfg: dict) -> None:
 RUNS = {"fine-tune": fine_tune_run, "bf16": bf16, "ckpt-path": ckpt_path, "error": error}
 
 
+def run(work: Path, cfg: dict) -> None:
+    RUNS[cfg["run"]](work, cfg)
+
+
 def main() -> None:
     work, configs = Path(sys.argv[1]), json.loads(sys.argv[2])
-    run_each(work, configs, lambda work, cfg: RUNS[cfg["run"]](work, cfg))
+    run_each(work, configs, run)
 
 
 if __name__ == "__main__":
