@@ -104,10 +104,16 @@ class PipelineParallelStrategy(
         snapshots = self._snapshots
         in_place = None
         if snapshots is not None:
-            in_place = InPlace(lambda: snapshots.any, ckpt_snapshot.MEMORY, self._session.release_groups)
+            in_place = InPlace(lambda: snapshots.any, ckpt_snapshot.MEMORY, self._release_groups)
         return PipelineLauncher(
             environment, self.num_processes, self.num_nodes, settings.timeout, restarts, find, in_place, settings.spares
         )
+
+    def _release_groups(self) -> None:
+        """Recovery in place: drop every reference of the strategy's to the broken run's process groups."""
+        self._session.release_groups()
+        if self._snapshots is not None:
+            self._snapshots.release_group()
 
     @override
     @failures.in_phase("during start-up")

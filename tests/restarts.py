@@ -4,6 +4,7 @@ used by tests/test_restart.py (a few scenarios, slow tier) and tests/restart_loo
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -146,4 +147,16 @@ def reference(root: Path, devices: int) -> Path:
         proc = run(out, {"devices": devices}, "lightning")
         if proc.returncode != 0:
             raise RuntimeError(f"the reference run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return out
+
+
+def uninterrupted(root: Path, devices: int, timeout: float = 600) -> Path:
+    """The run of ``devices`` processes without a fault, snapshots or checkpoint files, made once under ``root``: the
+    test modules that compare with it pass the session's base temporary directory and share it."""
+    out = root / f"uninterrupted-{devices}p"
+    if not (out / "complete").exists():
+        shutil.rmtree(out, ignore_errors=True)  # a run that failed before: made again, from nothing
+        proc = run(out, {"devices": devices, "disk": False}, "lightning", timeout=timeout)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        (out / "complete").touch()
     return out

@@ -22,6 +22,7 @@ from lightning_pipe.comm.mesh import MeshLayout
 from lightning_pipe.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pipe.reliability import recovery
 from lightning_pipe.settings import AUTO_SNAPSHOT_EVERY
+from tests import restarts
 from tests.restarts import compare, losses, run
 
 
@@ -204,6 +205,17 @@ def test_a_completed_exchange_drops_the_older_copies():
     assert sorted(snapshots.own) == [12] and snapshots.held == {12: b"held12"} and snapshots.complete == {12}
 
 
+def test_a_lost_peer_drops_the_snapshot_group_with_the_strategys_groups():
+    """A survivor keeps no reference to the broken run's world group (gloo closes its connections with the last): a
+    peer of another replica blocked on it in a world collective fails at once instead of waiting for the timeout."""
+    strategy = PipelineParallelStrategy(snapshot_every=4, max_restarts=1)
+    strategy._snapshots._group = (object(), object())  # as `use_group` made it for the run that broke
+    with mock.patch.object(strategy._session, "release_groups") as session_groups:
+        strategy._release_groups()
+    session_groups.assert_called_once()
+    assert strategy._snapshots._group is None
+
+
 def test_no_snapshot_to_agree_on_is_refused():
     with pytest.raises(PipelineCheckpointError, match=r"No snapshot step.*rank 0: none.*newest checkpoint on disk"):
         Snapshots(every=4).agree(ranks_per_node=1)
@@ -245,11 +257,8 @@ def test_a_survivor_waits_for_the_next_generation(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------- 2 processes
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The run without a fault, without snapshots and without checkpoint files."""
-    reference = tmp_path_factory.mktemp("recovery") / "reference"
-    proc = run(reference, {"devices": 2, "disk": False}, "lightning")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return reference
+    """The run without a fault, without snapshots and without checkpoint files (shared with the fault matrix)."""
+    return restarts.uninterrupted(tmp_path_factory.getbasetemp(), 2)
 
 
 @pytest.mark.slow
@@ -323,11 +332,9 @@ def test_a_kill_before_the_first_snapshot_falls_back_to_the_restart_from_disk(un
 # ---------------------------------------------------------------------------------------------------- 2 x 2
 @pytest.fixture(scope="module")
 def uninterrupted_2x2(tmp_path_factory):
-    """2 stages x 2 data-parallel replicas (DistributedSampler) without a fault, snapshots or checkpoint files."""
-    reference = tmp_path_factory.mktemp("recovery") / "reference-2x2"
-    proc = run(reference, {"devices": 4, "disk": False}, "lightning")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return reference
+    """2 stages x 2 data-parallel replicas (DistributedSampler) without a fault, snapshots or checkpoint files (shared
+    with the fault matrix)."""
+    return restarts.uninterrupted(tmp_path_factory.getbasetemp(), 4)
 
 
 @pytest.mark.slow

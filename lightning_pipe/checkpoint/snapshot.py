@@ -158,6 +158,13 @@ class Snapshots:
             self._group = (world, collectives.new_group(list(range(size)), backend="gloo") if size > 1 else world)
         return self._group[1]
 
+    def release_group(self) -> None:
+        """A peer was lost: forget the broken run's groups (the world group and the exchanges'). gloo closes a
+        group's connections only with its last reference, and a peer of another replica may be blocked on this
+        rank in a world collective (Lightning's broadcast at the start of a training step, while this rank failed
+        in validation) until this rank's connections close."""
+        self._group = None
+
     # ------------------------------------------------------------------ taking one
     def submit(self, step: int, staged: Staged, point: Any, ranks_per_node: int) -> None:
         """Serialise ``staged`` with this rank's resume point ``point`` and exchange copies with the buddies, in the

@@ -82,7 +82,8 @@ class DropoutLM(LitLM):
         return DataLoader(token_dataset(48), batch_size=8, shuffle=True)
 
     def val_dataloader(self):
-        return DataLoader(token_dataset(16, seed=1), batch_size=8)
+        # 32 samples: 2 batches per replica on 4 processes, so a `validation` kill (at batch 1) comes mid-validation
+        return DataLoader(token_dataset(32, seed=1), batch_size=8)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
