@@ -189,6 +189,33 @@ def test_a_snapshot_in_the_background_keeps_the_previous_complete_one_until_it_c
     assert 16 not in snapshots.held and snapshots.complete == {8} and sorted(snapshots.own) == [8, 12, 16]
 
 
+def test_an_abandoned_exchange_that_fails_later_raises_nothing_in_the_next_generation():
+    """The thread of a snapshot abandoned after a failure stays blocked in its exchange until the broken run's groups
+    are dropped, and then fails: that error belongs to the broken run, not to the next snapshot's wait."""
+    snapshots = Snapshots(every=4)
+    snapshots._group = (collectives.world_group(), "the snapshot group")  # as `use_group` made it in `setup`
+    began, release = threading.Event(), threading.Event()
+
+    def exchange(data, to, source, group):
+        began.set()
+        release.wait(5)
+        raise RuntimeError("Connection closed by peer")
+
+    staged = stage({"global_step": 12, "w": torch.ones(2)}, snapshots.pinned)
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", exchange),
+    ):
+        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+        assert began.wait(5)
+        thread = snapshots._thread
+        snapshots.abandon()
+        release.set()
+        thread.join(5)
+    snapshots.wait()  # raises nothing
+    assert 12 not in snapshots.held and snapshots.complete == set()
+
+
 def test_a_completed_exchange_drops_the_older_copies():
     snapshots = Snapshots(every=4)
     snapshots.own[8], snapshots.held[8], snapshots.complete = b"own8", b"held8", {8}

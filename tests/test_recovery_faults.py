@@ -4,7 +4,7 @@ while a disk checkpoint is written), on each rank, for each layout.
 
 The cases are named ``<layout>-<kill point>-rank<R>`` in the test report. Several cases share one launch (five kills
 in one run, one per generation; ``max_restarts=5``), and every launch of a layout is compared with one reference
-run of that layout, made once: each case checks its own kill (the replacement, the survivor's process, the snapshot
+run of that layout, made once: each case checks its own kill (the replacement, the survivors' processes, the snapshot
 step resumed from) and its launch's exactness (every training and validation loss and the final weights bit for bit
 equal to the reference's), that no checkpoint file was read, and that the checkpoint a kill interrupted was written
 again, complete. A launch is bounded by its timeout (``LAUNCH_TIMEOUT``); a hang fails its cases.
@@ -67,17 +67,18 @@ LAUNCHES: dict[str, dict[str, Any]] = {
     }
     for first, spares in ((0, 1), (1, 0))
 }
-#: The launch of the 2 x 2 layout: the kill points alternate between rank 1 (stage 0 of replica 1) and rank 2 (stage
-#: 1 of replica 0), so that every point is hit once and both stages and both replicas lose a rank; a spare takes each
-#: place (renewed after each use). The same steps, so the same snapshots resumed from, as the 2-stage launches.
+#: The launch of the 2 x 2 layout: the kill points alternate between rank 2 (stage 1 of replica 0) and rank 1 (stage
+#: 0 of replica 1), so that every point is hit once and both stages and both replicas lose a rank; ``write`` on rank 2:
+#: only the first replica's ranks write checkpoint files. A spare takes each place (renewed after each use). The same
+#: steps, so the same snapshots resumed from, as the 2-stage launches.
 LAUNCHES["2x2-alternating"] = {
     "spares": 1,
     "kills": [
-        Kill("step", 1, 6, 0, 4),
-        Kill("validation", 2, 10, 1, 8),
-        Kill("serialise", 1, 12, 2, 8),
-        Kill("exchange", 2, 16, 3, 12),
-        Kill("write", 1, 20, 4, 16),
+        Kill("step", 2, 6, 0, 4),
+        Kill("validation", 1, 10, 1, 8),
+        Kill("serialise", 2, 12, 2, 8),
+        Kill("exchange", 1, 16, 3, 12),
+        Kill("write", 2, 20, 4, 16),
     ],
 }
 
@@ -146,8 +147,8 @@ def _pid_around(out: Path, rank: int, moment: float) -> tuple[str, str]:
 @pytest.mark.extended
 @pytest.mark.parametrize("launch_name,case", CASES)
 def test_a_kill_is_recovered_in_place_exactly(launches, launch_name, case):
-    """The killed rank is replaced (by a spare where the launch has one), the other rank keeps its process, the ranks
-    resume from the snapshot every rank holds, no checkpoint file is read, and the run equals the reference."""
+    """The killed rank is replaced (by a spare where the launch has one), every other rank keeps its process, the
+    ranks resume from the snapshot every rank holds, no checkpoint file is read, and the run equals the reference."""
     launched, launch = launches.launch(launch_name), LAUNCHES[launch_name]
     kill: Kill = launch["kills"][case]
     out, output = launched.out, launched.output

@@ -185,7 +185,9 @@ class Snapshots:
                     collectives.barrier(group)  # every rank has both copies of `step`
                 self._completed(epoch, step, len(data))
             except Exception as err:  # raised in the main thread at the next snapshot or the end of `fit`
-                self._error = err
+                with self._lock:
+                    if epoch == self._epoch:  # an abandoned exchange fails once the broken run's groups are dropped
+                        self._error = err
             finally:
                 self.last_background_seconds = time.perf_counter() - began
                 self.timings.append((step, blocked, self.last_background_seconds))
