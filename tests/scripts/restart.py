@@ -74,16 +74,17 @@ def kill_here(cfg: dict, where: str, step: int) -> bool:
 class DropoutLM(LitLM):
     """LitLM with dropout after every block (a random stream on every stage), shuffled data, validation."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, replicas: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.replicas = replicas
         self.model.layers = nn.ModuleList(nn.Sequential(block, nn.Dropout(0.1)) for block in self.model.layers)
 
     def train_dataloader(self):
         return DataLoader(token_dataset(48), batch_size=8, shuffle=True)
 
     def val_dataloader(self):
-        # 32 samples: 2 batches per replica on 4 processes, so a `validation` kill (at batch 1) comes mid-validation
-        return DataLoader(token_dataset(32, seed=1), batch_size=8)
+        # 2 batches per replica (DistributedSampler), so that a `validation` kill (at batch 1) comes mid-validation
+        return DataLoader(token_dataset(16 * self.replicas, seed=1), batch_size=8)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -220,7 +221,7 @@ def main() -> None:
     else:
         (out / f"pid.rank{rank()}.generation{generation()}").write_text(str(os.getpid()))
     L.seed_everything(0)
-    model = DropoutLM(n_layers=4)
+    model = DropoutLM(replicas=cfg["devices"] // 2, n_layers=4)
     strategy = lightning_pipe.PipelineParallelStrategy(
         pipeline_size=2,
         async_checkpoint=cfg.get("async", False),
