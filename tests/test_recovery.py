@@ -5,10 +5,12 @@ processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -146,6 +148,18 @@ def test_one_process_agrees_on_its_newest_snapshot_and_restores_a_copy():
     assert snapshots.nbytes() == len(snapshots.own[12]) and snapshots.last_bytes == len(snapshots.own[12])
 
 
+@contextlib.contextmanager
+def _submitting(snapshots: Snapshots, step: int, exchange: Callable[..., bytes]) -> Iterator[None]:
+    """Inside: the snapshot of ``step`` submitted by rank 0 of 2, its thread exchanging through ``exchange``."""
+    staged = stage({"global_step": step, "w": torch.ones(2)}, snapshots.pinned)
+    with (
+        mock.patch.object(collectives, "group_size", return_value=2),
+        mock.patch.object(collectives, "exchange_bytes", exchange),
+    ):
+        snapshots.submit(step, staged, point=step, ranks_per_node=2)
+        yield
+
+
 def test_a_snapshot_in_the_background_keeps_the_previous_complete_one_until_it_completes():
     """Both copies of step 8 exist everywhere (complete); step 12's thread fails in the exchange (the buddy was
     lost): step 8 stays, the error reaches the main thread at the next wait, and after the failure the thread
@@ -161,12 +175,7 @@ def test_a_snapshot_in_the_background_keeps_the_previous_complete_one_until_it_c
         release.wait(5)
         raise lost
 
-    staged = stage({"global_step": 12, "w": torch.ones(2)}, snapshots.pinned)
-    with (
-        mock.patch.object(collectives, "group_size", return_value=2),
-        mock.patch.object(collectives, "exchange_bytes", exchange),
-    ):
-        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+    with _submitting(snapshots, 12, exchange):
         assert began.wait(5)
         assert sorted(snapshots.own) == [8, 12] and sorted(snapshots.held) == [8]  # 12 serialised, not exchanged
         release.set()
@@ -176,6 +185,7 @@ def test_a_snapshot_in_the_background_keeps_the_previous_complete_one_until_it_c
 
     began.clear()
     release.clear()
+    staged = stage({"global_step": 16, "w": torch.ones(2)}, snapshots.pinned)
     with (
         mock.patch.object(collectives, "group_size", return_value=2),
         mock.patch.object(collectives, "exchange_bytes", lambda *a: (began.set(), release.wait(5), b"held16")[2]),
@@ -201,12 +211,7 @@ def test_an_abandoned_exchange_that_fails_later_raises_nothing_in_the_next_gener
         release.wait(5)
         raise RuntimeError("Connection closed by peer")
 
-    staged = stage({"global_step": 12, "w": torch.ones(2)}, snapshots.pinned)
-    with (
-        mock.patch.object(collectives, "group_size", return_value=2),
-        mock.patch.object(collectives, "exchange_bytes", exchange),
-    ):
-        snapshots.submit(12, staged, point=12, ranks_per_node=2)
+    with _submitting(snapshots, 12, exchange):
         assert began.wait(5)
         thread = snapshots._thread
         snapshots.abandon()
