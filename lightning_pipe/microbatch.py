@@ -104,32 +104,36 @@ def split_batch(batch: Any, n: int, sizes: Sequence[int] | None = None, *, size:
         sizes = [size // n] * n
     elif len(sizes) != n or sum(sizes) != size:
         raise MicrobatchError(f"Microbatch sizes {list(sizes)} do not split a batch of {size} samples into {n}.")
-    sizes = list(sizes)
+    return _split(batch, size, list(sizes))
 
-    def split(obj: Any) -> list[Any]:
-        if isinstance(obj, torch.Tensor):
-            if obj.dim() > 0 and obj.shape[0] == size:
-                return list(obj.split(sizes))
-            return [obj] * n
-        if isinstance(obj, (list, tuple)):
-            parts = [split(v) for v in obj]
-            if is_namedtuple(obj):
-                return [type(obj)(*(p[i] for p in parts)) for i in range(n)]
-            return [type(obj)(p[i] for p in parts) for i in range(n)]
-        if isinstance(obj, Mapping):
-            parts = {k: split(v) for k, v in obj.items()}
-            return [
-                type(obj)({k: parts[k][i] for k in obj}) if type(obj) is not dict else {k: parts[k][i] for k in obj}
-                for i in range(n)
-            ]
+
+def _split(obj: Any, size: int, sizes: list[int]) -> list[Any]:
+    # A module-level function, not a closure: a recursive closure is a reference cycle, left to the garbage collector
+    # (one a step).
+    n = len(sizes)
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0 and obj.shape[0] == size:
+            return list(obj.split(sizes))
         return [obj] * n
-
-    return split(batch)
+    if isinstance(obj, (list, tuple)):
+        parts = [_split(v, size, sizes) for v in obj]
+        if type(obj) is tuple:  # the usual batch, `(inputs, targets)`
+            return list(zip(*parts)) if parts else [()] * n
+        if is_namedtuple(obj):
+            return [type(obj)(*(p[i] for p in parts)) for i in range(n)]
+        return [type(obj)(p[i] for p in parts) for i in range(n)]
+    if isinstance(obj, Mapping):
+        split = {k: _split(v, size, sizes) for k, v in obj.items()}
+        return [
+            type(obj)({k: split[k][i] for k in obj}) if type(obj) is not dict else {k: split[k][i] for k in obj}
+            for i in range(n)
+        ]
+    return [obj] * n
 
 
 def signature(obj: Any) -> tuple:
     """Shapes and dtypes of every tensor in ``obj``: equal signatures mean torch can reuse inferred stage shapes."""
-    return tuple((tuple(t.shape), str(t.dtype)) for t in tensors_in(obj))
+    return tuple([(t.shape, t.dtype) for t in tensors_in(obj)])
 
 
 def epoch_batch_sizes(loader: Any) -> list[tuple[str, int]] | None:

@@ -298,3 +298,26 @@ def test_the_gradients_lightning_zeroes_after_a_step_are_released_before_its_sch
     fit(pipeline(), [reader])
     assert reader.alive == [None, True, True, True, True, True]
     assert reader.seen_before_zero_grad == [False, True, True]  # none yet as the first window starts
+
+
+def test_a_hook_set_on_a_callback_instance_keeps_the_gradients_too():
+    # The overrides are looked up once per class; a hook set on an instance (or on a class after the first step) is
+    # still seen, and the gradients it reads are kept for it.
+    import types
+
+    from lightning_pipe import PipelineParallelStrategy
+    from tests.models import quiet_trainer
+
+    watch = _gradient_watch(reads_before_zero_grad=False)
+    seen: list[bool] = []
+
+    def on_before_zero_grad(self, trainer, module, optimizer):
+        seen.append(all(p.grad is not None for p in module.parameters()))
+
+    watch.on_before_zero_grad = types.MethodType(on_before_zero_grad, watch)
+    strategy = PipelineParallelStrategy(microbatches=2, stages_per_rank=2, schedule="Interleaved1F1B")
+    quiet_trainer(max_steps=3, devices=1, strategy=strategy, accumulate_grad_batches=2, callbacks=[watch]).fit(
+        _Regression()
+    )
+    assert watch.alive == [None, True, True, True, True, True]
+    assert seen == [False, True, True]

@@ -185,7 +185,7 @@ def test_split_batch_structures():
     tuples = split_batch((x, [y, y]), 4)
     assert torch.equal(tuples[3][1][0], y[3:])
     assert batch_size([x]) == 4
-    assert signature((x, y)) == (((4, 2), "torch.int64"), ((4,), "torch.int64"))
+    assert signature((x, y)) == (((4, 2), torch.int64), ((4,), torch.int64))
     with pytest.raises(MicrobatchError, match=r"type dict into microbatches.*no tensor.*batch dimension.*dim 0"):
         batch_size({"a": "text"})
 

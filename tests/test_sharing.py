@@ -44,3 +44,13 @@ def test_every_step_arrives(ranks):
     assert [o for _, o in sender["got"]] == [s[1] for s in STEPS]
     # Object path: the first step, the new log key, the huge integer, the step after it (no known size).
     assert receiver["object_steps"] == sender["object_steps"] == 4
+
+
+def test_a_tensor_met_twice_travels_once_and_arrives_as_one_object():
+    # A training step's output is its loss: one value in the message, one tensor on every rank (as on the sender).
+    loss = torch.tensor(0.75)
+    outcome = Outcome(loss=loss, output=loss, output_shared=True, key_checksum=3)
+    schema, values = flatten(outcome)
+    assert len(values) == 2  # the loss once, the checksum
+    got = rebuild(schema, torch.tensor([0.75, 3.0], dtype=torch.float64), torch.device("cpu"))
+    assert got == outcome and got.output is got.loss

@@ -252,6 +252,39 @@ def recv_(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     return tensor
 
 
+class Direct:
+    """Point-to-point messages of CPU tensors over one group, through the group's CPU backend's own ``send`` and
+    ``recv``: what :func:`isend` and :func:`irecv` do there, without ``torch.distributed``'s per-call argument checks,
+    rank lookups and logging wrapper (measured on 2 processes, 2026-11-29: 31 µs of CPU to post a gloo receive this
+    way, 50 through ``dist.irecv``). Ranks are global; each is looked up once. For a message sent every step."""
+
+    def __init__(self, group: Group) -> None:
+        from lightning_pipe.compat.torch import cpu_backend
+
+        self.group = group
+        #: ``None``: no CPU backend found, the public calls instead (which say why, if they fail)
+        self._backend = cpu_backend(group)
+        self._ranks: dict[int, int] = {}
+
+    def _group_rank(self, rank: int) -> int:
+        found = self._ranks.get(rank)
+        if found is None:
+            found = self._ranks[rank] = dist.get_group_rank(self.group, rank)
+        return found
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> tuple[Any, torch.Tensor]:
+        """Post a send of the contiguous CPU ``tensor`` to global rank ``dst``; ``(work, tensor)`` as :func:`isend`."""
+        if self._backend is None:
+            return isend(tensor, dst, self.group, tag)
+        return self._backend.send([tensor], self._group_rank(dst), tag), tensor
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> tuple[Any, torch.Tensor]:
+        """Post a receive into the CPU ``tensor`` from global rank ``src``; ``(work, tensor)`` as :func:`irecv`."""
+        if self._backend is None:
+            return irecv(tensor, src, self.group, tag)
+        return self._backend.recv([tensor], self._group_rank(src), tag), tensor
+
+
 def wait(pending: list[tuple[Any, torch.Tensor]]) -> None:
     for work, _buffer in pending:
         work.wait()

@@ -6,6 +6,7 @@ outside Lightning can rely on it; they are imported here only, so an upgrade has
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,19 +171,44 @@ def gradients_zeroed_after_step(trainer: Any) -> list[Any]:
     (set by ``StochasticWeightAveraging``) and the epoch loop's ``batch_idx``, which is the index that loop passes to
     ``_make_zero_grad_fn``.
     """
-    from lightning.pytorch import Callback, LightningModule
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
     module, optimizers = trainer.lightning_module, trainer.optimizers
     if not module.automatic_optimization or len(optimizers) != 1 or trainer.fit_loop._skip_backward:
         return []
     if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0:
         return []
-    if any(is_overridden(hook, module, LightningModule) for hook in ("on_before_zero_grad", "optimizer_zero_grad")):
+    callbacks = trainer.callbacks
+    # A hook set on an instance counts as an override (its dict is read: cheap); the classes' are looked up once.
+    if any(hook in _attributes(module) for hook in _ZERO_GRAD_HOOKS) or any(
+        _BEFORE_ZERO_GRAD in _attributes(callback) for callback in callbacks
+    ):
         return []
-    if any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks):
+    kind = type(module)
+    hooks = (kind, *(getattr(kind, hook) for hook in _ZERO_GRAD_HOOKS))
+    callback_hooks = tuple((type(c), getattr(type(c), _BEFORE_ZERO_GRAD, None)) for c in callbacks)
+    if _zero_grad_read_by(hooks, callback_hooks):
         return []
     return [p for group in optimizers[0].param_groups for p in group["params"]]
+
+
+_BEFORE_ZERO_GRAD = "on_before_zero_grad"
+_ZERO_GRAD_HOOKS = (_BEFORE_ZERO_GRAD, "optimizer_zero_grad")
+
+
+def _attributes(obj: Any) -> Any:
+    return getattr(obj, "__dict__", ())
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_grad_read_by(hooks: tuple[Any, ...], callback_hooks: tuple[tuple[type, Any], ...]) -> bool:
+    """Whether the LightningModule class or a callback class overrides a hook that reads or replaces Lightning's
+    ``zero_grad`` (:func:`gradients_zeroed_after_step`). Keyed by the classes and their hook functions, so that a
+    hook assigned to a class later is seen."""
+    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if any(is_overridden(hook, hooks[0], LightningModule) for hook in _ZERO_GRAD_HOOKS):
+        return True
+    return any(is_overridden(_BEFORE_ZERO_GRAD, kind, Callback) for kind, _ in callback_hooks)
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:

@@ -13,6 +13,31 @@ import torch
 from torch import nn
 
 
+# ---------------------------------------------------------------------------------------------------- tensors
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (``tensor._base``; ``None`` if it is not a view).
+
+    Public: none; comparing ``untyped_storage().data_ptr()`` tells storage sharing, at several times the cost.
+    """
+    return tensor._base
+
+
+# ---------------------------------------------------------------------------------------------------- distributed
+def cpu_backend(group: Any) -> Any:
+    """The backend object serving CPU tensors in process group ``group`` (``group._get_backend``), whose ``send`` and
+    ``recv`` take group ranks; ``None`` where the group has none (or this torch cannot say).
+
+    Public: ``dist.isend``/``dist.irecv``, which reach the same methods after per-call checks and rank lookups.
+    """
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is None:
+        return None
+    try:
+        return get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------- nn.Module
 def children(module: nn.Module) -> dict[str, nn.Module | None]:
     """The module's child slots, ``None`` entries included (``module._modules``).

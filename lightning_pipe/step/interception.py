@@ -157,19 +157,35 @@ class CallInterceptor:
             if self.generate is not None:
                 self.generate.run = None
 
-    @contextmanager
-    def responding(self, output: Any) -> Iterator[None]:
+    def responding(self, output: Any) -> _Responding:
         """Within the block, the network's single call returns ``output``."""
         self._mode, self._output, self._used = "respond", output, False
-        try:
-            yield
-        finally:
-            self._mode, self._output = "off", None
-        if not self._used:
+        return _Responding(self)
+
+    def end_response(self, completed: bool) -> None:
+        """The block of :meth:`responding` ends (``completed``: without an exception)."""
+        self._mode, self._output = "off", None
+        if completed and not self._used:
             raise PipelineUsageError(
                 f"`{self.step_name}` did not call the pipelined network for this microbatch. Call the network"
                 " (e.g. `self(x)`) exactly once in each step."
             )
+
+
+class _Responding:
+    """The block of :meth:`CallInterceptor.responding` (a class, not a generator: entered once per microbatch on the
+    last stage, where it is half the CPU)."""
+
+    __slots__ = ("interceptor",)
+
+    def __init__(self, interceptor: CallInterceptor) -> None:
+        self.interceptor = interceptor
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        self.interceptor.end_response(completed=kind is None)
 
 
 class GenerateInterceptor:
@@ -204,32 +220,40 @@ class LoggedValue:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-@contextmanager
-def recording_logs(module: Any, sink: list[LoggedValue]) -> Iterator[None]:
-    """Record ``module.log``/``module.log_dict`` calls into ``sink`` instead of logging them."""
+def recording_logs(module: Any, sink: list[LoggedValue]) -> _RecordingLogs:
+    """Record ``module.log``/``module.log_dict`` calls into ``sink`` instead of logging them (within the block)."""
+    return _RecordingLogs(module, sink)
 
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+
+class _RecordingLogs:
+    """The block of :func:`recording_logs` (a class, not a generator: entered twice per microbatch)."""
+
+    __slots__ = ("attributes", "sink")
+
+    def __init__(self, module: Any, sink: list[LoggedValue]) -> None:
+        self.attributes, self.sink = vars(module), sink
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
             raise PipelineUsageError(
                 f"Pass `self.log({name!r}, ...)` options by keyword under PipelineParallelStrategy"
                 " (e.g. `prog_bar=True`), so they can be replayed on every rank."
             )
-        sink.append(LoggedValue(name, value, kwargs))
+        self.sink.append(LoggedValue(name, value, kwargs))
 
-    def log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
         if is_metric_container(dictionary):
             # A MetricCollection: Lightning logs its members under their prefixed/postfixed names.
             items = dictionary.items(keep_base=False, copy_state=False)
         else:
             items = dict(dictionary).items()
         for key, value in items:
-            log(key, value, *args, **kwargs)
+            self.log(key, value, *args, **kwargs)
 
-    # Instance attributes shadow the methods; set in the instance dict directly (nn.Module.__setattr__ and
-    # __delattr__ would search parameters, buffers and submodules on every microbatch).
-    attributes = vars(module)
-    attributes["log"], attributes["log_dict"] = log, log_dict
-    try:
-        yield
-    finally:
-        del attributes["log"], attributes["log_dict"]
+    def __enter__(self) -> None:
+        # Instance attributes shadow the methods; set in the instance dict directly (nn.Module.__setattr__ and
+        # __delattr__ would search parameters, buffers and submodules on every microbatch).
+        self.attributes["log"], self.attributes["log_dict"] = self.log, self.log_dict
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        del self.attributes["log"], self.attributes["log_dict"]

@@ -35,19 +35,31 @@ class _NumberSlot:
     kind: type
 
 
+@dataclass(frozen=True)
+class _SameTensor:
+    """A tensor met before in the object (a step's loss is also its output): travels once, rebuilt as one object."""
+
+    slot: int
+
+
 class _Inexact(Exception):
     """A value float64 cannot carry exactly: the outcome goes as an object."""
 
 
-def _flatten(obj: Any, values: list[Any]) -> Any:
-    """The schema of ``obj``; its tensors and numbers are appended to ``values``."""
+def _flatten(obj: Any, values: list[Any], seen: dict[int, int]) -> Any:
+    """The schema of ``obj``; its tensors and numbers are appended to ``values`` (``seen``: the slot of each tensor
+    appended, by ``id``)."""
     if obj is None or isinstance(obj, (bool, str)):  # the most common leaves first: flattened once a step
         return obj
     if isinstance(obj, torch.Tensor):
+        slot = seen.get(id(obj))
+        if slot is not None:
+            return _SameTensor(slot)
         if obj.is_complex() or (
             not obj.is_floating_point() and obj.dtype != torch.bool and obj.numel() and _too_large(obj)
         ):
             raise _Inexact
+        seen[id(obj)] = len(values)
         values.append(obj.detach())
         return _TensorSlot(tuple(obj.shape), obj.dtype)
     if isinstance(obj, (int, float)):
@@ -59,11 +71,11 @@ def _flatten(obj: Any, values: list[Any]) -> Any:
         return (type(obj), ())
     names = _field_names(type(obj))
     if names is not None:
-        return (type(obj), tuple((name, _flatten(getattr(obj, name), values)) for name in names))
+        return (type(obj), tuple((name, _flatten(getattr(obj, name), values, seen)) for name in names))
     if isinstance(obj, Mapping):
-        return (type(obj), tuple((k, _flatten(v, values)) for k, v in obj.items()))
+        return (type(obj), tuple((k, _flatten(v, values, seen)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
-        return (type(obj), tuple(_flatten(v, values) for v in obj))
+        return (type(obj), tuple(_flatten(v, values, seen) for v in obj))
     return obj  # anything else travels in the schema (pickled when the schema changes)
 
 
@@ -80,7 +92,7 @@ def _too_large(t: torch.Tensor) -> bool:
 #: tensors up to this many elements on the CPU travel as Python floats gathered into the one values tensor (fewer
 #: tensor operations per step than a conversion and a piece to concatenate each)
 _GATHERED = 16
-#: received values up to this many are read as Python floats once (:func:`_rebuild`)
+#: received values up to this many are read as Python floats once (:class:`_Reader`)
 _READ_AS_NUMBERS = 256
 
 
@@ -109,52 +121,73 @@ def _pack_values(values: list[Any], device: torch.device, flag: float | None = N
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _rebuild(schema: Any, flat: torch.Tensor, offset: list[int], device: torch.device, numbers: list | None) -> Any:
-    """``schema`` with its values read from ``flat`` from ``offset[0]`` on (advanced); ``numbers``: ``flat`` as Python
-    floats where it is small and on the CPU (a scalar is then made in one tensor operation, not a slice, a reshape
-    and a conversion: the same value, since each came exactly from its dtype)."""
-    if schema is None or isinstance(schema, (bool, str)):
+class _Reader:
+    """Rebuilds objects from a schema and the values read from ``flat`` from ``offset`` on; ``numbers``: ``flat`` as
+    Python floats where it is small and on the CPU (a scalar is then made in one tensor operation, not a slice, a
+    reshape and a conversion: the same value, since each came exactly from its dtype)."""
+
+    def __init__(self, flat: torch.Tensor, offset: int, device: torch.device, numbers: list | None) -> None:
+        self.flat, self.offset, self.device, self.numbers = flat, offset, device, numbers
+        #: every slot's value so far, in the order the values were flattened (what a :class:`_SameTensor` names)
+        self.made: list[Any] = []
+
+    def read(self, schema: Any) -> Any:
+        if schema is None or isinstance(schema, (bool, str)):
+            return schema
+        if isinstance(schema, _TensorSlot):
+            value = self._tensor(schema)
+            self.made.append(value)
+            return value
+        if isinstance(schema, _SameTensor):
+            return self.made[schema.slot]
+        if isinstance(schema, _NumberSlot):
+            number = self.numbers[self.offset] if self.numbers is not None else float(self.flat[self.offset])
+            self.offset += 1
+            value = schema.kind(number) if schema.kind is not float else number
+            self.made.append(value)
+            return value
+        if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
+            kind, items = schema
+            if not items and (kind is list or kind is tuple):
+                return kind()
+            if _field_names(kind) is not None:
+                return kind(**{k: self.read(v) for k, v in items})
+            if issubclass(kind, Mapping):
+                rebuilt = {k: self.read(v) for k, v in items}
+                return rebuilt if kind is dict else kind(rebuilt)
+            if issubclass(kind, tuple) and hasattr(kind, NAMEDTUPLE_FIELDS):
+                return kind(*(self.read(v) for v in items))
+            return kind(self.read(v) for v in items)
         return schema
-    if isinstance(schema, _TensorSlot):
+
+    def _tensor(self, slot: _TensorSlot) -> torch.Tensor:
         n = 1
-        for d in schema.shape:
+        for d in slot.shape:
             n *= d
-        start = offset[0]
-        offset[0] += n
-        if numbers is not None and not schema.shape:
-            return torch.tensor(numbers[start], dtype=schema.dtype, device=device)
-        return flat[start : start + n].reshape(schema.shape).to(device=device, dtype=schema.dtype)
-    if isinstance(schema, _NumberSlot):
-        value = numbers[offset[0]] if numbers is not None else float(flat[offset[0]])
-        offset[0] += 1
-        return schema.kind(value) if schema.kind is not float else value
-    if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
-        kind, items = schema
-        if not items and (kind is list or kind is tuple):
-            return kind()
-        if _field_names(kind) is not None:
-            return kind(**{k: _rebuild(v, flat, offset, device, numbers) for k, v in items})
-        if issubclass(kind, Mapping):
-            rebuilt = {k: _rebuild(v, flat, offset, device, numbers) for k, v in items}
-            return rebuilt if kind is dict else kind(rebuilt)
-        if issubclass(kind, tuple) and hasattr(kind, NAMEDTUPLE_FIELDS):
-            return kind(*(_rebuild(v, flat, offset, device, numbers) for v in items))
-        return kind(_rebuild(v, flat, offset, device, numbers) for v in items)
-    return schema
+        start = self.offset
+        self.offset += n
+        if self.numbers is not None and not slot.shape:  # (scalar_tensor: torch.tensor's value at half its CPU)
+            return torch.scalar_tensor(self.numbers[start], dtype=slot.dtype, device=self.device)
+        return self.flat[start : start + n].reshape(slot.shape).to(device=self.device, dtype=slot.dtype)
 
 
 def flatten(obj: Any) -> tuple[Any, list[Any]]:
     """``(schema, values)`` of ``obj``; raises nothing (an inexact value makes the schema ``None``)."""
     values: list[Any] = []
     try:
-        return _flatten(obj, values), values
+        return _flatten(obj, values, {}), values
     except _Inexact:
         return None, []
 
 
-def rebuild(schema: Any, flat: torch.Tensor, device: torch.device) -> Any:
-    small = flat.device.type == "cpu" and flat.numel() <= _READ_AS_NUMBERS
-    return _rebuild(schema, flat, [0], device, flat.tolist() if small else None)
+def rebuild(schema: Any, flat: torch.Tensor, device: torch.device, offset: int = 0) -> Any:
+    """The object of ``schema`` with its values read from ``flat`` from ``offset`` on."""
+    return _Reader(flat, offset, device, _numbers(flat)).read(schema)
+
+
+def _numbers(flat: torch.Tensor) -> list[float] | None:
+    """``flat`` as Python floats where it is small and on the CPU, else ``None``."""
+    return flat.tolist() if flat.device.type == "cpu" and flat.numel() <= _READ_AS_NUMBERS else None
 
 
 class OutcomeChannel:
@@ -164,9 +197,9 @@ class OutcomeChannel:
     order; ``src`` is the sending global rank.
 
     While the schema holds, the values travel point to point on CPU groups: each receiver posts its receive in
-    :meth:`expect`, so when the sender finishes its step first (the last stage usually does) the values are already
-    there when the receiver asks, and no rank waits for the other in a collective. Elsewhere (NCCL) they are one
-    tensor broadcast.
+    :meth:`expect` (before the step, or inside a training schedule where the rank first waits for another), so when
+    the sender finishes its step first (the last stage usually does) the values are already there when the receiver
+    asks, and no rank waits for the other in a collective. Elsewhere (NCCL) they are one tensor broadcast.
     """
 
     def __init__(self, group: Any, src: int, device: torch.device) -> None:
@@ -186,13 +219,14 @@ class OutcomeChannel:
         self._sender = collectives.world_rank() == src
         #: the ranks a sender sends the values to (found on its first send)
         self._others: list[int] | None = None
+        self._direct = collectives.Direct(group) if self.point_to_point and not self._alone else None
 
     def expect(self) -> None:
         """A step starts: a receiver posts the receive of the step's values (when their size is known)."""
         if not self.point_to_point or self._size is None or self._receive is not None or self._alone or self._sender:
             return
         buffer = torch.empty(self._size + 1, dtype=torch.float64, device=self.device)
-        self._receive = collectives.irecv(buffer, self.src, self.group, tag=VALUES_TAG)
+        self._receive = self._direct.irecv(buffer, self.src, VALUES_TAG)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as sent by ``src``; ``obj`` is ignored on the other ranks."""
@@ -209,8 +243,14 @@ class OutcomeChannel:
                 header = torch.zeros(self._size + 1, dtype=torch.float64, device=self.device)
             # (a receiver's values arrive in the buffer it posted in expect())
             header = self._values(header, sender)
-            if same if sender else float(header[0]) == 1.0:
-                return obj if sender else rebuild(self._schema, header[1:], self.local_device)
+            if sender:
+                if same:
+                    return obj
+            else:
+                # the flag and the values read as Python numbers at once where they are few and on the CPU
+                numbers = _numbers(header)
+                if (numbers[0] if numbers is not None else float(header[0])) == 1.0:
+                    return _Reader(header, 1, self.local_device, numbers).read(self._schema)
         # The schema changed (or this is the first step): schema and values as one object.
         self.object_steps += 1
         payload = (schema, _pack_values(values, torch.device("cpu")), obj if schema is None else None)
@@ -232,7 +272,7 @@ class OutcomeChannel:
             assert header is not None
             self._send(header)
             return header
-        self.expect()  # posted when the step started, unless the caller skipped it
+        self.expect()  # posted earlier in the step (before it, or where a schedule first waited), unless not
         receive, self._receive = self._receive, None
         assert receive is not None
         collectives.wait([receive])
@@ -249,7 +289,7 @@ class OutcomeChannel:
         collectives.wait(self._sends)
         if self._others is None:
             self._others = [r for r in collectives.group_ranks(self.group) if r != self.src]
-        self._sends = [collectives.isend(header, r, self.group, tag=VALUES_TAG) for r in self._others]
+        self._sends = [self._direct.isend(header, r, VALUES_TAG) for r in self._others]
 
 
 #: tag of the outcome values' point-to-point messages (torch's schedules and the evaluation pass send with tag 0)

@@ -42,7 +42,7 @@ STEP, MICROBATCH = "step", "microbatch"
 #: the skeleton of a last stage's output that is one tensor
 _TENSOR = object()
 #: StageModule attributes that are never parameters, buffers or modules
-_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients", "loss_candidates"})
+_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients", "loss_candidates", "on_receive"})
 
 #: ``on_output(microbatch, output) -> loss to back-propagate`` (training) or ``None`` (evaluation)
 OnOutput = Callable[[int, Any], Any]
@@ -70,6 +70,9 @@ class StepContext:
     #: on the last stage: the token-mean losses the model's own loss function computed per microbatch, with their
     #: item counts (:mod:`lightning_pipe.models.huggingface.loss_items`)
     counted: dict[int, list[Counted]] = field(default_factory=dict)
+    #: called as a stage of this rank posts a receive from another rank inside a training schedule, where the rank
+    #: waits anyway: the step's outcome channel posts its own receive there (the executor hands it to the stages)
+    on_receive: Callable[[], None] | None = None
 
     def final_output(self, microbatch: int, tensors: Any) -> Any:
         """The network's output for ``microbatch`` rebuilt from the tensors the last stage returned."""
@@ -121,6 +124,8 @@ class StageModule(nn.Module):
         #: the last stage's modules that may compute a counted token-mean loss (:func:`loss_candidates`), found on its
         #: first real forward (not a state-dict entry: a plain list, set past nn.Module's registration)
         self.loss_candidates: list[nn.Module] | None = None
+        #: while a training schedule runs: the step's :attr:`StepContext.on_receive`
+        self.on_receive: Callable[[], None] | None = None
         # Not a submodule: shared by every stage of the rank, and not part of any state dict.
         self.__dict__["stage_call"] = stage_call
 
@@ -337,8 +342,12 @@ def _timed(stage: Any, kind: str, chunk: int, action: Callable[..., Any], args: 
 
 
 def _posted(stage: Any, ops: list, op: str, kind: str, chunk: int) -> list:
-    """Pass ``ops`` on; tell the timeline recorder (if any) that they were posted."""
-    recorder = stage.submod.recorder
-    if recorder is not None and ops:
-        recorder.posted(op, kind, stage.stage_index, chunk)
+    """Pass ``ops`` on; tell the timeline recorder (if any) that they were posted, and the step that a receive was
+    (:attr:`StepContext.on_receive`)."""
+    if ops:
+        submod = stage.submod
+        if submod.recorder is not None:
+            submod.recorder.posted(op, kind, stage.stage_index, chunk)
+        if op == "recv" and submod.on_receive is not None:
+            submod.on_receive()
     return ops

@@ -16,6 +16,10 @@ class Executor(Protocol):
     in the :class:`StepContext` it is handed.
     """
 
+    #: whether :meth:`run` calls ``step.on_receive`` where this rank waits for another (else the caller posts what it
+    #: expects before the step)
+    reports_receives: bool
+
     def plan(self, size: int) -> list[int]:
         """The microbatch sizes of a batch of ``size`` samples."""
         ...

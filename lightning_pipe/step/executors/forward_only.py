@@ -98,6 +98,9 @@ def _as_args(output: Any) -> tuple[Any, ...]:
 class ForwardOnlyExecutor:
     """Forward-only pass over a batch's microbatches (which may differ in size) for validation, test and predict."""
 
+    #: a rank holding only the first stage receives nothing here: a step's receives are posted before it starts
+    reports_receives = False
+
     def __init__(self, runtime: PipelineRuntime, settings: PipelineSettings, static: int | None) -> None:
         self.runtime = runtime
         self.eval_microbatches = settings.eval_microbatches

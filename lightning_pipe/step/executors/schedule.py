@@ -32,8 +32,9 @@ def _microbatch_index(target: torch.Tensor, arange: torch.Tensor | None) -> int:
     """The microbatch a schedule target (a one-element chunk of ``arange``, the step's ``torch.arange(n)``) stands
     for: the view's offset in it (metadata, so the step reads no tensor to the host), or the value where torch handed
     over a copy instead of a view."""
-    shared = arange is not None and target.untyped_storage().data_ptr() == arange.untyped_storage().data_ptr()
-    return target.storage_offset() if shared and target.numel() == 1 else int(target)
+    if arange is not None and torch_compat.view_base(target) is arange and target.numel() == 1:  # torch's split
+        return target.storage_offset()
+    return int(target)
 
 
 def step_options(schedule: Any) -> dict[str, Any]:
@@ -108,7 +109,13 @@ class ScheduleExecutor:
 
     Schedules are cached per microbatch count and call signature: torch infers stage shapes once per schedule, so a
     batch of another shape (a short last batch, a longer sequence) gets a schedule of its own.
+
+    Every rank without the last stage receives a gradient from another rank during the schedule (its highest stage's
+    successor is elsewhere) and waits for it: the stages call the step's ``on_receive`` as they post a receive.
     """
+
+    #: the stages call ``StepContext.on_receive`` as they post a receive (:class:`~.base.Executor`)
+    reports_receives = True
 
     def __init__(self, runtime: PipelineRuntime, settings: PipelineSettings) -> None:
         self.runtime = runtime
@@ -140,6 +147,9 @@ class ScheduleExecutor:
         # Every stage's forward receives the step as a keyword argument; the loss function reads it from here.
         options = {**options, STEP: step}
         self._step = step
+        stages = self.runtime.stages.values()
+        for module in stages:
+            module.on_receive = step.on_receive
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
@@ -155,6 +165,8 @@ class ScheduleExecutor:
             raise
         finally:
             self._step = None
+            for module in stages:
+                module.on_receive = None
 
     def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any]]:
         """The schedule for ``key`` and the options of its ``step``."""
