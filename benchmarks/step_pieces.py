@@ -6,8 +6,9 @@
 Thread CPU time (``time.thread_time``), the third lowest of 9 repeats: other processes on the machine stretch the
 wall clock of a piece but hardly its CPU time, so two trees run one after the other compare to a few tenths of a
 microsecond. Pieces: a stage's own forward around its body (last and first stage, ``StageModule.forward`` minus the
-body's call), the outcome's encoding on the last stage and decoding on the others (``sharing.flatten`` and
-``sharing.rebuild``), and the step's loss from one microbatch's (``protocol._weighted_mean``).
+body's call), the outcome's encoding on the last stage and decoding on the others (``sharing.flatten``; the channel's
+decoder, or ``sharing.rebuild`` in a tree without one), and the step's loss from one microbatch's
+(``protocol._weighted_mean``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def pieces() -> dict[str, float]:
     from torch import nn
 
     from lightning_pipe.models.plain import call_with_activation
+    from lightning_pipe.step import sharing
     from lightning_pipe.step.interception import Call
     from lightning_pipe.step.protocol import Outcome, _weighted_mean
-    from lightning_pipe.step.sharing import _pack_values, flatten, rebuild
+    from lightning_pipe.step.sharing import _pack_values, flatten
     from lightning_pipe.step.stage import StageModule, StepContext
 
     torch.set_num_threads(1)
@@ -53,9 +55,21 @@ def pieces() -> dict[str, float]:
         "first stage's forward around its body, per microbatch": cpu_us(lambda: first(step=step, microbatch=3))
         - cpu_us(lambda: body(data)),
         "outcome encoded (last stage), per step": cpu_us(lambda: flatten(outcome)),
-        "outcome decoded (other ranks), per step": cpu_us(lambda: rebuild(schema, flat, torch.device("cpu"))),
+        "outcome decoded (other ranks), per step": cpu_us(_decoding(sharing, schema, flat)),
         "step loss of one microbatch, per step": cpu_us(lambda: _weighted_mean([loss], [64.0])),
     }
+
+
+def _decoding(sharing: Any, schema: Any, flat: Any) -> Callable[[], Any]:
+    """The other ranks' decoding of one step's values: through the channel's decoder, made once per schema, where the
+    tree has one (``sharing._decoder``), else ``sharing.rebuild``."""
+    import torch
+
+    cpu = torch.device("cpu")
+    if hasattr(sharing, "_decoder"):
+        decode = sharing._decoder(schema)
+        return lambda: decode(sharing._Reader(flat, 0, cpu, sharing._numbers(flat)))
+    return lambda: sharing.rebuild(schema, flat, cpu)
 
 
 def main(argv: list[str] | None = None) -> None:

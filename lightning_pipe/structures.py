@@ -43,8 +43,8 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in tensors_in(v)]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in tensors_in(v)]
+    if type(obj) is dict or isinstance(obj, Mapping):  # (a plain dict, a network call's keywords, without the ABC)
+        return [t for v in obj.values() for t in tensors_in(v)] if obj else []
     return []
 
 

@@ -107,11 +107,11 @@ class CallInterceptor:
             return None
         raise PipelineUsageError(self.outside)
 
-    def capture(self, step: Callable[[], Any]) -> Call:
-        """Run ``step`` until it calls the network and return that call."""
+    def capture(self, step: Callable[..., Any], *args: Any) -> Call:
+        """Run ``step(*args)`` until it calls the network and return that call."""
         self._mode, self._captured = "capture", None
         try:
-            step()
+            step(*args)
         except InputsCaptured:
             pass
         finally:

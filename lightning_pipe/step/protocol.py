@@ -199,7 +199,7 @@ class StepProtocol:
         # Logs of these partial runs are dropped: the full runs on the last stage log.
         with user_step.recording_logs([]):
             for mb in microbatches:
-                calls.append(self.interceptor.capture(lambda mb=mb: user_step(mb)))
+                calls.append(self.interceptor.capture(user_step, mb))
         return calls
 
     def _check_agreement(self, checksum: int) -> None:
@@ -246,7 +246,7 @@ class StepProtocol:
         logs: list[LoggedValue] = []
         with self.interceptor.responding(output), user_step.recording_logs(logs):
             result = user_step(microbatch)
-        return result, [LoggedValue(e.name, _whole(e.value), e.kwargs) for e in logs]
+        return result, [LoggedValue(e.name, _whole(e.value), e.kwargs) for e in logs] if logs else logs
 
     def _microbatch(
         self,
@@ -272,6 +272,12 @@ class StepProtocol:
             items = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
             record.items[m] = None if items is None else torch.as_tensor(items).detach()
             return None
+        if type(result) is torch.Tensor and result.dim() == 0 and not seen:
+            # The usual training step: a bare loss, nothing counted by the model (what the general case below does
+            # for it, in fewer steps: this runs between the last stage's forward and backward of every microbatch).
+            record.losses[m] = record.results[m] = result
+            record.items[m] = None
+            return result * scale if scale != 1.0 else result
         if isinstance(result, ManualResult):  # the loss is the one given to `manual_backward`
             loss, items, record.ops[m] = result.loss, None, result.ops
             record.results[m] = _whole(result.output)

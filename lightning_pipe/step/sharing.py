@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -122,53 +122,72 @@ def _pack_values(values: list[Any], device: torch.device, flag: float | None = N
 
 
 class _Reader:
-    """Rebuilds objects from a schema and the values read from ``flat`` from ``offset`` on; ``numbers``: ``flat`` as
-    Python floats where it is small and on the CPU (a scalar is then made in one tensor operation, not a slice, a
-    reshape and a conversion: the same value, since each came exactly from its dtype)."""
+    """The values of one message, read in the order they were flattened: from ``flat`` from ``offset`` on, or from
+    ``numbers`` (``flat`` as Python floats, where it is small and on the CPU: a scalar is then made in one tensor
+    operation, not a slice, a reshape and a conversion; the same value, since each came exactly from its dtype)."""
+
+    __slots__ = ("flat", "offset", "device", "numbers", "made")
 
     def __init__(self, flat: torch.Tensor, offset: int, device: torch.device, numbers: list | None) -> None:
         self.flat, self.offset, self.device, self.numbers = flat, offset, device, numbers
         #: every slot's value so far, in the order the values were flattened (what a :class:`_SameTensor` names)
         self.made: list[Any] = []
 
-    def read(self, schema: Any) -> Any:
-        if schema is None or isinstance(schema, (bool, str)):
-            return schema
-        if isinstance(schema, _TensorSlot):
-            value = self._tensor(schema)
-            self.made.append(value)
-            return value
-        if isinstance(schema, _SameTensor):
-            return self.made[schema.slot]
-        if isinstance(schema, _NumberSlot):
-            number = self.numbers[self.offset] if self.numbers is not None else float(self.flat[self.offset])
-            self.offset += 1
-            value = schema.kind(number) if schema.kind is not float else number
-            self.made.append(value)
-            return value
-        if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
-            kind, items = schema
-            if not items and (kind is list or kind is tuple):
-                return kind()
-            if _field_names(kind) is not None:
-                return kind(**{k: self.read(v) for k, v in items})
-            if issubclass(kind, Mapping):
-                rebuilt = {k: self.read(v) for k, v in items}
-                return rebuilt if kind is dict else kind(rebuilt)
-            if issubclass(kind, tuple) and hasattr(kind, NAMEDTUPLE_FIELDS):
-                return kind(*(self.read(v) for v in items))
-            return kind(self.read(v) for v in items)
-        return schema
-
-    def _tensor(self, slot: _TensorSlot) -> torch.Tensor:
+    def tensor(self, slot: _TensorSlot) -> torch.Tensor:
         n = 1
         for d in slot.shape:
             n *= d
         start = self.offset
         self.offset += n
         if self.numbers is not None and not slot.shape:  # (scalar_tensor: torch.tensor's value at half its CPU)
-            return torch.scalar_tensor(self.numbers[start], dtype=slot.dtype, device=self.device)
-        return self.flat[start : start + n].reshape(slot.shape).to(device=self.device, dtype=slot.dtype)
+            value = torch.scalar_tensor(self.numbers[start], dtype=slot.dtype, device=self.device)
+        else:
+            value = self.flat[start : start + n].reshape(slot.shape).to(device=self.device, dtype=slot.dtype)
+        self.made.append(value)
+        return value
+
+    def number(self, slot: _NumberSlot) -> Any:
+        number = self.numbers[self.offset] if self.numbers is not None else float(self.flat[self.offset])
+        self.offset += 1
+        value = slot.kind(number) if slot.kind is not float else number
+        self.made.append(value)
+        return value
+
+
+#: ``decode(reader) -> object``: a schema compiled once (:func:`_decoder`)
+Decoder = Callable[[_Reader], Any]
+
+
+def _decoder(schema: Any) -> Decoder:
+    """The function that rebuilds ``schema``'s object from a :class:`_Reader`: the schema is walked once, when it
+    arrives, not at every step that sends values only."""
+    if isinstance(schema, _TensorSlot):
+        return lambda reader: reader.tensor(schema)
+    if isinstance(schema, _SameTensor):
+        slot = schema.slot
+        return lambda reader: reader.made[slot]
+    if isinstance(schema, _NumberSlot):
+        return lambda reader: reader.number(schema)
+    if isinstance(schema, tuple) and len(schema) == 2 and isinstance(schema[0], type):
+        kind, items = schema
+        if not items and (kind is list or kind is tuple):
+            return lambda reader: kind()
+        if not issubclass(kind, (list, tuple)) or _field_names(kind) is not None:
+            parts = [(k, _decoder(v)) for k, v in items]  # (name, schema) pairs: a dataclass's fields, a mapping's
+        else:
+            decoders = [_decoder(v) for v in items]
+            if hasattr(kind, NAMEDTUPLE_FIELDS):
+                return lambda reader: kind(*[d(reader) for d in decoders])
+            return lambda reader: kind(d(reader) for d in decoders)
+        if _field_names(kind) is not None:
+            # fields that hold no value (None, flags, names) given as they are; the others read in order
+            fixed = {k: v for k, v in items if v is None or isinstance(v, (bool, str))}
+            read = [(k, d) for k, d in parts if k not in fixed]
+            return lambda reader: kind(**fixed, **{k: d(reader) for k, d in read})
+        if kind is dict:
+            return lambda reader: {k: d(reader) for k, d in parts}
+        return lambda reader: kind({k: d(reader) for k, d in parts})
+    return lambda reader: schema  # None, a flag, a name, or anything else that travels in the schema
 
 
 def flatten(obj: Any) -> tuple[Any, list[Any]]:
@@ -182,7 +201,7 @@ def flatten(obj: Any) -> tuple[Any, list[Any]]:
 
 def rebuild(schema: Any, flat: torch.Tensor, device: torch.device, offset: int = 0) -> Any:
     """The object of ``schema`` with its values read from ``flat`` from ``offset`` on."""
-    return _Reader(flat, offset, device, _numbers(flat)).read(schema)
+    return _decoder(schema)(_Reader(flat, offset, device, _numbers(flat)))
 
 
 def _numbers(flat: torch.Tensor) -> list[float] | None:
@@ -207,6 +226,7 @@ class OutcomeChannel:
         self.device = collectives.served_device(group, device)
         self.local_device = device
         self._schema: Any = None
+        self._decode: Decoder = _decoder(None)
         self._size: int | None = None
         #: values point to point (a tag of their own, apart from the schedule's messages), else a broadcast
         self.point_to_point = self.device.type == "cpu"
@@ -250,7 +270,7 @@ class OutcomeChannel:
                 # the flag and the values read as Python numbers at once where they are few and on the CPU
                 numbers = _numbers(header)
                 if (numbers[0] if numbers is not None else float(header[0])) == 1.0:
-                    return _Reader(header, 1, self.local_device, numbers).read(self._schema)
+                    return self._decode(_Reader(header, 1, self.local_device, numbers))
         # The schema changed (or this is the first step): schema and values as one object.
         self.object_steps += 1
         payload = (schema, _pack_values(values, torch.device("cpu")), obj if schema is None else None)
@@ -261,7 +281,10 @@ class OutcomeChannel:
             self._schema, self._size = None, None
             return obj if sender else whole
         self._schema, self._size = schema, int(flat.numel())
-        return obj if sender else rebuild(schema, flat, self.local_device)
+        if sender:
+            return obj
+        self._decode = _decoder(schema)
+        return self._decode(_Reader(flat, 0, self.local_device, _numbers(flat)))
 
     def _values(self, header: torch.Tensor | None, sender: bool) -> torch.Tensor:
         """The sender's ``header`` (flag, then values) on every rank (``None`` on a point-to-point receiver)."""
