@@ -178,7 +178,7 @@ class StepProtocol:
                         step.on_output = None
                     # Settled and sent after the schedule, not as soon as the last microbatch's loss is known: work
                     # there delays the last backwards, which the other stages wait for (measured: +1.2 ms a step on
-                    # the small benchmark network). The other ranks' receive was posted when the step started.
+                    # the small benchmark network). The other ranks posted their receive inside the schedule.
                     local = self._settle(user_step, record, sizes, metrics, checksum)
                 if hook == TRAINING and local.grad_scale is None:
                     self._notice_uneven(user_step.name, microbatches, checksum)
