@@ -257,8 +257,9 @@ class PipelineParallelStrategy(
             with manual.recorded() if manual else nullcontext():
                 outcome = engine.train(step, args[0], accumulate)
         window = f"`accumulate_grad_batches={accumulate}`" if accumulate > 1 else None
-        if outcome.grad_scale is not None:  # (a token-weighted step; the group is looked up only then)
-            dp_modes.check_token_weighting(self._settings, outcome.grad_scale, self.data_parallel_group, window)
+        dp_modes.check_token_weighting(
+            self._settings, outcome.grad_scale, window=window, group_of=lambda: self.data_parallel_group
+        )
         gradients.stash.scale = outcome.grad_scale
         shown = outcome.output_shared or engine.runtime.has_last
         if manual:

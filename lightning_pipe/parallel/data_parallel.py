@@ -17,7 +17,7 @@ to the last batch of an accumulation window.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -70,7 +70,11 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def check_token_weighting(
-    settings: PipelineSettings, grad_scale: float | None, group: Any = None, window: str | None = None
+    settings: PipelineSettings,
+    grad_scale: float | None,
+    group: Any = None,
+    window: str | None = None,
+    group_of: Callable[[], Any] | None = None,
 ) -> None:
     """Refuse a token-weighted step (``num_items``, whose gradients are scaled by ``grad_scale``) that FSDP would
     average wrongly.
@@ -81,10 +85,13 @@ def check_token_weighting(
     items in the step (checked over the data-parallel ``group``: one all-gather of a number per such step); otherwise
     each shard would be scaled by its own replica's count. Inside an accumulation ``window`` (what accumulates the
     step with the batches before it, e.g. ``"`accumulate_grad_batches=2`"``) FSDP sums the window's unsharded
-    gradients before any batch's count is known at all.
+    gradients before any batch's count is known at all. ``group_of``: returns ``group``, read only for such a step
+    (a front end calls this at every training step).
     """
     if grad_scale is None or not settings.sharded:
         return
+    if group_of is not None:
+        group = group_of()
     if window is not None:
         raise PipelineConfigError(
             f"`data_parallel='fsdp'` with {window} cannot weight a step's gradients by the `num_items` the step"

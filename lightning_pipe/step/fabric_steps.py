@@ -59,8 +59,10 @@ class FabricSteps:
         with self.precision.forward_context(), gradients.capture(), pl_compat.inside_fabric_backward():
             outcome = engine.train(user_step, batch)
         window = None if engine.synchronized else "`fabric.no_backward_sync`"
-        group = self.session.data_parallel_group
-        dp_modes.check_token_weighting(self.session.settings, outcome.grad_scale, group, window)
+        session = self.session
+        dp_modes.check_token_weighting(
+            session.settings, outcome.grad_scale, window=window, group_of=lambda: session.data_parallel_group
+        )
         loss = outcome.loss.detach().clone().requires_grad_(True)
         loss.register_hook(self._outside_backward)
         self._pending = _PendingStep(loss, outcome.grad_scale)
