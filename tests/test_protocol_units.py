@@ -225,3 +225,22 @@ def test_the_default_backend_on_cuda_serves_cpu_tensors_too():
 
     assert default_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert default_backend(torch.device("cpu")) == "gloo"
+
+
+def test_a_stage_posting_a_receive_tells_the_step_where_the_rank_waits():
+    # The outcome channel posts its receive there (StepContext.on_receive), not before the first forward; a send, or
+    # a receive with no operation (the neighbour on the same rank), tells nothing.
+    from types import SimpleNamespace
+
+    from lightning_pipe.step.stage import _posted
+
+    told: list[int] = []
+    module = StageModule(nn.Linear(2, 2), 0, 2, call_with_activation)
+    module.on_receive = lambda: told.append(1)
+    stage = SimpleNamespace(submod=module, stage_index=0)
+    op = object()
+    assert _posted(stage, [op], "send", "B", 0) == [op] and told == []
+    assert _posted(stage, [], "recv", "B", 0) == [] and told == []
+    assert _posted(stage, [op], "recv", "B", 0) == [op] and told == [1]
+    module.on_receive = None
+    assert _posted(stage, [op], "recv", "F", 1) == [op] and told == [1]
