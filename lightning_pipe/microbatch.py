@@ -119,6 +119,8 @@ def _split(obj: Any, size: int, sizes: list[int]) -> list[Any]:
         parts = [_split(v, size, sizes) for v in obj]
         if type(obj) is tuple:  # the usual batch, `(inputs, targets)`
             return list(zip(*parts)) if parts else [()] * n
+        if type(obj) is list:  # a DataLoader's batch of `(inputs, targets)` samples
+            return [[p[i] for p in parts] for i in range(n)]
         if is_namedtuple(obj):
             return [type(obj)(*(p[i] for p in parts)) for i in range(n)]
         return [type(obj)(p[i] for p in parts) for i in range(n)]

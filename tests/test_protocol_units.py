@@ -229,7 +229,7 @@ def test_the_default_backend_on_cuda_serves_cpu_tensors_too():
 
 def test_a_stage_posting_a_receive_tells_the_step_where_the_rank_waits():
     # The outcome channel posts its receive there (StepContext.on_receive), not before the first forward; a send, or
-    # a receive with no operation (the neighbour on the same rank), tells nothing.
+    # a receive with no operation (the neighbour on the same rank), tells nothing; only the first receive tells.
     from types import SimpleNamespace
 
     from lightning_pipe.step.stage import _posted
@@ -242,5 +242,5 @@ def test_a_stage_posting_a_receive_tells_the_step_where_the_rank_waits():
     assert _posted(stage, [op], "send", "B", 0) == [op] and told == []
     assert _posted(stage, [], "recv", "B", 0) == [] and told == []
     assert _posted(stage, [op], "recv", "B", 0) == [op] and told == [1]
-    module.on_receive = None
+    assert module.on_receive is None  # told once a step: the stage's later receives tell nothing
     assert _posted(stage, [op], "recv", "F", 1) == [op] and told == [1]

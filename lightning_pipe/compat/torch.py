@@ -427,3 +427,5 @@ def keep_tensor_inputs(stage: Any, chunk: int) -> None:
 
 
 _BEFORE_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+#: whether :func:`keep_tensor_inputs` has anything to do on this torch (callers on every microbatch check it first)
+KEEPS_EVERY_INPUT = _BEFORE_2_13

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lightning_pipe.step.interception import LoggedValue, recording_logs
+from lightning_pipe.step.interception import LoggedValue, RecordingLogs
 
 TRAINING = "training_step"
 
@@ -59,7 +59,7 @@ class HookStep:
         return getattr(self.module, self.hook)(microbatch, *self.extra_args)
 
     def recording_logs(self, sink: list[LoggedValue]) -> AbstractContextManager[Any]:
-        return recording_logs(self.module, sink)
+        return RecordingLogs(self.module, sink)
 
     def log(self, entry: LoggedValue, value: Any) -> None:
         self.module.log(entry.name, value, **entry.kwargs)

@@ -109,19 +109,29 @@ class CallInterceptor:
 
     def capture(self, step: Callable[..., Any], *args: Any) -> Call:
         """Run ``step(*args)`` until it calls the network and return that call."""
-        self._mode, self._captured = "capture", None
+        return self.capture_each(lambda _: step(*args), [None])[0]
+
+    def capture_each(self, step: Callable[[Any], Any], inputs: list[Any]) -> list[Call]:
+        """Run ``step(x)`` for each of ``inputs`` until it calls the network; those calls (one loop for a step's
+        microbatches: this runs for every microbatch on every rank)."""
+        calls = []
+        self._mode = "capture"
         try:
-            step(*args)
-        except InputsCaptured:
-            pass
+            for x in inputs:
+                self._captured = None
+                try:
+                    step(x)
+                except InputsCaptured:
+                    pass
+                if self._captured is None:
+                    raise PipelineUsageError(
+                        f"`{self.step_name}` returned without calling the pipelined network, so the pipeline has no"
+                        " input. Call the network (e.g. `self(x)` or `self.model(x)`) exactly once in each step."
+                    )
+                calls.append(self._captured)
         finally:
-            self._mode = "off"
-        if self._captured is None:
-            raise PipelineUsageError(
-                f"`{self.step_name}` returned without calling the pipelined network, so the pipeline has no input."
-                " Call the network (e.g. `self(x)` or `self.model(x)`) exactly once in each step."
-            )
-        return self._captured
+            self._mode, self._captured = "off", None
+        return calls
 
     def generate_called(self, args: tuple, kwargs: dict, run: Callable[[tuple, dict], Any] | None) -> Any:
         """The network's ``generate`` was called: captured, or run on this rank (lockstep), or refused."""
@@ -157,10 +167,20 @@ class CallInterceptor:
             if self.generate is not None:
                 self.generate.run = None
 
-    def responding(self, output: Any) -> _Responding:
-        """Within the block, the network's single call returns ``output``."""
+    def responding(self, output: Any) -> CallInterceptor:
+        """Within the block, the network's single call returns ``output``. (The block is the interceptor itself: no
+        object is made for it, entered on every microbatch of the last stage.)"""
         self._mode, self._output, self._used = "respond", output, False
-        return _Responding(self)
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if kind is None and self._used:  # the usual end of a :meth:`responding` block (what end_response does)
+            self._mode, self._output = "off", None
+        else:
+            self.end_response(completed=kind is None)
 
     def end_response(self, completed: bool) -> None:
         """The block of :meth:`responding` ends (``completed``: without an exception)."""
@@ -170,22 +190,6 @@ class CallInterceptor:
                 f"`{self.step_name}` did not call the pipelined network for this microbatch. Call the network"
                 " (e.g. `self(x)`) exactly once in each step."
             )
-
-
-class _Responding:
-    """The block of :meth:`CallInterceptor.responding` (a class, not a generator: entered once per microbatch on the
-    last stage, where it is half the CPU)."""
-
-    __slots__ = ("interceptor",)
-
-    def __init__(self, interceptor: CallInterceptor) -> None:
-        self.interceptor = interceptor
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        self.interceptor.end_response(completed=kind is None)
 
 
 class GenerateInterceptor:
@@ -220,18 +224,18 @@ class LoggedValue:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def recording_logs(module: Any, sink: list[LoggedValue]) -> _RecordingLogs:
+def recording_logs(module: Any, sink: list[LoggedValue]) -> RecordingLogs:
     """Record ``module.log``/``module.log_dict`` calls into ``sink`` instead of logging them (within the block)."""
-    return _RecordingLogs(module, sink)
+    return RecordingLogs(module, sink)
 
 
-class _RecordingLogs:
+class RecordingLogs:
     """The block of :func:`recording_logs` (a class, not a generator: entered twice per microbatch)."""
 
     __slots__ = ("attributes", "sink")
 
     def __init__(self, module: Any, sink: list[LoggedValue]) -> None:
-        self.attributes, self.sink = vars(module), sink
+        self.attributes, self.sink = module.__dict__, sink
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:

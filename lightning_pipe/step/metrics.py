@@ -280,10 +280,9 @@ class StepMetrics:
     def __init__(self, mirror: MetricMirror, before: Mapping[str, _Before]) -> None:
         self._mirror, self._before = mirror, before
         self.step_values: dict[str, Any] = {}
-
-    def enter(self, microbatch: int) -> None:
-        """The user's step is about to run on microbatch ``microbatch`` (its index in the step's ``sizes``)."""
-        self._mirror.enter(microbatch)
+        #: ``enter(microbatch)``: the user's step is about to run on microbatch ``microbatch`` (its index in the step's
+        #: ``sizes``); the mirror's own method (called on every microbatch of the last stage)
+        self.enter: Callable[[int], None] = mirror.enter
 
     def settle(self) -> None:
         self.step_values = self._mirror.settle_step_values()

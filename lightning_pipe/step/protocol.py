@@ -150,7 +150,7 @@ class StepProtocol:
         self.interceptor.step_name = user_step.name
         with self.rng.compute():
             calls = self._capture(user_step, microbatches)
-            key = (hook == TRAINING, n, signature([(c.args, c.kwargs) for c in calls]))
+            key = (hook == TRAINING, n, tuple([_call_signature(c) for c in calls]))
             checksum = _checksum(key)
             self._check_agreement(checksum)
             # The outcome's receive is posted where this rank first waits for another inside the schedule (posting it
@@ -195,12 +195,9 @@ class StepProtocol:
 
     # ------------------------------------------------------------------------------------------------ capture
     def _capture(self, user_step: UserStep, microbatches: list[Any]) -> list[Call]:
-        calls = []
         # Logs of these partial runs are dropped: the full runs on the last stage log.
         with user_step.recording_logs([]):
-            for mb in microbatches:
-                calls.append(self.interceptor.capture(user_step, mb))
-        return calls
+            return self.interceptor.capture_each(user_step, microbatches)
 
     def _check_agreement(self, checksum: int) -> None:
         """Before the first step of each new shape (``checksum`` of its key): fail loudly, instead of hanging in a
@@ -373,6 +370,15 @@ class StepProtocol:
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
             user_step.log(entry, value)
+
+
+def _call_signature(call: Call) -> tuple:
+    """The shapes and dtypes of ``call``'s tensors (:func:`~lightning_pipe.microbatch.signature`); the usual call, one
+    tensor and no keywords, without the walk (this runs for every microbatch on every rank)."""
+    args = call.args
+    if len(args) == 1 and not call.kwargs and type(args[0]) is torch.Tensor:
+        return ((args[0].shape, args[0].dtype),)
+    return signature((args, call.kwargs))
 
 
 def _weighted_mean(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

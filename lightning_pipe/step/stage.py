@@ -8,9 +8,11 @@ through the split's *stage call* (:data:`lightning_pipe.models.base.StageCall`),
 activation in place of its input. Only the activation crosses ranks; side inputs never enter backward, so the
 split-backward (zero-bubble) schedules work.
 
-Per-step state is an argument, never an attribute: torch passes the keyword arguments of ``schedule.step(**kwargs)``
-to every stage's forward, so the step's :class:`StepContext` arrives as ``step=`` and the microbatch index as
-``microbatch=`` (added by :class:`ChunkAwareStage`; absent in torch's shape inference).
+Per-step state reaches the stage's forward as the step's :class:`StepContext` and the microbatch index
+(``microbatch=``, added by :class:`ChunkAwareStage`; absent in torch's shape inference). The evaluation executor passes
+the step as ``step=``; a training schedule's step finds it in :attr:`StageModule.step`, set by the executor for the
+duration of the schedule's step (a keyword of ``schedule.step(**kwargs)`` would be split into a copy per microbatch
+by torch's pytree code on every rank, every microbatch).
 
 On the last stage the network's output (a tensor, a tuple, a dict, a ``ModelOutput``) is flattened to its tensors for
 torch and rebuilt before the user's step sees it.
@@ -42,7 +44,7 @@ STEP, MICROBATCH = "step", "microbatch"
 #: the skeleton of a last stage's output that is one tensor
 _TENSOR = object()
 #: StageModule attributes that are never parameters, buffers or modules
-_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients", "loss_candidates", "on_receive"})
+_PLAIN_ATTRIBUTES = frozenset({"recorder", "sync_gradients", "loss_candidates", "on_receive", "step"})
 
 #: ``on_output(microbatch, output) -> loss to back-propagate`` (training) or ``None`` (evaluation)
 OnOutput = Callable[[int, Any], Any]
@@ -76,11 +78,10 @@ class StepContext:
 
     def final_output(self, microbatch: int, tensors: Any) -> Any:
         """The network's output for ``microbatch`` rebuilt from the tensors the last stage returned."""
-        tensors = list(tensors) if isinstance(tensors, (tuple, list)) else [tensors]
         skeleton = self.skeletons[microbatch]
-        if skeleton is _TENSOR:
-            return tensors[0]
-        return unpack(skeleton, tensors)
+        if skeleton is _TENSOR:  # the usual output: returned as `(output,)`
+            return tensors[0] if isinstance(tensors, (tuple, list)) else tensors
+        return unpack(skeleton, list(tensors) if isinstance(tensors, (tuple, list)) else [tensors])
 
 
 @contextmanager
@@ -126,6 +127,8 @@ class StageModule(nn.Module):
         self.loss_candidates: list[nn.Module] | None = None
         #: while a training schedule runs: the step's :attr:`StepContext.on_receive`
         self.on_receive: Callable[[], None] | None = None
+        #: while a training schedule runs: its step (forward calls without ``step=``)
+        self.step: StepContext | None = None
         # Not a submodule: shared by every stage of the rank, and not part of any state dict.
         self.__dict__["stage_call"] = stage_call
 
@@ -136,7 +139,10 @@ class StageModule(nn.Module):
         else:
             super().__setattr__(name, value)
 
-    def forward(self, *received: torch.Tensor, step: StepContext, microbatch: int | None = None) -> Any:
+    def forward(self, *received: torch.Tensor, step: StepContext | None = None, microbatch: int | None = None) -> Any:
+        if step is None:
+            step = self.step
+            assert step is not None, "a stage runs inside an executor's step"
         call = step.calls[0 if microbatch is None else microbatch]
         activation = None if self.is_first else tuple(received)
         try:
@@ -159,6 +165,8 @@ class StageModule(nn.Module):
             add_note(err, self.describe_failure(call, activation, microbatch))
             raise
         if not self.is_last:
+            if type(output) is torch.Tensor and (output.requires_grad or not torch.is_grad_enabled()):
+                return output  # the usual activation, as :meth:`_activation` would pass it
             return self._activation(output)
         step.inference_output = microbatch is None
         slot = 0 if microbatch is None else microbatch
@@ -270,12 +278,18 @@ def chunk_aware_stage_class() -> type:
             #: microbatches whose split backward ran whole (:func:`_whole_backward`): their weight pass is done
             self.whole_backwards: set[int] = set()
 
+        # The overrides below run on every microbatch: without a recorder (the usual case) each adds one call to
+        # torch's own, the recorder's check inlined.
         def forward_one_chunk(
             self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **options: Any
         ) -> Any:
-            kwargs = {**(kwargs or {}), MICROBATCH: fwd_chunk_id}
-            output = _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, (args, kwargs, *rest), options)
-            torch_compat.keep_tensor_inputs(self, fwd_chunk_id)
+            kwargs = {**kwargs, MICROBATCH: fwd_chunk_id} if kwargs else {MICROBATCH: fwd_chunk_id}
+            if self.submod.recorder is None:
+                output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **options)
+            else:
+                output = _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, (args, kwargs, *rest), options)
+            if torch_compat.KEEPS_EVERY_INPUT:
+                torch_compat.keep_tensor_inputs(self, fwd_chunk_id)
             return output
 
         def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -288,23 +302,40 @@ def chunk_aware_stage_class() -> type:
                 self.scale_grads(grad_scale_factor)
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            kwargs = _split_or_whole(self, bwd_chunk_id, kwargs)
+            if kwargs.get("full_backward") is False:
+                kwargs = _split_or_whole(self, bwd_chunk_id, kwargs)
+            if self.submod.recorder is None:
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
             return _timed(self, "B", bwd_chunk_id, super().backward_one_chunk, args, kwargs)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             return _weight_pass(self, bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
 
         def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
-            return _posted(self, super().get_fwd_recv_ops(fwd_chunk_id), "recv", "F", fwd_chunk_id)
+            ops = super().get_fwd_recv_ops(fwd_chunk_id)
+            submod = self.submod
+            if ops and (submod.recorder is not None or submod.on_receive is not None):
+                _posted(self, ops, "recv", "F", fwd_chunk_id)
+            return ops
 
         def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
-            return _posted(self, super().get_bwd_recv_ops(bwd_chunk_id), "recv", "B", bwd_chunk_id)
+            ops = super().get_bwd_recv_ops(bwd_chunk_id)
+            submod = self.submod
+            if ops and (submod.recorder is not None or submod.on_receive is not None):
+                _posted(self, ops, "recv", "B", bwd_chunk_id)
+            return ops
 
         def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
-            return _posted(self, super().get_fwd_send_ops(fwd_chunk_id), "send", "F", fwd_chunk_id)
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            if ops and self.submod.recorder is not None:
+                _posted(self, ops, "send", "F", fwd_chunk_id)
+            return ops
 
         def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
-            return _posted(self, super().get_bwd_send_ops(bwd_chunk_id), "send", "B", bwd_chunk_id)
+            ops = super().get_bwd_send_ops(bwd_chunk_id)
+            if ops and self.submod.recorder is not None:
+                _posted(self, ops, "send", "B", bwd_chunk_id)
+            return ops
 
     torch_compat.connect_neighbours_on_other_ranks_only(ChunkAwareStage)
     return ChunkAwareStage
@@ -343,11 +374,12 @@ def _timed(stage: Any, kind: str, chunk: int, action: Callable[..., Any], args: 
 
 def _posted(stage: Any, ops: list, op: str, kind: str, chunk: int) -> list:
     """Pass ``ops`` on; tell the timeline recorder (if any) that they were posted, and the step that a receive was
-    (:attr:`StepContext.on_receive`)."""
+    (:attr:`StepContext.on_receive`: once per stage and step, the stage's first receive)."""
     if ops:
         submod = stage.submod
         if submod.recorder is not None:
             submod.recorder.posted(op, kind, stage.stage_index, chunk)
         if op == "recv" and submod.on_receive is not None:
-            submod.on_receive()
+            on_receive, submod.on_receive = submod.on_receive, None
+            on_receive()
     return ops

@@ -15,7 +15,7 @@ from lightning_pipe.microbatch import training_microbatches
 from lightning_pipe.schedules.custom import CustomSchedule
 from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
 from lightning_pipe.step.runtime import PipelineRuntime
-from lightning_pipe.step.stage import STEP, StepContext, chunk_aware_stage_class
+from lightning_pipe.step.stage import StepContext, chunk_aware_stage_class
 
 _MAX_CACHED_SCHEDULES = 8
 
@@ -144,12 +144,12 @@ class ScheduleExecutor:
     def run(self, key: tuple, step: StepContext) -> None:
         n = len(step.calls)
         schedule, options = self._schedule(key, n)
-        # Every stage's forward receives the step as a keyword argument; the loss function reads it from here.
-        options = {**options, STEP: step}
+        # Every stage's forward reads the step from its module (a keyword of `schedule.step` would be copied per
+        # microbatch by torch); the loss function reads it from here.
         self._step = step
         stages = self.runtime.stages.values()
         for module in stages:
-            module.on_receive = step.on_receive
+            module.step, module.on_receive = step, step.on_receive
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
@@ -166,7 +166,7 @@ class ScheduleExecutor:
         finally:
             self._step = None
             for module in stages:
-                module.on_receive = None
+                module.step = module.on_receive = None
 
     def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any]]:
         """The schedule for ``key`` and the options of its ``step``."""
