@@ -630,3 +630,22 @@ def test_the_per_microbatch_slopes_are_paired_round_by_round():
     text = microbatches.markdown(summary, 80, 10)
     assert text.startswith(microbatches.BEGIN) and text.endswith(microbatches.END)
     assert "**strategy - hand 0.375 [" in text
+
+
+def test_step_calls_counts_one_more_microbatch_per_rank_and_names_what_differs():
+    from benchmarks import step_calls
+
+    # calls per step at 1 and 16 microbatches: the hand loop's `f` 10 a microbatch; the strategy's `f` the same, and
+    # its `g` 2 a microbatch more, `h` a fixed cost of 5 a step (not per microbatch, so not in the difference)
+    f, g, h, x = "torch/nn/modules/module.py:1(f)", "lightning_pipe/step/stage.py:2(g)", "a.py:3(h)", "~:0(<len>)"
+    rank = {
+        "hand": {"1": {f: 10.0, x: 3.0}, "16": {f: 160.0, x: 3.0}},
+        "strategy": {"1": {f: 10.0, g: 2.0, h: 5.0}, "16": {f: 160.0, g: 32.0, h: 5.0}},
+    }
+    summary = step_calls.summarize([rank, rank])
+    first = summary["ranks"][0]
+    assert (first["hand"], first["strategy"], first["diff"]) == (10.0, 12.0, 2.0)
+    assert first["most"] == [(g, 2.0)]
+    text = step_calls.markdown(summary, "this tree")
+    assert text.startswith(step_calls.BEGIN) and text.endswith(step_calls.END)
+    assert "| 1 | 10 | 12 | +2 | `step/stage.py:g` +2 |" in text

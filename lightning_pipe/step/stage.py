@@ -262,83 +262,91 @@ def chunk_aware_stage_class() -> type:
     """``PipelineStage`` that tells its :class:`StageModule` which microbatch each forward runs.
 
     torch calls ``forward_one_chunk(fwd_chunk_id, args, kwargs)`` for every real forward, in every schedule, with the
-    keyword arguments of ``schedule.step`` (the step's context); its shape inference calls the module directly. The
-    override adds the microbatch index to those keyword arguments: that is how a stage knows which microbatch's side
-    inputs to use.
+    keyword arguments of ``schedule.step``; its shape inference calls the module directly. The override adds the
+    microbatch index to those keyword arguments: that is how a stage knows which microbatch's side inputs to use.
 
     The same public methods (and the backward ones, and those that hand the schedule its point-to-point operations)
     report to the stage's timeline recorder when one is attached (:mod:`lightning_pipe.measure.timeline`); without
-    one, each costs one attribute check.
+    one, each costs one attribute check. (The methods are :class:`_StageActions`, a mixin before torch's class.)
     """
     from torch.distributed.pipelining import PipelineStage
 
-    class ChunkAwareStage(PipelineStage):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            #: microbatches whose split backward ran whole (:func:`_whole_backward`): their weight pass is done
-            self.whole_backwards: set[int] = set()
-
-        # The overrides below run on every microbatch: without a recorder (the usual case) each adds one call to
-        # torch's own, the recorder's check inlined.
-        def forward_one_chunk(
-            self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **options: Any
-        ) -> Any:
-            kwargs = {**kwargs, MICROBATCH: fwd_chunk_id} if kwargs else {MICROBATCH: fwd_chunk_id}
-            if self.submod.recorder is None:
-                output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **options)
-            else:
-                output = _timed(self, "F", fwd_chunk_id, super().forward_one_chunk, (args, kwargs, *rest), options)
-            if torch_compat.KEEPS_EVERY_INPUT:
-                torch_compat.keep_tensor_inputs(self, fwd_chunk_id)
-            return output
-
-        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-            # torch reduce-scatters an FSDP stage's gradients after the step's last backward. Inside an accumulation
-            # window the unsharded gradients keep accumulating instead (FSDP left them unsynchronised and the
-            # parameters unsharded during each backward), so the window synchronises once, at its last batch.
-            if self.submod.sync_gradients:
-                super().perform_reduce_grad(grad_scale_factor)
-            elif grad_scale_factor != 1:
-                self.scale_grads(grad_scale_factor)
-
-        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("full_backward") is False:
-                kwargs = _split_or_whole(self, bwd_chunk_id, kwargs)
-            if self.submod.recorder is None:
-                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-            return _timed(self, "B", bwd_chunk_id, super().backward_one_chunk, args, kwargs)
-
-        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            return _weight_pass(self, bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
-
-        def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
-            ops = super().get_fwd_recv_ops(fwd_chunk_id)
-            submod = self.submod
-            if ops and (submod.recorder is not None or submod.on_receive is not None):
-                _posted(self, ops, "recv", "F", fwd_chunk_id)
-            return ops
-
-        def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
-            ops = super().get_bwd_recv_ops(bwd_chunk_id)
-            submod = self.submod
-            if ops and (submod.recorder is not None or submod.on_receive is not None):
-                _posted(self, ops, "recv", "B", bwd_chunk_id)
-            return ops
-
-        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
-            ops = super().get_fwd_send_ops(fwd_chunk_id)
-            if ops and self.submod.recorder is not None:
-                _posted(self, ops, "send", "F", fwd_chunk_id)
-            return ops
-
-        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
-            ops = super().get_bwd_send_ops(bwd_chunk_id)
-            if ops and self.submod.recorder is not None:
-                _posted(self, ops, "send", "B", bwd_chunk_id)
-            return ops
+    class ChunkAwareStage(_StageActions, PipelineStage):
+        pass
 
     torch_compat.connect_neighbours_on_other_ranks_only(ChunkAwareStage)
     return ChunkAwareStage
+
+
+class _StageActions:
+    """The overrides of :func:`chunk_aware_stage_class`, each calling torch's own through ``super()``. They run on
+    every microbatch: without a recorder (the usual case) each adds one call to torch's own, the recorder's check
+    inlined."""
+
+    submod: StageModule
+    stage_index: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: microbatches whose split backward ran whole (:func:`_split_or_whole`): their weight pass is done
+        self.whole_backwards: set[int] = set()
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
+        kwargs = {**kwargs, MICROBATCH: fwd_chunk_id} if kwargs else {MICROBATCH: fwd_chunk_id}
+        base = super().forward_one_chunk  # type: ignore[misc]
+        if self.submod.recorder is None:
+            output = base(fwd_chunk_id, args, kwargs, *rest, **options)
+        else:
+            output = _timed(self, "F", fwd_chunk_id, base, (args, kwargs, *rest), options)
+        if torch_compat.KEEPS_EVERY_INPUT:
+            torch_compat.keep_tensor_inputs(self, fwd_chunk_id)
+        return output
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # torch reduce-scatters an FSDP stage's gradients after the step's last backward. Inside an accumulation
+        # window the unsharded gradients keep accumulating instead (FSDP left them unsynchronised and the
+        # parameters unsharded during each backward), so the window synchronises once, at its last batch.
+        if self.submod.sync_gradients:
+            super().perform_reduce_grad(grad_scale_factor)  # type: ignore[misc]
+        elif grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)  # type: ignore[attr-defined]
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("full_backward") is False:
+            kwargs = _split_or_whole(self, bwd_chunk_id, kwargs)
+        base = super().backward_one_chunk  # type: ignore[misc]
+        if self.submod.recorder is None:
+            return base(bwd_chunk_id, *args, **kwargs)
+        return _timed(self, "B", bwd_chunk_id, base, args, kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return _weight_pass(self, bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)  # type: ignore[misc]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)  # type: ignore[misc]
+        submod = self.submod
+        if ops and (submod.recorder is not None or submod.on_receive is not None):
+            _posted(self, ops, "recv", "F", fwd_chunk_id)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)  # type: ignore[misc]
+        submod = self.submod
+        if ops and (submod.recorder is not None or submod.on_receive is not None):
+            _posted(self, ops, "recv", "B", bwd_chunk_id)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)  # type: ignore[misc]
+        if ops and self.submod.recorder is not None:
+            _posted(self, ops, "send", "F", fwd_chunk_id)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)  # type: ignore[misc]
+        if ops and self.submod.recorder is not None:
+            _posted(self, ops, "send", "B", bwd_chunk_id)
+        return ops
 
 
 def _split_or_whole(stage: Any, chunk: int, kwargs: dict) -> dict:
