@@ -66,16 +66,18 @@ def test_activation_takes_the_place_of_the_first_input():
 def test_a_stage_before_the_last_must_return_tensors():
     step = StepContext([Call((torch.ones(2),), {})], [2])
     stage = StageModule(nn.Identity(), 0, 2, lambda *a: {"hidden": torch.ones(2)})
+    stage.step = step
     with pytest.raises(
         PipelineUsageError, match=r"Pipeline stage 0 returned dict.*before the last.*tensor or a tuple.*hidden state"
     ):
-        stage(step=step, microbatch=0)
+        stage(microbatch=0)
 
 
 def test_the_last_stage_packs_and_rebuilds_any_output():
     step = StepContext([Call((torch.ones(2, 3),), {})], [2])
     stage = StageModule(nn.Linear(3, 3), 1, 2, lambda body, a, k, r, f, last: {"y": body(r[0]), "tag": "x"})
-    tensors = stage(torch.ones(2, 3), step=step, microbatch=0)
+    stage.step = step
+    tensors = stage(torch.ones(2, 3), microbatch=0)
     assert isinstance(tensors, tuple) and tensors[0].requires_grad  # autograd graph kept for the loss
     assert step.final_output(0, tensors)["tag"] == "x"
 
@@ -84,9 +86,10 @@ def test_a_plain_last_stage_finds_no_model_to_count_once_and_records_nothing():
     step = StepContext([Call((torch.ones(2, 3),), {})] * 2, [2, 2])
     stage = StageModule(nn.Linear(3, 3), 1, 2, lambda body, a, k, r, f, last: body(r[0]))
     assert stage.loss_candidates is None
-    stage(torch.ones(2, 3), step=step, microbatch=0)
+    stage.step = step
+    stage(torch.ones(2, 3), microbatch=0)
     found = stage.loss_candidates
-    stage(torch.ones(2, 3), step=step, microbatch=1)
+    stage(torch.ones(2, 3), microbatch=1)
     assert found == [] and stage.loss_candidates is found and step.counted == {}
     assert "loss_candidates" not in stage.state_dict() and len(list(stage.modules())) == 2
 

@@ -14,7 +14,7 @@ The pipelined network is never called as a whole. Its ``forward`` is replaced by
 A network with a ``generate`` method (transformers) gets a :class:`GenerateInterceptor` too: capturing a step stops at
 ``generate`` as at a forward, and the call is marked, so that the step protocol runs the step in lockstep.
 
-``self.log`` calls made during those runs are recorded (:func:`recording_logs`); the step protocol merges them over
+``self.log`` calls made during those runs are recorded (:class:`RecordingLogs`); the step protocol merges them over
 microbatches and replays them once, on every rank.
 """
 
@@ -224,13 +224,9 @@ class LoggedValue:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def recording_logs(module: Any, sink: list[LoggedValue]) -> RecordingLogs:
-    """Record ``module.log``/``module.log_dict`` calls into ``sink`` instead of logging them (within the block)."""
-    return RecordingLogs(module, sink)
-
-
 class RecordingLogs:
-    """The block of :func:`recording_logs` (a class, not a generator: entered twice per microbatch)."""
+    """Within the block, ``module.log``/``module.log_dict`` calls are recorded into ``sink`` instead of logged (a
+    class, not a generator: entered twice per microbatch)."""
 
     __slots__ = ("attributes", "sink")
 

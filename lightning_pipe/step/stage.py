@@ -8,11 +8,10 @@ through the split's *stage call* (:data:`lightning_pipe.models.base.StageCall`),
 activation in place of its input. Only the activation crosses ranks; side inputs never enter backward, so the
 split-backward (zero-bubble) schedules work.
 
-Per-step state reaches the stage's forward as the step's :class:`StepContext` and the microbatch index
-(``microbatch=``, added by :class:`ChunkAwareStage`; absent in torch's shape inference). The evaluation executor passes
-the step as ``step=``; a training schedule's step finds it in :attr:`StageModule.step`, set by the executor for the
-duration of the schedule's step (a keyword of ``schedule.step(**kwargs)`` would be split into a copy per microbatch
-by torch's pytree code on every rank, every microbatch).
+Per-step state: the step's :class:`StepContext` is :attr:`StageModule.step`, set by the executor on every stage
+module of the rank for the duration of the step (not a keyword of ``schedule.step(**kwargs)``, which torch's pytree
+code would copy for every microbatch, on every rank); the microbatch index arrives as ``microbatch=`` (added by
+:class:`ChunkAwareStage`, or by the evaluation executor; absent in torch's shape inference).
 
 On the last stage the network's output (a tensor, a tuple, a dict, a ``ModelOutput``) is flattened to its tensors for
 torch and rebuilt before the user's step sees it.
@@ -39,8 +38,8 @@ from lightning_pipe.step.interception import Call
 from lightning_pipe.structures import is_dtensor
 
 DOCS_STAGE_ERRORS = "docs/troubleshooting.md#errors-raised-inside-a-stage"
-#: the keyword arguments under which a stage's forward receives the step and the microbatch
-STEP, MICROBATCH = "step", "microbatch"
+#: the keyword argument under which a stage's forward receives the microbatch index
+MICROBATCH = "microbatch"
 #: the skeleton of a last stage's output that is one tensor
 _TENSOR = object()
 #: StageModule attributes that are never parameters, buffers or modules
@@ -127,7 +126,7 @@ class StageModule(nn.Module):
         self.loss_candidates: list[nn.Module] | None = None
         #: while a training schedule runs: the step's :attr:`StepContext.on_receive`
         self.on_receive: Callable[[], None] | None = None
-        #: while a training schedule runs: its step (forward calls without ``step=``)
+        #: while an executor runs a step: that step (set and cleared by the executor)
         self.step: StepContext | None = None
         # Not a submodule: shared by every stage of the rank, and not part of any state dict.
         self.__dict__["stage_call"] = stage_call
@@ -139,10 +138,9 @@ class StageModule(nn.Module):
         else:
             super().__setattr__(name, value)
 
-    def forward(self, *received: torch.Tensor, step: StepContext | None = None, microbatch: int | None = None) -> Any:
-        if step is None:
-            step = self.step
-            assert step is not None, "a stage runs inside an executor's step"
+    def forward(self, *received: torch.Tensor, microbatch: int | None = None) -> Any:
+        step = self.step
+        assert step is not None, "a stage runs inside an executor's step"
         call = step.calls[0 if microbatch is None else microbatch]
         activation = None if self.is_first else tuple(received)
         try:

@@ -19,7 +19,7 @@ from lightning_pipe.comm import transport
 from lightning_pipe.settings import PipelineSettings
 from lightning_pipe.step.interception import Call
 from lightning_pipe.step.runtime import PipelineRuntime
-from lightning_pipe.step.stage import MICROBATCH, STEP, StepContext, eval_mode
+from lightning_pipe.step.stage import MICROBATCH, StepContext, eval_mode
 from lightning_pipe.structures import map_structure
 
 EvalMicrobatches = Union[Literal["auto"], int]
@@ -121,6 +121,8 @@ class ForwardOnlyExecutor:
         last = runtime.num_stages - 1
         handoff: dict[tuple[int, int], tuple[Any, ...]] = {}
         pending: list[Any] = []
+        for module in runtime.stages.values():  # every stage's forward reads the step from its module
+            module.step = step
         with torch.no_grad(), eval_mode(list(runtime.stages.values())):
             try:
                 for m, s in task_order(sorted(runtime.stages), n, runtime.pipeline_size):
@@ -133,7 +135,7 @@ class ForwardOnlyExecutor:
                         source = runtime.global_rank_of(s - 1)
                         sent = transport.recv_object(source, runtime.group, runtime.device, runtime.mesh_of)
                         received = _as_args(sent)
-                    output = module(*received, **{STEP: step, MICROBATCH: m})
+                    output = module(*received, **{MICROBATCH: m})
                     if s == last:
                         assert step.on_output is not None
                         output = step.final_output(m, output)
@@ -147,3 +149,5 @@ class ForwardOnlyExecutor:
                         pending.extend(transport.send_object(output, target, runtime.group, runtime.device))
             finally:
                 transport.wait_all(pending)
+                for module in runtime.stages.values():
+                    module.step = None

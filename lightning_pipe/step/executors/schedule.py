@@ -145,7 +145,7 @@ class ScheduleExecutor:
         n = len(step.calls)
         schedule, options = self._schedule(key, n)
         # Every stage's forward reads the step from its module (a keyword of `schedule.step` would be copied per
-        # microbatch by torch); the loss function reads it from here.
+        # microbatch by torch: lightning_pipe/step/stage.py); the loss function reads it from here.
         self._step = step
         stages = self.runtime.stages.values()
         for module in stages:
