@@ -6,10 +6,13 @@
 
 A count, not a time: the machine's load moves every timing of a step, but not how many Python functions (and
 builtins) a step calls. The small network (4 x Linear(256) + ReLU, batch 64) under GPipe on 2 processes, the hand loop
-(benchmarks/hand.py) and the strategy (benchmarks/lit.py), each trained at 1 and at 16 microbatches; ``cProfile``
-counts every call on each rank's main thread over the steps after a warm-up. Per rank and loop, the calls of one more
-microbatch are ``(calls at 16 - calls at 1) / 15`` a step, and the table gives the strategy's minus the hand loop's,
-with the functions that make most of it. What a microbatch costs in time is benchmarks/microbatches.py's.
+(benchmarks/hand.py), Lightning's loop driving it (benchmarks/lit.py ``HandModule``, the floor of ``phases.py
+--floor``) and the strategy (benchmarks/lit.py), each trained at 1 and at 16 microbatches; ``cProfile`` counts every
+call on each rank's main thread over the steps after a warm-up. Per rank and loop, the calls of one more microbatch are
+``(calls at 16 - calls at 1) / 15`` a step, and the first table gives the strategy's minus the hand loop's, with the
+functions that make most of it. The second gives the calls of a whole step at 1 microbatch: the strategy's minus the
+floor's is what the strategy itself adds to a step (its fixed cost, counted). What a microbatch costs in time is
+benchmarks/microbatches.py's, a step's phases.py's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ BEGIN = "<!-- benchmarks/step_calls.py: begin (generated, do not edit by hand) -
 END = "<!-- benchmarks/step_calls.py: end -->"
 COUNTS = (1, 16)
 STEPS, WARMUP = 60, 10
+#: the loops counted: the hand loop, Lightning's loop driving it (the floor, at the lower count only) and the strategy
+LOOPS = ("hand", "floor", "strategy")
 
 
 def per_microbatch(calls: dict[tuple[str, int], dict[str, int]]) -> dict[str, dict[str, float]]:
@@ -49,6 +54,7 @@ def summarize(ranks: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
         hand, strategy = per["hand"], per["strategy"]
         diff = {f: strategy.get(f, 0) - hand.get(f, 0) for f in set(hand) | set(strategy)}
         most = sorted((f for f in diff if abs(diff[f]) >= 0.5), key=lambda f: (-abs(diff[f]), f))[:top]
+        step = {loop: sum(calls[loop][str(COUNTS[0])].values()) for loop in LOOPS if loop in calls}
         out.append(
             {
                 "rank": rank,
@@ -56,6 +62,8 @@ def summarize(ranks: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
                 "strategy": sum(strategy.values()),
                 "diff": sum(diff.values()),
                 "most": [(f, diff[f]) for f in most],
+                # calls of a whole step at the lower count, per loop (the floor: Lightning's loop driving the hand loop)
+                "step": step,
             }
         )
     return {"ranks": out}
@@ -76,6 +84,21 @@ def markdown(summary: dict[str, Any], tree: str) -> str:
     for r in summary["ranks"]:
         most = ", ".join(f"{_short(f)} {d:+.0f}" for f, d in r["most"])
         lines.append(f"| {r['rank']} | {r['hand']:.0f} | {r['strategy']:.0f} | {r['diff']:+.0f} | {most} |")
+    if all("floor" in r["step"] for r in summary["ranks"]):
+        lines += [
+            "",
+            f"Calls of a whole step at {COUNTS[0]} microbatch, the floor being Lightning's loop driving the hand loop"
+            " (what the strategy adds to a step is its count minus the floor's):",
+            "",
+            "| rank | hand loop | Lightning + hand loop (floor) | strategy | strategy - floor |",
+            "|---|---|---|---|---|",
+        ]
+        for r in summary["ranks"]:
+            step = r["step"]
+            lines.append(
+                f"| {r['rank']} | {step['hand']:.0f} | {step['floor']:.0f} | {step['strategy']:.0f} |"
+                f" {step['strategy'] - step['floor']:+.0f} |"
+            )
     return "\n".join([*lines, "", END])
 
 
@@ -108,9 +131,9 @@ def worker(out: Path) -> None:
     pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("gloo")
     spec, device = MODELS["small"], torch.device("cpu")
-    mine: dict[str, dict[str, dict[str, float]]] = {"hand": {}, "strategy": {}}
-    for loop in ("hand", "strategy"):
-        for m in COUNTS:
+    mine: dict[str, dict[str, dict[str, float]]] = {loop: {} for loop in LOOPS}
+    for loop in LOOPS:
+        for m in COUNTS[:1] if loop == "floor" else COUNTS:
             profile = cProfile.Profile()
             if loop == "hand":
                 pipeline = hand.HandPipeline(spec, "GPipe", m, rank, world, device)
@@ -121,6 +144,8 @@ def worker(out: Path) -> None:
                 for batch in batches[WARMUP:]:
                     pipeline.step(*batch)
                 profile.disable()
+            elif loop == "floor":
+                lit.fit_hand(spec, "GPipe", m, world, STEPS + WARMUP, extra=[_counting(L.Callback, profile)])
             else:
                 strategy = pipeline_strategy({"schedule": "GPipe", "microbatches": m})
                 lit.fit(spec, strategy, world, spec.batch, STEPS + WARMUP, extra=[_counting(L.Callback, profile)])

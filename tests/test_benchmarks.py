@@ -642,10 +642,18 @@ def test_step_calls_counts_one_more_microbatch_per_rank_and_names_what_differs()
         "hand": {"1": {f: 10.0, x: 3.0}, "16": {f: 160.0, x: 3.0}},
         "strategy": {"1": {f: 10.0, g: 2.0, h: 5.0}, "16": {f: 160.0, g: 32.0, h: 5.0}},
     }
-    summary = step_calls.summarize([rank, rank])
+    # Lightning's loop driving the hand loop (the floor), counted at 1 microbatch only: 4 calls more a step than the
+    # hand loop's 13, the strategy's 17 a step thus 0 over the floor on this rank and 3 over it on the other
+    floor = {"floor": {"1": {f: 10.0, x: 3.0, "lightning/loop.py:9(run)": 4.0}}}
+    other = {**rank, "floor": {"1": {f: 10.0, x: 4.0}}}
+    summary = step_calls.summarize([{**rank, **floor}, other])
     first = summary["ranks"][0]
     assert (first["hand"], first["strategy"], first["diff"]) == (10.0, 12.0, 2.0)
     assert first["most"] == [(g, 2.0)]
+    assert first["step"] == {"hand": 13.0, "floor": 17.0, "strategy": 17.0}
     text = step_calls.markdown(summary, "this tree")
     assert text.startswith(step_calls.BEGIN) and text.endswith(step_calls.END)
     assert "| 1 | 10 | 12 | +2 | `step/stage.py:g` +2 |" in text
+    assert "| 0 | 13 | 17 | 17 | +0 |" in text and "| 1 | 13 | 14 | 17 | +3 |" in text
+    # a record from before the floor was counted gives the first table alone
+    assert "floor" not in step_calls.markdown(step_calls.summarize([rank, rank]), "this tree")

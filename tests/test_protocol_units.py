@@ -247,3 +247,68 @@ def test_a_stage_posting_a_receive_tells_the_step_where_the_rank_waits():
     assert _posted(stage, [op], "recv", "B", 0) == [op] and told == [1]
     assert module.on_receive is None  # told once a step: the stage's later receives tell nothing
     assert _posted(stage, [op], "recv", "F", 1) == [op] and told == [1]
+
+
+def test_a_stage_runs_torch_own_methods_unless_a_step_needs_its_reports():
+    # The reports (timeline, the outcome's receive, a split backward run whole) are instance attributes over torch's
+    # methods while needed: without them, torch's own run on every microbatch with no call of ours around them.
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_pipe.step.stage import _StageActions, chunk_aware_stage_class, watch
+    from tests.groups import one_rank_group
+
+    names = ["get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops", "backward_one_chunk"]
+    names.append("backward_weight_one_chunk")
+    with one_rank_group():
+        module = StageModule(nn.Linear(2, 2), 0, 1, call_with_activation)
+        stage = chunk_aware_stage_class()(module, 0, 1, torch.device("cpu"))
+        assert all(getattr(type(stage), n) is getattr(PipelineStage, n) for n in names)
+        assert stage.watching == frozenset() and not set(names) & set(vars(stage))
+
+        module.on_receive = lambda: None
+        watch(stage)
+        assert stage.watching == {"receives"} and set(names) & set(vars(stage)) == set(names[:2])
+        assert stage.get_fwd_recv_ops.__func__ is _StageActions.watched_fwd_recv
+
+        module.recorder = object()
+        watch(stage)
+        assert stage.watching == {"receives", "sends", "backwards"} and set(names) <= set(vars(stage))
+        assert stage.backward_weight_one_chunk.__func__ is _StageActions.watched_weight
+
+        module.on_receive = module.recorder = None
+        watch(stage)
+        assert stage.watching == frozenset() and not set(names) & set(vars(stage))
+
+        # a stage call that runs some split backwards whole (the dataflow frontend): its backwards always
+        def splitting(*args):
+            return call_with_activation(*args)
+
+        splitting.full_backward = lambda index: False
+        module = StageModule(nn.Linear(2, 2), 0, 1, splitting)
+        stage = chunk_aware_stage_class()(module, 0, 1, torch.device("cpu"))
+        assert stage.watching == {"backwards"} and set(names) & set(vars(stage)) == set(names[4:])
+
+
+def test_the_usual_training_step_settles_as_the_checks_would():
+    # A step whose every microbatch returned a bare loss with nothing counted settles without the checks for items:
+    # the same loss, output and logs as the general path (microbatches of 3 and 1 samples, weighted by size).
+    from types import SimpleNamespace
+
+    from lightning_pipe.step.protocol import StepProtocol, _Record
+
+    metrics = SimpleNamespace(settle=lambda: None, step_value_of=lambda value: (False, None), updates=lambda: [])
+    user_step = SimpleNamespace(hook="training_step", name="training_step")
+
+    def settled(bare: int) -> Outcome:
+        record = _Record(bare=bare)
+        for m, value in enumerate([1.0, 5.0]):
+            loss = torch.tensor(value, requires_grad=True) * 1.0
+            record.losses[m] = record.results[m] = loss
+            record.logs[m] = [LoggedValue("train_loss", loss, {"prog_bar": True})]
+        return StepProtocol._settle(None, user_step, record, [3, 1], metrics, 7)  # type: ignore[arg-type]
+
+    usual, general = settled(bare=2), settled(bare=0)
+    assert usual.loss.item() == general.loss.item() == 2.0 and not usual.loss.requires_grad
+    assert usual.output is usual.loss and general.output is general.loss and usual.grad_scale is general.grad_scale
+    assert [(e.name, e.value.item(), e.kwargs) for e in usual.logs] == [("train_loss", 2.0, {"prog_bar": True})]
+    assert [(e.name, e.value.item(), e.kwargs) for e in general.logs] == [("train_loss", 2.0, {"prog_bar": True})]

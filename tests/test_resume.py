@@ -62,6 +62,19 @@ def test_sampler_draws_its_order_when_primed_and_skips_on_request():
     assert list(sampler) == full[4:] and len(sampler) == 10
 
 
+def test_sampler_starts_its_epoch_at_the_first_index_asked_for():
+    # as a generator would: what is drawn between `iter()` and the first index belongs before the epoch's order
+    sampler = loaders.ResumableSampler(RandomSampler(range(10)))
+    torch.manual_seed(3)
+    sampler.new_epoch()
+    indices = iter(sampler)
+    torch.rand(5)
+    late = list(indices)
+    torch.manual_seed(3)
+    torch.rand(5)
+    assert late == list(sampler) and sorted(late) == list(range(10))
+
+
 def test_sampler_passes_set_epoch_on():
     seen = []
 

@@ -16,6 +16,7 @@ def test_a_group_of_one_returns_what_it_is_given():
     outcome = Outcome(loss=torch.tensor(1.0))
     channel.expect()
     assert channel.share(outcome) is outcome and channel.object_steps == 0
+    assert not channel.receives  # nothing to post: a step tells it nothing
 
 
 def test_flatten_and_rebuild_round_trip():
@@ -38,6 +39,8 @@ def test_every_step_arrives(ranks):
 
     receiver, sender = ranks
     assert receiver["p2p"] and sender["p2p"]
+    # only a receiver has a receive to post where the schedule first waits (StepContext.on_receive)
+    assert receiver["receives"] and not sender["receives"]
     for (name, sent, _), (got_name, got) in zip(STEPS, receiver["got"]):
         assert got_name == name
         assert got == sent, name

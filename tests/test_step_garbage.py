@@ -16,8 +16,8 @@ import lightning.pytorch as L
 import torch
 
 from lightning_pipe import PipelineParallelStrategy
+from lightning_pipe.compat.torch import trainable_parameters
 from lightning_pipe.microbatch import split_batch
-from lightning_pipe.parallel.grads import _trainable
 from tests.models import LitLM, quiet_trainer
 
 
@@ -60,10 +60,25 @@ def test_splitting_a_batch_and_listing_trainable_parameters_make_no_cycle():
     cycles.start()
     try:
         split_batch((torch.ones(8, 2), {"y": torch.zeros(8)}), 4)
-        _trainable(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))))
+        trainable_parameters(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))))
     finally:
         found = cycles.stop()
     assert found == []
+
+
+def test_trainable_parameters_are_torch_own_list_in_its_order():
+    # shared modules and parameters once, None slots skipped, frozen parameters left out: what the gradient stash
+    # reads at every step equals `[p for p in module.parameters() if p.requires_grad]`
+    shared = torch.nn.Linear(2, 2)
+    tied = torch.nn.Linear(2, 2)
+    tied.weight = shared.weight
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    net = torch.nn.Sequential(shared, torch.nn.ReLU(), torch.nn.Sequential(tied, shared, frozen), torch.nn.Linear(2, 1))
+    net.register_parameter("scale", torch.nn.Parameter(torch.ones(())))
+    net.register_module("absent", None)
+    net[3].register_parameter("bias", None)
+    expected = [p for p in net.parameters() if p.requires_grad]
+    assert [id(p) for p in trainable_parameters(net)] == [id(p) for p in expected] and len(expected) == 5
 
 
 class _Watch(L.Callback):

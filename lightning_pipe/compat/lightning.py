@@ -178,20 +178,23 @@ def gradients_zeroed_after_step(trainer: Any) -> list[Any]:
         return []
     callbacks = trainer.callbacks
     # A hook set on an instance counts as an override (its dict is read: cheap); the classes' are looked up once.
-    if any(hook in _attributes(module) for hook in _ZERO_GRAD_HOOKS) or any(
-        _BEFORE_ZERO_GRAD in _attributes(callback) for callback in callbacks
-    ):
+    # (Loops and lists, not generators: this runs at every step.)
+    attributes = _attributes(module)
+    if _BEFORE_ZERO_GRAD in attributes or _OPTIMIZER_ZERO_GRAD in attributes:
         return []
+    for callback in callbacks:
+        if _BEFORE_ZERO_GRAD in _attributes(callback):
+            return []
     kind = type(module)
-    hooks = (kind, *(getattr(kind, hook) for hook in _ZERO_GRAD_HOOKS))
-    callback_hooks = tuple((type(c), getattr(type(c), _BEFORE_ZERO_GRAD, None)) for c in callbacks)
+    hooks = (kind, getattr(kind, _BEFORE_ZERO_GRAD), getattr(kind, _OPTIMIZER_ZERO_GRAD))
+    callback_hooks = tuple([(type(c), getattr(type(c), _BEFORE_ZERO_GRAD, None)) for c in callbacks])
     if _zero_grad_read_by(hooks, callback_hooks):
         return []
     return [p for group in optimizers[0].param_groups for p in group["params"]]
 
 
 _BEFORE_ZERO_GRAD = "on_before_zero_grad"
-_ZERO_GRAD_HOOKS = (_BEFORE_ZERO_GRAD, "optimizer_zero_grad")
+_OPTIMIZER_ZERO_GRAD = "optimizer_zero_grad"
 
 
 def _attributes(obj: Any) -> Any:
@@ -206,7 +209,7 @@ def _zero_grad_read_by(hooks: tuple[Any, ...], callback_hooks: tuple[tuple[type,
     from lightning.pytorch import Callback, LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    if any(is_overridden(hook, hooks[0], LightningModule) for hook in _ZERO_GRAD_HOOKS):
+    if any(is_overridden(hook, hooks[0], LightningModule) for hook in (_BEFORE_ZERO_GRAD, _OPTIMIZER_ZERO_GRAD)):
         return True
     return any(is_overridden(_BEFORE_ZERO_GRAD, kind, Callback) for kind, _ in callback_hooks)
 

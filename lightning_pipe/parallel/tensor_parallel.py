@@ -21,7 +21,7 @@ The order of per-stage wrappers is tensor parallelism, activation checkpointing,
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -271,16 +271,17 @@ class TensorParallelGradients:
             check_whole_gradients(named, self.group)
 
 
-@contextmanager
-def loss_parallel_context(enabled: bool) -> Iterator[None]:
+def loss_parallel_context(enabled: bool) -> AbstractContextManager[None]:
     """``torch.distributed.tensor.parallel.loss_parallel()`` around a whole step when ``enabled``: the user's step
     computes the loss and the schedule back-propagates it inside it, so a head whose output stays split over the
     vocabulary (a DTensor) works with an unchanged ``F.cross_entropy``. The step must not enter ``loss_parallel()``
-    itself: leaving the inner one switches loss parallelism off before the schedule's backward."""
+    itself: leaving the inner one switches loss parallelism off before the schedule's backward. (Not enabled: a
+    context that does nothing, shared, entered at every step.)"""
     if not enabled:
-        yield
-        return
+        return _NOTHING
     from torch.distributed.tensor.parallel import loss_parallel
 
-    with loss_parallel():
-        yield
+    return loss_parallel()
+
+
+_NOTHING: AbstractContextManager[None] = nullcontext()

@@ -25,6 +25,7 @@ mid-epoch resume of a loader without ``state_dict`` stays; a loader with its own
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -103,11 +104,16 @@ class ResumableSampler(Sampler):
         self._first = [] if first is _END else [first]
 
     def __iter__(self) -> Iterator[Any]:
+        # The epoch starts at the first index asked for, as a generator's would; its indices then come from the inner
+        # sampler's iterator directly (a generator of ours in between cost a Python call per sample, every step).
+        return itertools.chain.from_iterable(self._epoch())
+
+    def _epoch(self) -> Iterator[Iterator[Any]]:
         self.prime()
         iterator, first = self._iterator, self._first
         self.new_epoch()
-        yield from first
-        yield from iterator  # type: ignore[misc]
+        yield iter(first)
+        yield iterator  # type: ignore[misc]
 
 
 class Continuation:

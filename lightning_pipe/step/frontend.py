@@ -51,12 +51,16 @@ class HookStep:
     hook: str
     extra_args: tuple[Any, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Looked up once: a HookStep lives for one step, and runs its hook twice per microbatch.
+        self.method = getattr(self.module, self.hook)
+
     @property
     def name(self) -> str:
         return self.hook
 
     def __call__(self, microbatch: Any) -> Any:
-        return getattr(self.module, self.hook)(microbatch, *self.extra_args)
+        return self.method(microbatch, *self.extra_args)
 
     def recording_logs(self, sink: list[LoggedValue]) -> AbstractContextManager[Any]:
         return RecordingLogs(self.module, sink)

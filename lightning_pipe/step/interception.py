@@ -64,6 +64,8 @@ class CallInterceptor:
         self._output: Any = None
         self._used = False
         self._captured: Call | None = None
+        #: whether the last :meth:`capture_each` captured a ``generate`` call (a step that generates)
+        self.captured_generate = False
         #: in lockstep mode: ``answer(call) -> output``, the same on every rank
         self._answer: Callable[[Call], Any] | None = None
         # `generate` reads the forward's parameters (position_ids, logits_to_keep) to decide what to pass it.
@@ -115,7 +117,7 @@ class CallInterceptor:
         """Run ``step(x)`` for each of ``inputs`` until it calls the network; those calls (one loop for a step's
         microbatches: this runs for every microbatch on every rank)."""
         calls = []
-        self._mode = "capture"
+        self._mode, self.captured_generate = "capture", False
         try:
             for x in inputs:
                 self._captured = None
@@ -136,7 +138,7 @@ class CallInterceptor:
     def generate_called(self, args: tuple, kwargs: dict, run: Callable[[tuple, dict], Any] | None) -> Any:
         """The network's ``generate`` was called: captured, or run on this rank (lockstep), or refused."""
         if self._mode == "capture":
-            self._captured = Call(args, kwargs, generate=True)
+            self._captured, self.captured_generate = Call(args, kwargs, generate=True), True
             raise InputsCaptured
         if self._mode == "lockstep":
             assert run is not None

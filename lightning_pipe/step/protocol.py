@@ -97,6 +97,8 @@ class _Record:
     logged_items: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: a manual-optimization step's optimizer calls per microbatch
     ops: dict[int, tuple[Op, ...]] = field(default_factory=dict)
+    #: how many microbatches returned a bare loss with nothing counted (the usual training step)
+    bare: int = 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,9 +157,9 @@ class StepProtocol:
             self._check_agreement(checksum)
             # The outcome's receive is posted where this rank first waits for another inside the schedule (posting it
             # takes about 0.1 ms of CPU; before the step it delayed the first forward, which the next stage waits for).
-            step = StepContext(calls, sizes, on_receive=self.channel.expect)
+            step = StepContext(calls, sizes, on_receive=self.channel.expect if self.channel.receives else None)
             local = None
-            if any(c.generate for c in calls):
+            if self.interceptor.captured_generate:  # (any call's `generate`, without a walk over them)
                 local = self._generating(user_step, batch, executor, checksum)
             elif runtime.has_last:
                 record = _Record()
@@ -273,7 +275,7 @@ class StepProtocol:
             # The usual training step: a bare loss, nothing counted by the model (what the general case below does
             # for it, in fewer steps: this runs between the last stage's forward and backward of every microbatch).
             record.losses[m] = record.results[m] = result
-            record.items[m] = None
+            record.bare += 1
             return result * scale if scale != 1.0 else result
         if isinstance(result, ManualResult):  # the loss is the one given to `manual_backward`
             loss, items, record.ops[m] = result.loss, None, result.ops
@@ -303,19 +305,24 @@ class StepProtocol:
         self, user_step: UserStep, record: _Record, sizes: list[int], metrics: StepMetrics, checksum: int
     ) -> Outcome:
         hook, n = user_step.hook, len(sizes)
-        items = [record.items.get(m) for m in range(n)]
-        weighted = _check_items(user_step.name, items)
-        if not weighted:
-            counted = counted_items(user_step.name, [record.counted.get(m) for m in range(n)])
-            if counted is not None:
-                items, weighted = counted, _check_items(user_step.name, counted)
+        # The usual training step (every microbatch a bare loss, nothing counted nor logged as counted): weighted by
+        # the microbatches' sizes, without the checks below (what they conclude for it).
+        usual = hook == TRAINING and record.bare == n
+        weighted = False
+        if not usual:
+            items = [record.items.get(m) for m in range(n)]
+            weighted = _check_items(user_step.name, items)
+            if not weighted:
+                counted = counted_items(user_step.name, [record.counted.get(m) for m in range(n)])
+                if counted is not None:
+                    items, weighted = counted, _check_items(user_step.name, counted)
         weights = [float(i) for i in items] if weighted else [float(s) for s in sizes]
         metrics.settle()
         logs = merge_microbatch_logs(
             [record.logs[m] for m in range(n)],
             weights=weights,
             step_value_of=metrics.step_value_of,
-            weights_of=None if weighted else _logged_items(record, n),
+            weights_of=None if weighted or usual else _logged_items(record, n),
         )
         outcome = Outcome(logs=logs, metric_updates=metrics.updates(), key_checksum=checksum)
         if hook == TRAINING:
@@ -325,7 +332,11 @@ class StepProtocol:
         manual = bool(record.ops)
         if manual:
             outcome.manual_ops = agreed_ops(user_step.name, [record.ops[m] for m in range(n)])
-        if hook == TRAINING and not manual and not any(isinstance(r, Mapping) for r in record.results.values()):
+        if (
+            hook == TRAINING
+            and not manual
+            and (usual or not any(isinstance(r, Mapping) for r in record.results.values()))
+        ):
             # A bare loss (the usual training step): the step's output is the loss just computed.
             output: Any = outcome.loss
         else:

@@ -6,8 +6,6 @@ See :class:`RngStreams`; :meth:`RngStreams.state_dict` is what a checkpoint's re
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Optional
 
 import numpy as np
@@ -28,6 +26,8 @@ class RngStreams:
 
     def __init__(self) -> None:
         self._compute: torch.Tensor | None = None
+        #: the data stream's state kept aside while the compute stream runs (one per block entered)
+        self._kept: list[torch.Tensor] = []
 
     def agree(self, group: Any, src: int) -> None:
         """Give every rank of ``group`` the global CPU stream of global rank ``src`` (collective)."""
@@ -44,15 +44,19 @@ class RngStreams:
         collectives.broadcast_(state, src, group)
         torch.cuda.set_rng_state(state, device)
 
-    @contextmanager
-    def compute(self) -> Iterator[None]:
+    def compute(self) -> RngStreams:
+        """Within the block, torch's CPU generator is the compute stream (the data stream is kept aside and put back
+        after). The block is this object (entered at every step: no generator-based context of its own)."""
+        return self
+
+    def __enter__(self) -> None:
         data = torch.get_rng_state()
         torch.set_rng_state(self._compute if self._compute is not None else data)
-        try:
-            yield
-        finally:
-            self._compute = torch.get_rng_state()
-            torch.set_rng_state(data)
+        self._kept.append(data)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._compute = torch.get_rng_state()
+        torch.set_rng_state(self._kept.pop())
 
     def state_dict(self, device: Optional[torch.device] = None) -> dict[str, Any]:
         """Every random stream of this process: the data stream (torch's global CPU generator), the compute stream,

@@ -70,8 +70,8 @@ def _flatten(obj: Any, values: list[Any], seen: dict[int, int]) -> Any:
     if isinstance(obj, (list, tuple)) and not obj:
         return (type(obj), ())
     names = _field_names(type(obj))
-    if names is not None:
-        return (type(obj), tuple((name, _flatten(getattr(obj, name), values, seen)) for name in names))
+    if names is not None:  # (a list, not a generator: an outcome is flattened at every step)
+        return (type(obj), tuple([(name, _flatten(getattr(obj, name), values, seen)) for name in names]))
     if isinstance(obj, Mapping):
         return (type(obj), tuple((k, _flatten(v, values, seen)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
@@ -240,6 +240,9 @@ class OutcomeChannel:
         #: the ranks a sender sends the values to (found on its first send)
         self._others: list[int] | None = None
         self._direct = collectives.Direct(group) if self.point_to_point and not self._alone else None
+        #: whether :meth:`expect` posts anything on this rank (a point-to-point receiver): where not, a step need not
+        #: tell the channel where it first waits
+        self.receives = self._direct is not None and not self._sender
 
     def expect(self) -> None:
         """A step starts: a receiver posts the receive of the step's values (when their size is known)."""

@@ -49,7 +49,10 @@ def main() -> None:
             channel.expect()
         got.append((name, channel.share(outcome if rank == 1 else None)))
     channel.close()
-    torch.save({"got": got, "object_steps": channel.object_steps, "p2p": channel.point_to_point}, out / f"r{rank}.pt")
+    torch.save(
+        {"got": got, "object_steps": channel.object_steps, "p2p": channel.point_to_point, "receives": channel.receives},
+        out / f"r{rank}.pt",
+    )
     # Neither rank leaves before both have everything: a rank that exits with a send unread by its peer makes the
     # peer's pending receive fail with "Connection reset by peer" (as a Trainer's teardown barrier prevents).
     dist.barrier()

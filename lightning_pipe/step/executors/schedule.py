@@ -15,7 +15,7 @@ from lightning_pipe.microbatch import training_microbatches
 from lightning_pipe.schedules.custom import CustomSchedule
 from lightning_pipe.settings import SINGLE_STAGE, PipelineSettings
 from lightning_pipe.step.runtime import PipelineRuntime
-from lightning_pipe.step.stage import StepContext, chunk_aware_stage_class
+from lightning_pipe.step.stage import StepContext, chunk_aware_stage_class, watch
 
 _MAX_CACHED_SCHEDULES = 8
 
@@ -143,13 +143,15 @@ class ScheduleExecutor:
 
     def run(self, key: tuple, step: StepContext) -> None:
         n = len(step.calls)
-        schedule, options = self._schedule(key, n)
+        schedule, options, torch_stages = self._schedule(key, n)
         # Every stage's forward reads the step from its module (a keyword of `schedule.step` would be copied per
         # microbatch by torch: lightning_pipe/step/stage.py); the loss function reads it from here.
         self._step = step
         stages = self.runtime.stages.values()
         for module in stages:
             module.step, module.on_receive = step, step.on_receive
+        for stage in torch_stages:
+            watch(stage)
         try:
             if self.runtime.has_last:
                 # The target only carries the microbatch index (kept on the CPU: reading it never waits for a GPU).
@@ -168,8 +170,8 @@ class ScheduleExecutor:
             for module in stages:
                 module.step = module.on_receive = None
 
-    def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any]]:
-        """The schedule for ``key`` and the options of its ``step``."""
+    def _schedule(self, key: tuple, n: int) -> tuple[Any, dict[str, Any], list[Any]]:
+        """The schedule for ``key``, the options of its ``step`` and its stages (torch's, this rank's)."""
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
@@ -185,7 +187,7 @@ class ScheduleExecutor:
         name = self.settings.schedule
         if isinstance(name, CustomSchedule):
             schedule = torch_compat.custom_schedule(stages, n, self._loss, name.texts())
-            return self._keep(key, schedule)
+            return self._keep(key, schedule, stages)
         if n in self._fallback:
             name = FALLBACK_SCHEDULES[name]
         cls = get_schedule_class(name)
@@ -200,11 +202,12 @@ class ScheduleExecutor:
                 f"torch's {name} schedule rejects {n} microbatches for {runtime.num_stages}"
                 f" stages: {err}. Change `microbatches` (or the batch size) to satisfy it{gpipe}."
             ) from err
-        return self._keep(key, schedule)
+        return self._keep(key, schedule, stages)
 
-    def _keep(self, key: tuple, schedule: Any) -> tuple[Any, dict[str, Any]]:
-        """Cache ``schedule`` for ``key`` (the least recently used one goes beyond the cache's size)."""
-        self._schedules[key] = (schedule, step_options(schedule))
+    def _keep(self, key: tuple, schedule: Any, stages: list[Any]) -> tuple[Any, dict[str, Any], list[Any]]:
+        """Cache ``schedule`` (on ``stages``) for ``key`` (the least recently used one goes beyond the cache's
+        size)."""
+        self._schedules[key] = (schedule, step_options(schedule), stages)
         if len(self._schedules) > _MAX_CACHED_SCHEDULES:
             self._schedules.popitem(last=False)
         return self._schedules[key]
