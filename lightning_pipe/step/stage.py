@@ -268,9 +268,10 @@ def chunk_aware_stage_class() -> type:
     keyword arguments of ``schedule.step``; its shape inference calls the module directly. The override adds the
     microbatch index to those keyword arguments: that is how a stage knows which microbatch's side inputs to use.
 
-    The same public methods (and the backward ones, and those that hand the schedule its point-to-point operations)
-    report to the stage's timeline recorder when one is attached (:mod:`lightning_pipe.measure.timeline`); without
-    one, each costs one attribute check. (The methods are :class:`_StageActions`, a mixin before torch's class.)
+    The forward also reports to the stage's timeline recorder when one is attached
+    (:mod:`lightning_pipe.measure.timeline`). The backward ones and those that hand the schedule its point-to-point
+    operations report through methods :func:`watch` installs only while a step needs them. (The methods are
+    :class:`_StageActions`, a mixin before torch's class.)
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -284,11 +285,11 @@ def chunk_aware_stage_class() -> type:
 class _StageActions:
     """The overrides of :func:`chunk_aware_stage_class`, each calling torch's own through ``super()``.
 
-    Two run on every microbatch of every step: :meth:`forward_one_chunk` (the microbatch index) and
-    :meth:`perform_reduce_grad` (once a step). The others report what only some steps need: to a timeline recorder,
-    that a receive was posted (:attr:`StepContext.on_receive`), a split backward run whole. :func:`watch` installs
-    them on a stage, as instance attributes over torch's methods, while it needs them; elsewhere torch's own run,
-    without a call of ours around each (measured: 6 calls a microbatch on a last stage).
+    Two always replace torch's: :meth:`forward_one_chunk` (the microbatch index, every microbatch) and
+    :meth:`perform_reduce_grad` (once a step). The ``watched_*`` ones report what only some steps need: to a timeline
+    recorder, that a receive was posted (:attr:`StepContext.on_receive`), a split backward run whole. :func:`watch`
+    installs them on a stage, as instance attributes over torch's methods, while it needs them; elsewhere torch's own
+    run, without a call of ours around each (measured: 6 calls a microbatch on a last stage).
     """
 
     submod: StageModule
@@ -364,15 +365,12 @@ def watch(stage: Any) -> None:
     backwards its own way. Called as each step starts; it changes the stage only when what is needed changed."""
     submod = stage.submod
     recording = submod.recorder is not None
-    wanted = frozenset(
-        group
-        for group, needed in (
-            ("receives", recording or submod.on_receive is not None),
-            ("sends", recording),
-            ("backwards", recording or stage.splits_backward),
-        )
-        if needed
-    )
+    needed = {
+        "receives": recording or submod.on_receive is not None,
+        "sends": recording,
+        "backwards": recording or stage.splits_backward,
+    }
+    wanted = frozenset([group for group, yes in needed.items() if yes])
     if wanted == stage.watching:
         return
     attributes = stage.__dict__
